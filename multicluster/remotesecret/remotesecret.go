@@ -1,0 +1,202 @@
+// Package remotesecret prepares a remote cluster to be read by pilot and
+// writes the Secret that registers it, in Istio's remote-secret format.
+//
+// In the remote cluster it creates a reader ServiceAccount, the RBAC that
+// pilot needs there, and a long-lived bearer token; the Secret it renders holds
+// a kubeconfig with exactly one cluster (inline CA), one user (the token) and
+// one context, under a key equal to the cluster ID.
+package remotesecret
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	authenticationv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+)
+
+// Labels and annotations of a remote secret (Istio-compatible).
+const (
+	// IstioLabel marks a Secret as a remote secret for Istio and Isthmus.
+	IstioLabel = "istio/multiCluster"
+	// IsthmusLabel marks a Secret as a remote secret for Isthmus.
+	IsthmusLabel = "isthmus.io/multiCluster"
+	// ClusterAnnotation names the cluster a remote secret registers.
+	ClusterAnnotation = "networking.istio.io/cluster"
+	// NetworkAnnotation gives the default network of the registered
+	// cluster(s); optional.
+	NetworkAnnotation = "topology.istio.io/network"
+)
+
+// ReaderOptions configures the reader identity created in a remote cluster.
+type ReaderOptions struct {
+	// Namespace of the ServiceAccount (default "isthmus-system").
+	Namespace string
+	// ServiceAccount name (default "isthmus-reader-service-account").
+	ServiceAccount string
+	// TokenWait bounds the wait for the token controller to fill the
+	// ServiceAccount token Secret before falling back to the TokenRequest
+	// API (default 5s; clusters without a controller-manager never fill it).
+	TokenWait time.Duration
+	// TokenTTL is the lifetime asked of the TokenRequest API (default one year).
+	TokenTTL time.Duration
+}
+
+func (o *ReaderOptions) defaults() {
+	if o.Namespace == "" {
+		o.Namespace = "isthmus-system"
+	}
+	if o.ServiceAccount == "" {
+		o.ServiceAccount = "isthmus-reader-service-account"
+	}
+	if o.TokenWait == 0 {
+		o.TokenWait = 5 * time.Second
+	}
+	if o.TokenTTL == 0 {
+		o.TokenTTL = 365 * 24 * time.Hour
+	}
+}
+
+// ReaderRules are the permissions pilot needs in a remote cluster: read
+// what discovery watches, review tokens for the CA, publish the root
+// certificate, and write ServiceExport status.
+var ReaderRules = []rbacv1.PolicyRule{
+	{APIGroups: []string{""}, Resources: []string{"namespaces", "services", "pods", "nodes", "endpoints"}, Verbs: []string{"get", "list", "watch"}},
+	{APIGroups: []string{"discovery.k8s.io"}, Resources: []string{"endpointslices"}, Verbs: []string{"get", "list", "watch"}},
+	{APIGroups: []string{"multicluster.x-k8s.io"}, Resources: []string{"serviceexports", "serviceimports"}, Verbs: []string{"get", "list", "watch"}},
+	{APIGroups: []string{"multicluster.x-k8s.io"}, Resources: []string{"serviceexports/status"}, Verbs: []string{"get", "update", "patch"}},
+	{APIGroups: []string{"authentication.k8s.io"}, Resources: []string{"tokenreviews"}, Verbs: []string{"create"}},
+	{APIGroups: []string{""}, Resources: []string{"configmaps"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch"}},
+}
+
+// EnsureReader creates (or updates) the reader ServiceAccount, its
+// ClusterRole and binding, and returns a bearer token for it: the token
+// controller's Secret when it is filled within TokenWait, else a token from
+// the TokenRequest API.
+func EnsureReader(ctx context.Context, c kubernetes.Interface, opts ReaderOptions) (string, error) {
+	opts.defaults()
+	name := opts.ServiceAccount
+	if err := ensure(ctx, c.CoreV1().Namespaces(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: opts.Namespace}}); err != nil {
+		return "", fmt.Errorf("namespace %s: %w", opts.Namespace, err)
+	}
+	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: opts.Namespace}}
+	if err := ensure(ctx, c.CoreV1().ServiceAccounts(opts.Namespace), sa); err != nil {
+		return "", fmt.Errorf("service account %s/%s: %w", opts.Namespace, name, err)
+	}
+	role := &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: "isthmus-reader-" + opts.Namespace}, Rules: ReaderRules}
+	if err := ensureUpdate(ctx, c.RbacV1().ClusterRoles(), role, func(cur *rbacv1.ClusterRole) { cur.Rules = ReaderRules }); err != nil {
+		return "", fmt.Errorf("cluster role: %w", err)
+	}
+	binding := &rbacv1.ClusterRoleBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: role.Name},
+		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: role.Name},
+		Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Name: name, Namespace: opts.Namespace}},
+	}
+	if err := ensure(ctx, c.RbacV1().ClusterRoleBindings(), binding); err != nil {
+		return "", fmt.Errorf("cluster role binding: %w", err)
+	}
+	if tok, err := secretToken(ctx, c, opts); err == nil && tok != "" {
+		return tok, nil
+	}
+	ttl := int64(opts.TokenTTL / time.Second)
+	tr, err := c.CoreV1().ServiceAccounts(opts.Namespace).CreateToken(ctx, name,
+		&authenticationv1.TokenRequest{Spec: authenticationv1.TokenRequestSpec{ExpirationSeconds: &ttl}}, metav1.CreateOptions{})
+	if err != nil {
+		return "", fmt.Errorf("token request for %s/%s: %w", opts.Namespace, name, err)
+	}
+	return tr.Status.Token, nil
+}
+
+// secretToken creates the ServiceAccount token Secret and waits up to
+// TokenWait for the token controller to fill it.
+func secretToken(ctx context.Context, c kubernetes.Interface, opts ReaderOptions) (string, error) {
+	name := opts.ServiceAccount + "-token"
+	sec := &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: opts.Namespace,
+			Annotations: map[string]string{corev1.ServiceAccountNameKey: opts.ServiceAccount}},
+		Type: corev1.SecretTypeServiceAccountToken,
+	}
+	if err := ensure(ctx, c.CoreV1().Secrets(opts.Namespace), sec); err != nil {
+		return "", err
+	}
+	var token string
+	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, opts.TokenWait, true, func(ctx context.Context) (bool, error) {
+		s, err := c.CoreV1().Secrets(opts.Namespace).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		token = string(s.Data[corev1.ServiceAccountTokenKey])
+		return token != "", nil
+	})
+	return token, err
+}
+
+type creator[T any] interface {
+	Create(ctx context.Context, obj T, opts metav1.CreateOptions) (T, error)
+}
+
+func ensure[T any](ctx context.Context, c creator[T], obj T) error {
+	_, err := c.Create(ctx, obj, metav1.CreateOptions{})
+	if apierrors.IsAlreadyExists(err) {
+		return nil
+	}
+	return err
+}
+
+type getUpdater[T any] interface {
+	creator[T]
+	Get(ctx context.Context, name string, opts metav1.GetOptions) (T, error)
+	Update(ctx context.Context, obj T, opts metav1.UpdateOptions) (T, error)
+}
+
+func ensureUpdate[T metav1.Object](ctx context.Context, c getUpdater[T], obj T, mutate func(T)) error {
+	_, err := c.Create(ctx, obj, metav1.CreateOptions{})
+	if !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	cur, err := c.Get(ctx, obj.GetName(), metav1.GetOptions{})
+	if err != nil {
+		return err
+	}
+	mutate(cur)
+	_, err = c.Update(ctx, cur, metav1.UpdateOptions{})
+	return err
+}
+
+// Kubeconfig renders a kubeconfig with one cluster, one token user and one
+// context, all named clusterID, with the CA inline.
+func Kubeconfig(clusterID, server string, caData []byte, token string) ([]byte, error) {
+	if clusterID == "" || server == "" || token == "" {
+		return nil, errors.New("kubeconfig needs a cluster ID, a server and a token")
+	}
+	cfg := clientcmdapi.NewConfig()
+	cfg.Clusters[clusterID] = &clientcmdapi.Cluster{Server: server, CertificateAuthorityData: caData}
+	cfg.AuthInfos[clusterID] = &clientcmdapi.AuthInfo{Token: token}
+	cfg.Contexts[clusterID] = &clientcmdapi.Context{Cluster: clusterID, AuthInfo: clusterID}
+	cfg.CurrentContext = clusterID
+	return clientcmd.Write(*cfg)
+}
+
+// Secret returns the remote secret registering clusterID with kubeconfig, in
+// the control plane's namespace.
+func Secret(clusterID, namespace string, kubeconfig []byte) *corev1.Secret {
+	return &corev1.Secret{
+		TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "Secret"},
+		ObjectMeta: metav1.ObjectMeta{
+			Name:        "istio-remote-secret-" + clusterID,
+			Namespace:   namespace,
+			Labels:      map[string]string{IstioLabel: "true"},
+			Annotations: map[string]string{ClusterAnnotation: clusterID},
+		},
+		Data: map[string][]byte{clusterID: kubeconfig},
+	}
+}

@@ -1,0 +1,215 @@
+// Package model holds the plain types shared by the control plane: clusters,
+// networks, localities, services, workloads, endpoints and network gateways.
+//
+// It has no Kubernetes imports. Values of these types that the registry
+// publishes are immutable: a change replaces the value, it never mutates a
+// published one, so readers may keep and share them without locks.
+package model
+
+import (
+	"net/netip"
+	"strings"
+)
+
+// ClusterID names one Kubernetes cluster of the federation (a DNS-1123 label).
+type ClusterID string
+
+// Network names a set of workloads that reach each other directly by address.
+type Network string
+
+// DefaultDomain is the DNS suffix of Kubernetes service hostnames.
+const DefaultDomain = "cluster.local"
+
+// HBONEPort is the port of HBONE (HTTP/2 CONNECT over mTLS) listeners.
+const HBONEPort = 15008
+
+// Locality is where a workload runs, from its node's topology labels.
+type Locality struct {
+	Region  string
+	Zone    string
+	Subzone string
+}
+
+// String renders the locality as region/zone/subzone ("" when unset).
+func (l Locality) String() string {
+	if l == (Locality{}) {
+		return ""
+	}
+	return l.Region + "/" + l.Zone + "/" + l.Subzone
+}
+
+// Hostname returns the federated hostname of service name in namespace ns.
+func Hostname(name, ns, domain string) string {
+	if domain == "" {
+		domain = DefaultDomain
+	}
+	return name + "." + ns + ".svc." + domain
+}
+
+// ServiceKey identifies a service across clusters (namespace sameness).
+type ServiceKey struct {
+	Namespace string
+	Name      string
+}
+
+// String renders the key as namespace/name.
+func (k ServiceKey) String() string { return k.Namespace + "/" + k.Name }
+
+// Protocol is a transport protocol of a port.
+type Protocol string
+
+// Transport protocols of service ports.
+const (
+	TCP  Protocol = "TCP"
+	UDP  Protocol = "UDP"
+	SCTP Protocol = "SCTP"
+)
+
+// Port is one port of a service.
+type Port struct {
+	// Name is the port's name (unique within the service, may be empty for a
+	// single-port service).
+	Name string
+	// Port is the service port.
+	Port uint16
+	// TargetPort is the numeric port on the workload; zero when the service
+	// names its target port (TargetPortName) and it is resolved per workload.
+	TargetPort uint16
+	// TargetPortName is a named target port ("" when numeric).
+	TargetPortName string
+	// Protocol is the transport protocol.
+	Protocol Protocol
+	// AppProtocol is the application protocol (appProtocol, or "" when unset).
+	AppProtocol string
+}
+
+// Scope says whether a service crosses clusters.
+type Scope uint8
+
+// Service scopes.
+const (
+	// ScopeGlobal services are federated: same name and namespace in every
+	// cluster is one service.
+	ScopeGlobal Scope = iota
+	// ScopeClusterLocal services are never visible outside their cluster.
+	ScopeClusterLocal
+)
+
+// String names the scope.
+func (s Scope) String() string {
+	if s == ScopeClusterLocal {
+		return "cluster-local"
+	}
+	return "global"
+}
+
+// WorkloadUID returns the uid of a pod workload: cluster/namespace/name.
+func WorkloadUID(cluster ClusterID, ns, name string) string {
+	return string(cluster) + "/" + ns + "/" + name
+}
+
+// SpiffeID returns spiffe://<trustDomain>/ns/<ns>/sa/<sa>.
+func SpiffeID(trustDomain, ns, sa string) string {
+	if trustDomain == "" {
+		trustDomain = DefaultDomain
+	}
+	if sa == "" {
+		sa = "default"
+	}
+	return "spiffe://" + trustDomain + "/ns/" + ns + "/sa/" + sa
+}
+
+// ParseSpiffeID splits a SPIFFE ID of the form spiffe://td/ns/<ns>/sa/<sa>.
+func ParseSpiffeID(id string) (trustDomain, ns, sa string, ok bool) {
+	rest, found := strings.CutPrefix(id, "spiffe://")
+	if !found {
+		return "", "", "", false
+	}
+	parts := strings.Split(rest, "/")
+	if len(parts) != 5 || parts[1] != "ns" || parts[3] != "sa" || parts[0] == "" || parts[2] == "" || parts[4] == "" {
+		return "", "", "", false
+	}
+	return parts[0], parts[2], parts[4], true
+}
+
+// PortMapping maps a service port to the target port on one workload.
+type PortMapping struct {
+	ServicePort uint16
+	TargetPort  uint16
+}
+
+// Workload is one addressable instance: a pod, or an address from an
+// EndpointSlice of a service without a selector.
+type Workload struct {
+	// UID is <cluster>/<namespace>/<name>.
+	UID       string
+	Name      string
+	Namespace string
+	// Addresses are the workload's IPs (status.podIPs).
+	Addresses      []netip.Addr
+	ServiceAccount string
+	Node           string
+	Cluster        ClusterID
+	Network        Network
+	Locality       Locality
+	Labels         map[string]string
+	// Ready is the pod's Ready condition (or the EndpointSlice ready flag).
+	Ready bool
+	// Terminating is set once the pod has a deletion timestamp.
+	Terminating bool
+	// Services the workload backs, keyed by service hostname, with the port
+	// mappings resolved for this workload. Set by the registry.
+	Services map[string][]PortMapping
+}
+
+// Endpoint is one workload behind one service, as the registry shards them.
+type Endpoint struct {
+	// WorkloadUID is the uid of the workload ("" for an EndpointSlice address
+	// that names no pod).
+	WorkloadUID    string
+	Address        netip.Addr
+	Cluster        ClusterID
+	Network        Network
+	Locality       Locality
+	ServiceAccount string
+	Namespace      string
+	Node           string
+	Ready          bool
+	Terminating    bool
+	// Ports maps the service's ports to this endpoint's target ports.
+	Ports []PortMapping
+}
+
+// TargetPort returns the target port for service port p, and whether the
+// endpoint serves it.
+func (e *Endpoint) TargetPort(p uint16) (uint16, bool) {
+	for _, m := range e.Ports {
+		if m.ServicePort == p {
+			return m.TargetPort, true
+		}
+	}
+	return 0, false
+}
+
+// NetworkGateway is an east-west gateway through which other networks reach
+// the workloads of Network.
+type NetworkGateway struct {
+	Network Network
+	Cluster ClusterID
+	// Address is the gateway's IP (or Hostname when it has none).
+	Address  netip.Addr
+	Hostname string
+	// HBONEPort is the gateway's HBONE port (15008 by default).
+	HBONEPort uint16
+	// Source names the Service the gateway was discovered from (ns/name).
+	Source string
+}
+
+// Key identifies the gateway within its network.
+func (g NetworkGateway) Key() string {
+	addr := g.Hostname
+	if g.Address.IsValid() {
+		addr = g.Address.String()
+	}
+	return string(g.Network) + "/" + string(g.Cluster) + "/" + g.Source + "/" + addr
+}

@@ -1,0 +1,134 @@
+package model
+
+import (
+	"net/netip"
+	"time"
+)
+
+// ClusterService is one cluster's Service object, as that cluster's
+// discovery sees it (before federation).
+type ClusterService struct {
+	Cluster   ClusterID
+	Name      string
+	Namespace string
+	// VIPs are the cluster IPs (none for a headless service).
+	VIPs     []netip.Addr
+	Ports    []Port
+	Headless bool
+	// Selector is the pod selector; nil for a selector-less service whose
+	// endpoints come from EndpointSlices.
+	Selector map[string]string
+	// Exported is set when a ServiceExport (MCS API) exists for the service.
+	Exported bool
+	// Created is the object's creation time (oldest wins port conflicts).
+	Created time.Time
+}
+
+// Key returns the service's federation key.
+func (s *ClusterService) Key() ServiceKey { return ServiceKey{Namespace: s.Namespace, Name: s.Name} }
+
+// Service is a federated service: every cluster's Service of the same name
+// and namespace, merged, with its endpoint shards.
+type Service struct {
+	Name      string
+	Namespace string
+	Hostname  string
+	// Ports merged by name across clusters (the oldest definition wins).
+	Ports []Port
+	// VIPs per cluster.
+	VIPs     map[ClusterID][]netip.Addr
+	Scope    Scope
+	Headless bool
+	// Clusters lists the clusters that define the service, sorted.
+	Clusters []ClusterID
+	// Shards holds the endpoints per cluster; a shard is replaced whole on
+	// change and never mutated after publication.
+	Shards map[ClusterID][]Endpoint
+	// PortConflicts describes ports whose definitions differ between
+	// clusters (ignored definitions), empty when there is none.
+	PortConflicts []string
+}
+
+// Key returns the service's federation key.
+func (s *Service) Key() ServiceKey { return ServiceKey{Namespace: s.Namespace, Name: s.Name} }
+
+// Port returns the service port numbered p.
+func (s *Service) Port(p uint16) (Port, bool) {
+	for _, sp := range s.Ports {
+		if sp.Port == p {
+			return sp, true
+		}
+	}
+	return Port{}, false
+}
+
+// EndpointCount returns the number of endpoints over all shards.
+func (s *Service) EndpointCount() int {
+	n := 0
+	for _, sh := range s.Shards {
+		n += len(sh)
+	}
+	return n
+}
+
+// ChangeKind names what a change is about.
+type ChangeKind uint8
+
+// Kinds of registry changes.
+const (
+	ServiceChange ChangeKind = iota + 1
+	WorkloadChange
+	GatewayChange
+)
+
+// String names the kind.
+func (k ChangeKind) String() string {
+	switch k {
+	case ServiceChange:
+		return "service"
+	case WorkloadChange:
+		return "workload"
+	case GatewayChange:
+		return "gateway"
+	}
+	return "unknown"
+}
+
+// Op says what happened to the keyed object.
+type Op uint8
+
+// Operations of a change.
+const (
+	Added Op = iota + 1
+	Updated
+	Removed
+)
+
+// String names the operation.
+func (o Op) String() string {
+	switch o {
+	case Added:
+		return "added"
+	case Updated:
+		return "updated"
+	case Removed:
+		return "removed"
+	}
+	return "unknown"
+}
+
+// Change is one keyed change of the federated registry. Key is the service
+// hostname, the workload uid, or the gateway's network.
+type Change struct {
+	Kind ChangeKind
+	Op   Op
+	Key  string
+}
+
+// ChangeSet is a debounced batch of changes; a key appears at most once per
+// kind, with the net operation.
+type ChangeSet struct {
+	Changes []Change
+	// Version increases with every published batch.
+	Version uint64
+}
