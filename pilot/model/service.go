@@ -44,6 +44,10 @@ type Service struct {
 	// Shards holds the endpoints per cluster; a shard is replaced whole on
 	// change and never mutated after publication.
 	Shards map[ClusterID][]Endpoint
+	// LocalClusters names clusters whose shard is visible only to clients in
+	// that same cluster (in MCS export mode: clusters that do not export the
+	// service). With Scope ScopeClusterLocal every shard is local.
+	LocalClusters map[ClusterID]bool
 	// PortConflicts describes ports whose definitions differ between
 	// clusters (ignored definitions), empty when there is none.
 	PortConflicts []string
@@ -60,6 +64,15 @@ func (s *Service) Port(p uint16) (Port, bool) {
 		}
 	}
 	return Port{}, false
+}
+
+// ShardVisible reports whether the shard of cluster shard may be served to
+// a client in cluster client.
+func (s *Service) ShardVisible(shard, client ClusterID) bool {
+	if shard == client {
+		return true
+	}
+	return s.Scope != ScopeClusterLocal && !s.LocalClusters[shard]
 }
 
 // EndpointCount returns the number of endpoints over all shards.
@@ -131,4 +144,30 @@ type ChangeSet struct {
 	Changes []Change
 	// Version increases with every published batch.
 	Version uint64
+}
+
+// ClusterState is everything one cluster contributes to the federation, as
+// its discovery sees it.
+type ClusterState struct {
+	Services map[ServiceKey]*ClusterService
+	// Shards are the cluster's endpoints per service.
+	Shards    map[ServiceKey][]Endpoint
+	Workloads map[string]*Workload
+	Gateways  []NetworkGateway
+}
+
+// ClusterDelta is a change of one cluster's state. A nil map value (or a nil
+// shard) means removed.
+type ClusterDelta struct {
+	Services  map[ServiceKey]*ClusterService
+	Shards    map[ServiceKey][]Endpoint
+	Workloads map[string]*Workload
+	// Gateways replaces the cluster's gateways when GatewaysChanged.
+	Gateways        []NetworkGateway
+	GatewaysChanged bool
+}
+
+// Empty reports whether the delta changes nothing.
+func (d *ClusterDelta) Empty() bool {
+	return len(d.Services) == 0 && len(d.Shards) == 0 && len(d.Workloads) == 0 && !d.GatewaysChanged
 }

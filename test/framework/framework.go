@@ -135,7 +135,7 @@ func (s *ClusterSet) startCluster(name string, opts Options) (*Cluster, error) {
 		Path: filepath.Join(opts.AssetsDir, "kube-apiserver"), CertDir: dir, EtcdURL: s.etcd.URL,
 		Out: opts.Output, Err: opts.Output, StartTimeout: 2 * time.Minute,
 	}
-	api.Configure().Set("etcd-prefix", "/"+name).Set("advertise-address", "127.0.0.1")
+	api.Configure().Set("etcd-prefix", "/"+name)
 	if err := api.Start(); err != nil {
 		return nil, fmt.Errorf("start kube-apiserver of %s: %w", name, err)
 	}
@@ -184,8 +184,8 @@ func (s *ClusterSet) Stop() error {
 			})
 		}
 		wg.Wait()
-		if err := s.etcd.Stop(); err != nil {
-			errs = append(errs, fmt.Errorf("stop etcd: %w", err))
+		if err := stopKill(s.etcd.DataDir, s.etcd.Stop, "etcd"); err != nil {
+			errs = append(errs, err)
 		}
 		errs = append(errs, os.RemoveAll(s.root))
 		s.stopErr = errors.Join(errs...)
@@ -199,16 +199,38 @@ func (c *Cluster) Host() string { return c.Config.Host }
 // CAData returns the PEM CA of the cluster's API server.
 func (c *Cluster) CAData() []byte { return c.Config.CAData }
 
-// StopAPIServer stops the cluster's kube-apiserver (its data stays in etcd);
-// RestartAPIServer brings it back on the same address with the same
-// certificates, so existing kubeconfigs and tokens keep working.
+// StopAPIServer kills the cluster's kube-apiserver, as a crash would (its
+// data stays in etcd); RestartAPIServer brings it back on the same address
+// with the same certificates, so existing kubeconfigs and tokens keep working.
 func (c *Cluster) StopAPIServer() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if err := c.api.Stop(); err != nil {
-		return fmt.Errorf("stop kube-apiserver of %s: %w", c.Name, err)
+	return stopKill(c.api.CertDir, c.api.Stop, "kube-apiserver of "+c.Name)
+}
+
+// stopKill kills the process whose command line names dir, waits until it
+// is gone, then lets envtest reap it (stop).
+func stopKill(dir string, stop func() error, what string) error {
+	for _, p := range pidsWithArg(dir) {
+		_ = syscall.Kill(p, syscall.SIGKILL)
 	}
-	return nil
+	deadline := time.Now().Add(20 * time.Second)
+	for len(pidsWithArg(dir)) > 0 {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("stop %s: still running after SIGKILL", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	var err error
+	for range 50 {
+		// envtest notices the exit asynchronously; until then Stop tries
+		// to signal the dead process and fails.
+		if err = stop(); err == nil {
+			return nil
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return fmt.Errorf("stop %s: %w", what, err)
 }
 
 // RestartAPIServer starts the cluster's kube-apiserver again after

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -121,12 +122,19 @@ func TestSweepOrphans(t *testing.T) {
 	for _, d := range []string{deadDir, liveDir} {
 		require.NoError(t, os.MkdirAll(d, 0o700))
 	}
-	orphan := exec.Command("sleep", "300", deadDir)
-	require.NoError(t, orphan.Start())
-	keep := exec.Command("sleep", "300", liveDir)
-	require.NoError(t, keep.Start())
-	t.Cleanup(func() { _ = keep.Process.Kill(); _ = keep.Wait() })
+	// Like envtest's processes: own process group, folder on the command line.
+	spawn := func(dir string) *exec.Cmd {
+		cmd := exec.Command("sh", "-c", "sleep 300; true", dir)
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+		require.NoError(t, cmd.Start())
+		return cmd
+	}
+	orphan := spawn(deadDir)
+	keep := spawn(liveDir)
+	t.Cleanup(func() { _ = syscall.Kill(-keep.Process.Pid, syscall.SIGKILL); _ = keep.Wait() })
 
+	// Wait until both children have exec'd (their command lines name the folders).
+	require.Eventually(t, func() bool { return len(pidsWithArg(deadDir)) == 1 && len(pidsWithArg(liveDir)) == 1 }, 5*time.Second, 5*time.Millisecond, "%v %v", pidsWithArg(deadDir), pidsWithArg(liveDir))
 	SweepOrphans(base)
 	state, err := orphan.Process.Wait()
 	require.NoError(t, err)

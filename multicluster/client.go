@@ -1,0 +1,147 @@
+package multicluster
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"sync"
+	"time"
+
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/dynamic/dynamicinformer"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/isthmus-mesh/isthmus/pilot/model"
+)
+
+// Client is one cluster's API access: the clientsets and the informer
+// factories that per-cluster components share. Components register the
+// informers they need while they are built; the controller starts the
+// factories once every component of the cluster is built, and shuts them
+// down when the cluster goes.
+type Client struct {
+	// Kube is the typed clientset.
+	Kube kubernetes.Interface
+	// Dynamic reaches resources without typed clients (e.g. MCS ServiceExports).
+	Dynamic dynamic.Interface
+	// Informers is the shared informer factory (no resync).
+	Informers informers.SharedInformerFactory
+	// DynamicInformers is the shared dynamic informer factory.
+	DynamicInformers dynamicinformer.DynamicSharedInformerFactory
+	// REST is the rest.Config the clients were made from.
+	REST *rest.Config
+
+	conns *connTracker
+}
+
+// Close closes every connection the client opened. Informers must be shut
+// down first; the client is unusable afterwards.
+func (c *Client) Close() {
+	if c.conns != nil {
+		c.conns.closeAll()
+	}
+}
+
+// connTracker dials for one client and remembers its connections, so that a
+// removed cluster leaves no connection (and no HTTP/2 read loop) behind.
+// A custom dialer also keeps client-go from sharing the transport with other
+// clients through its TLS transport cache.
+type connTracker struct {
+	d     net.Dialer
+	mu    sync.Mutex
+	conns map[net.Conn]struct{}
+	done  bool
+}
+
+func (t *connTracker) DialContext(ctx context.Context, network, addr string) (net.Conn, error) {
+	c, err := t.d.DialContext(ctx, network, addr)
+	if err != nil {
+		return nil, err
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.done {
+		_ = c.Close()
+		return nil, net.ErrClosed
+	}
+	tc := &trackedConn{Conn: c, t: t}
+	t.conns[tc] = struct{}{}
+	return tc, nil
+}
+
+func (t *connTracker) closeAll() {
+	t.mu.Lock()
+	t.done = true
+	conns := t.conns
+	t.conns = nil
+	t.mu.Unlock()
+	for c := range conns {
+		_ = c.(*trackedConn).Conn.Close()
+	}
+}
+
+type trackedConn struct {
+	net.Conn
+	t    *connTracker
+	once sync.Once
+}
+
+func (c *trackedConn) Close() error {
+	c.once.Do(func() {
+		c.t.mu.Lock()
+		delete(c.t.conns, c)
+		c.t.mu.Unlock()
+	})
+	return c.Conn.Close()
+}
+
+// ClientBuilder turns a remote secret's kubeconfig into a Client for cluster
+// id. It is the only way the controller makes a remote client, so tests can
+// replace it. The kubeconfig has already been sanitized.
+type ClientBuilder func(kubeconfig []byte, id model.ClusterID, overrides ...func(*rest.Config)) (*Client, error)
+
+// NewClient makes a Client from a rest.Config. Unless cfg has its own
+// dialer, the client's connections are tracked and closed by Close.
+func NewClient(cfg *rest.Config) (*Client, error) {
+	cfg = rest.CopyConfig(cfg)
+	var conns *connTracker
+	if cfg.Dial == nil && cfg.Transport == nil {
+		conns = &connTracker{d: net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}, conns: map[net.Conn]struct{}{}}
+		cfg.Dial = conns.DialContext
+	}
+	kube, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("kube client: %w", err)
+	}
+	dyn, err := dynamic.NewForConfig(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("dynamic client: %w", err)
+	}
+	return &Client{
+		Kube:             kube,
+		Dynamic:          dyn,
+		Informers:        informers.NewSharedInformerFactory(kube, 0),
+		DynamicInformers: dynamicinformer.NewDynamicSharedInformerFactory(dyn, 0),
+		REST:             cfg,
+		conns:            conns,
+	}, nil
+}
+
+// DefaultClientBuilder builds a Client from kubeconfig bytes with sane
+// client-side limits (QPS 50, burst 100). Requests are bounded by their
+// contexts, not by a client-wide timeout that would also cut watches.
+func DefaultClientBuilder(kubeconfig []byte, id model.ClusterID, overrides ...func(*rest.Config)) (*Client, error) {
+	cfg, err := clientcmd.RESTConfigFromKubeConfig(kubeconfig)
+	if err != nil {
+		return nil, &KubeconfigError{ReasonInvalidKubeconfig, "rest config: " + firstLine(err.Error(), 120)}
+	}
+	cfg.QPS, cfg.Burst = 50, 100
+	cfg.UserAgent = "isthmus-pilot/" + string(id)
+	for _, o := range overrides {
+		o(cfg)
+	}
+	return NewClient(cfg)
+}
