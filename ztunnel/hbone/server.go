@@ -1,0 +1,478 @@
+// Package hbone implements HBONE, HTTP/2 CONNECT over mutual TLS 1.3 (ALPN
+// h2): a Server that terminates HBONE and hands each CONNECT to a Handler,
+// and a pooling Client that opens CONNECT streams over shared HTTP/2
+// connections, either over TCP or over another stream (double HBONE). The
+// HTTP/2 stack is golang.org/x/net/http2.
+package hbone
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"sync"
+	"time"
+
+	"golang.org/x/net/http2"
+
+	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
+	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
+)
+
+// Refusal reasons counted by the Server in metrics.
+const (
+	ReasonNotTLS           = "not_tls"
+	ReasonHandshakeTimeout = "handshake_timeout"
+	ReasonNoClientCert     = "no_client_cert"
+	ReasonUntrustedCert    = "untrusted_cert"
+	ReasonWrongTrustDomain = "wrong_trust_domain"
+	ReasonNoCertificate    = "no_server_certificate"
+	ReasonHandshake        = "handshake_failed"
+	ReasonMethod           = "method_not_connect"
+	ReasonHeadersTooLarge  = "headers_too_large"
+	ReasonBadAuthority     = "bad_authority"
+)
+
+// Refusal is an error a Handler returns to refuse a CONNECT with an HTTP
+// status and a metrics reason.
+type Refusal struct {
+	Status int
+	Reason string
+	Err    error
+}
+
+func (r *Refusal) Error() string {
+	return fmt.Sprintf("refused (%d %s): %v", r.Status, r.Reason, r.Err)
+}
+
+func (r *Refusal) Unwrap() error { return r.Err }
+
+// Refuse returns a *Refusal.
+func Refuse(status int, reason string, format string, args ...any) *Refusal {
+	return &Refusal{Status: status, Reason: reason, Err: fmt.Errorf(format, args...)}
+}
+
+// Request is an authenticated CONNECT request.
+type Request struct {
+	// Local is the address the HBONE connection arrived at.
+	Local netip.AddrPort
+	// Remote is the address of the HBONE client.
+	Remote netip.AddrPort
+	// Peer is the verified client identity.
+	Peer identity.Identity
+	// Authority is the CONNECT target.
+	Authority string
+	// Header holds the request headers.
+	Header http.Header
+}
+
+// Upstream is where an accepted CONNECT stream goes.
+type Upstream struct {
+	// Conn receives the stream's bytes; the Server closes it.
+	Conn net.Conn
+	// Header is added to the 200 response.
+	Header http.Header
+	// Labels describe the connection in metrics.
+	Labels metrics.ConnLabels
+}
+
+// Handler decides what an accepted CONNECT reaches. It must be safe for
+// concurrent use. Errors that are not a *Refusal answer 503.
+type Handler interface {
+	Connect(ctx context.Context, req *Request) (Upstream, error)
+}
+
+// HandlerFunc adapts a function to Handler.
+type HandlerFunc func(ctx context.Context, req *Request) (Upstream, error)
+
+// Connect calls f.
+func (f HandlerFunc) Connect(ctx context.Context, req *Request) (Upstream, error) { return f(ctx, req) }
+
+// ServerConfig configures a Server. Zero fields take the defaults of
+// DefaultServerConfig.
+type ServerConfig struct {
+	// Reporter labels metrics (metrics.ReporterDestination or ReporterGateway).
+	Reporter string
+	// TrustDomain is the trust domain clients must belong to.
+	TrustDomain string
+	// HandshakeTimeout bounds the TLS handshake (slow-loris protection).
+	HandshakeTimeout time.Duration
+	// MaxHeaderBytes bounds the CONNECT request headers.
+	MaxHeaderBytes int
+	// MaxConcurrentStreams bounds streams per HTTP/2 connection.
+	MaxConcurrentStreams uint32
+	// IdleTimeout closes HTTP/2 connections without streams.
+	IdleTimeout time.Duration
+	// StreamWindow and ConnWindow are the HTTP/2 receive windows.
+	StreamWindow, ConnWindow int32
+	// MaxFrameSize is the largest HTTP/2 frame the server reads.
+	MaxFrameSize uint32
+}
+
+// DefaultServerConfig holds the server defaults.
+var DefaultServerConfig = ServerConfig{
+	Reporter:             metrics.ReporterDestination,
+	HandshakeTimeout:     5 * time.Second,
+	MaxHeaderBytes:       8 << 10,
+	MaxConcurrentStreams: 1000,
+	IdleTimeout:          10 * time.Minute,
+	StreamWindow:         4 << 20,
+	ConnWindow:           16 << 20,
+	MaxFrameSize:         1 << 20,
+}
+
+func (c ServerConfig) withDefaults() ServerConfig {
+	d := DefaultServerConfig
+	if c.Reporter == "" {
+		c.Reporter = d.Reporter
+	}
+	if c.HandshakeTimeout <= 0 {
+		c.HandshakeTimeout = d.HandshakeTimeout
+	}
+	if c.MaxHeaderBytes <= 0 {
+		c.MaxHeaderBytes = d.MaxHeaderBytes
+	}
+	if c.MaxConcurrentStreams == 0 {
+		c.MaxConcurrentStreams = d.MaxConcurrentStreams
+	}
+	if c.IdleTimeout <= 0 {
+		c.IdleTimeout = d.IdleTimeout
+	}
+	if c.StreamWindow <= 0 {
+		c.StreamWindow = d.StreamWindow
+	}
+	if c.ConnWindow <= 0 {
+		c.ConnWindow = d.ConnWindow
+	}
+	if c.MaxFrameSize == 0 {
+		c.MaxFrameSize = d.MaxFrameSize
+	}
+	return c
+}
+
+// ServerDeps are the Server's collaborators. Certs, Select and Handler are
+// required.
+type ServerDeps struct {
+	Certs   identity.CertSource
+	Select  CertSelector
+	Handler Handler
+	Metrics *metrics.Metrics
+	Log     *slog.Logger
+}
+
+// Server terminates HBONE on any number of listeners. It is safe for
+// concurrent use; Close is idempotent and waits for all connections and
+// streams to end.
+type Server struct {
+	cfg   ServerConfig
+	deps  ServerDeps
+	log   *slog.Logger
+	tls   *tls.Config
+	h2    *http2.Server
+	h1    *http.Server
+	ctx   context.Context
+	stop  context.CancelFunc
+	wg    sync.WaitGroup
+	mu    sync.Mutex
+	lns   map[net.Listener]struct{}
+	conns map[net.Conn]struct{}
+	done  bool
+}
+
+// NewServer returns a Server.
+func NewServer(cfg ServerConfig, deps ServerDeps) (*Server, error) {
+	if deps.Certs == nil || deps.Select == nil || deps.Handler == nil {
+		return nil, errors.New("hbone: server needs Certs, Select and Handler")
+	}
+	cfg = cfg.withDefaults()
+	if cfg.TrustDomain == "" {
+		return nil, errors.New("hbone: server needs a trust domain")
+	}
+	log := deps.Log
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	s := &Server{
+		cfg: cfg, deps: deps, log: log, ctx: ctx, stop: stop,
+		tls: serverTLS(deps.Select, deps.Certs, cfg.TrustDomain),
+		h2: &http2.Server{
+			MaxConcurrentStreams:         cfg.MaxConcurrentStreams,
+			MaxReadFrameSize:             cfg.MaxFrameSize,
+			MaxUploadBufferPerStream:     cfg.StreamWindow,
+			MaxUploadBufferPerConnection: cfg.ConnWindow,
+			IdleTimeout:                  cfg.IdleTimeout,
+		},
+		// The HTTP/2 layer enforces a hard cap well above MaxHeaderBytes;
+		// the handler enforces MaxHeaderBytes itself so refusals are counted.
+		h1:    &http.Server{MaxHeaderBytes: 4 * cfg.MaxHeaderBytes, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)},
+		lns:   map[net.Listener]struct{}{},
+		conns: map[net.Conn]struct{}{},
+	}
+	return s, nil
+}
+
+// Serve accepts HBONE connections on ln until ln fails or the server is
+// closed. The server owns ln and closes it.
+func (s *Server) Serve(ln net.Listener) error {
+	s.mu.Lock()
+	if s.done {
+		s.mu.Unlock()
+		ln.Close()
+		return net.ErrClosed
+	}
+	s.lns[ln] = struct{}{}
+	s.wg.Add(1)
+	s.mu.Unlock()
+	defer s.wg.Done()
+	defer func() {
+		s.mu.Lock()
+		delete(s.lns, ln)
+		s.mu.Unlock()
+		ln.Close()
+	}()
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			if s.ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
+				return nil
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				continue
+			}
+			return fmt.Errorf("hbone accept on %s: %w", ln.Addr(), err)
+		}
+		if !s.track(c) {
+			c.Close()
+			return nil
+		}
+		go func() {
+			defer s.wg.Done()
+			defer s.untrack(c)
+			s.serveConn(c)
+		}()
+	}
+}
+
+func (s *Server) track(c net.Conn) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.done {
+		return false
+	}
+	s.conns[c] = struct{}{}
+	s.wg.Add(1)
+	return true
+}
+
+// enter registers a stream handler unless the server is closing. Because
+// Close sets done under the same lock before waiting, every successful enter
+// happens before Close waits.
+func (s *Server) enter() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.done {
+		return false
+	}
+	s.wg.Add(1)
+	return true
+}
+
+func (s *Server) untrack(c net.Conn) {
+	c.Close()
+	s.mu.Lock()
+	delete(s.conns, c)
+	s.mu.Unlock()
+}
+
+// Close stops all listeners and connections and waits for them. It is
+// idempotent.
+func (s *Server) Close() error {
+	s.mu.Lock()
+	if !s.done {
+		s.done = true
+		s.stop()
+		for ln := range s.lns {
+			ln.Close()
+		}
+		for c := range s.conns {
+			c.Close()
+		}
+	}
+	s.mu.Unlock()
+	s.wg.Wait()
+	return nil
+}
+
+func (s *Server) serveConn(c net.Conn) {
+	tc := tls.Server(c, s.tls)
+	_ = c.SetDeadline(time.Now().Add(s.cfg.HandshakeTimeout))
+	if err := tc.HandshakeContext(s.ctx); err != nil {
+		reason := handshakeReason(err)
+		s.deps.Metrics.HandshakeError(s.cfg.Reporter, reason)
+		s.log.Debug("hbone handshake failed", "remote", c.RemoteAddr(), "local", c.LocalAddr(), "reason", reason, "err", err)
+		return
+	}
+	_ = c.SetDeadline(time.Time{})
+	cs := tc.ConnectionState()
+	peer, err := identity.FromCertificate(cs.PeerCertificates[0])
+	if err != nil || cs.NegotiatedProtocol != ALPN {
+		s.deps.Metrics.HandshakeError(s.cfg.Reporter, ReasonHandshake)
+		return
+	}
+	local, _ := addrOf(c.LocalAddr())
+	remote, _ := addrOf(c.RemoteAddr())
+	ci := &connInfo{local: local, remote: remote, peer: peer}
+	s.h2.ServeConn(tc, &http2.ServeConnOpts{
+		Context:    s.ctx,
+		BaseConfig: s.h1,
+		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if !s.enter() {
+				w.WriteHeader(http.StatusServiceUnavailable)
+				return
+			}
+			defer s.wg.Done()
+			s.serveStream(ci, w, r)
+		}),
+	})
+}
+
+func handshakeReason(err error) string {
+	var rh tls.RecordHeaderError
+	switch {
+	case errors.As(err, &rh):
+		return ReasonNotTLS
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		return ReasonHandshakeTimeout
+	case errors.Is(err, identity.ErrNoPeerCertificate):
+		return ReasonNoClientCert
+	case errors.Is(err, identity.ErrWrongTrustDomain):
+		return ReasonWrongTrustDomain
+	case errors.Is(err, identity.ErrUntrustedPeer), errors.Is(err, identity.ErrNoIdentity):
+		return ReasonUntrustedCert
+	case errors.Is(err, ErrNoCertificate):
+		return ReasonNoCertificate
+	default:
+		return ReasonHandshake
+	}
+}
+
+type connInfo struct {
+	local, remote netip.AddrPort
+	peer          identity.Identity
+}
+
+func headerBytes(r *http.Request) int {
+	n := len(r.Method) + len(r.Host) + 64
+	for k, vs := range r.Header {
+		for _, v := range vs {
+			n += len(k) + len(v) + 32
+		}
+	}
+	return n
+}
+
+func (s *Server) refuse(w http.ResponseWriter, ref *Refusal) {
+	s.deps.Metrics.Refused(s.cfg.Reporter, ref.Reason)
+	s.log.Debug("hbone request refused", "status", ref.Status, "reason", ref.Reason, "err", ref.Err)
+	w.WriteHeader(ref.Status)
+}
+
+func (s *Server) serveStream(ci *connInfo, w http.ResponseWriter, r *http.Request) {
+	if r.Method != http.MethodConnect {
+		s.refuse(w, Refuse(http.StatusMethodNotAllowed, ReasonMethod, "method %s", r.Method))
+		return
+	}
+	if n := headerBytes(r); n > s.cfg.MaxHeaderBytes {
+		s.refuse(w, Refuse(http.StatusRequestHeaderFieldsTooLarge, ReasonHeadersTooLarge, "%d header bytes", n))
+		return
+	}
+	req := &Request{Local: ci.local, Remote: ci.remote, Peer: ci.peer, Authority: r.Host, Header: r.Header}
+	up, err := s.deps.Handler.Connect(r.Context(), req)
+	if err != nil {
+		var ref *Refusal
+		if !errors.As(err, &ref) {
+			ref = &Refusal{Status: http.StatusServiceUnavailable, Reason: "upstream_unavailable", Err: err}
+		}
+		s.refuse(w, ref)
+		return
+	}
+	for k, v := range up.Header {
+		w.Header()[k] = v
+	}
+	w.WriteHeader(http.StatusOK)
+	fl := w.(http.Flusher)
+	fl.Flush()
+	mc := s.deps.Metrics.Open(up.Labels)
+	defer mc.Close()
+	s.relayStream(r, w, fl, up.Conn, mc)
+}
+
+// relayStream copies the request body to upstream and upstream to the
+// response. The request direction half-closes upstream on END_STREAM. The
+// response direction ends the stream when upstream reaches EOF; x/net/http2
+// cannot half-close a response while the handler still reads, so at that
+// point the stream ends in both directions.
+func (s *Server) relayStream(r *http.Request, w http.ResponseWriter, fl http.Flusher, up net.Conn, mc *metrics.Conn) {
+	stopAfter := context.AfterFunc(r.Context(), func() { up.Close() })
+	reqDone := make(chan struct{})
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		defer close(reqDone)
+		_, err := copyHalf(up, bodyConn{r.Body}, mc.AddReceived)
+		if err != nil {
+			up.Close()
+		}
+	}()
+	bp := getBuf()
+	buf := *bp
+	var rerr error
+	for {
+		n, err := up.Read(buf)
+		if n > 0 {
+			if _, werr := w.Write(buf[:n]); werr != nil {
+				rerr = werr
+				break
+			}
+			fl.Flush()
+			mc.AddSent(n)
+		}
+		if err != nil {
+			if err != io.EOF {
+				rerr = err
+			}
+			break
+		}
+	}
+	putBuf(bp)
+	select {
+	case <-reqDone:
+		up.Close()
+		stopAfter()
+	default:
+		// The request direction ends when the stream does (after return).
+	}
+	if rerr != nil {
+		up.Close()
+		// Reset the stream rather than ending it cleanly.
+		panic(http.ErrAbortHandler)
+	}
+}
+
+// bodyConn adapts a request body to the net.Conn reader side of copyHalf.
+type bodyConn struct{ io.ReadCloser }
+
+func (bodyConn) Write([]byte) (int, error)        { return 0, errors.ErrUnsupported }
+func (bodyConn) LocalAddr() net.Addr              { return nil }
+func (bodyConn) RemoteAddr() net.Addr             { return nil }
+func (bodyConn) SetDeadline(time.Time) error      { return os.ErrNoDeadline }
+func (bodyConn) SetReadDeadline(time.Time) error  { return os.ErrNoDeadline }
+func (bodyConn) SetWriteDeadline(time.Time) error { return os.ErrNoDeadline }

@@ -1,0 +1,117 @@
+// Package proxy holds ztunnel's proxies: Inbound terminates HBONE for the
+// node's workloads, Outbound captures application connections (SOCKS5 and
+// transparent) and carries them over HBONE or double HBONE, and Gateway is
+// the east-west gateway that terminates outer HBONE and passes inner
+// tunnels through to local endpoints. All read the mesh from a state.Store.
+package proxy
+
+import (
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/isthmus-mesh/isthmus/ztunnel/hbone"
+)
+
+// Headers used by ztunnel's HBONE requests and responses.
+const (
+	// HeaderForwarded carries `for="<src>";host=<host>`.
+	HeaderForwarded = "Forwarded"
+	// HeaderBaggage carries the source's W3C baggage.
+	HeaderBaggage = "Baggage"
+	// HeaderForwardedNetwork names the source network on inner requests.
+	HeaderForwardedNetwork = "X-Forwarded-Network"
+	// HeaderEndpoint is set by a gateway on its 200 response: the address
+	// of the endpoint it chose, used as the inner CONNECT host.
+	HeaderEndpoint = "X-Isthmus-Endpoint"
+)
+
+// Config is shared by the proxies. Zero fields take the defaults of
+// DefaultConfig.
+type Config struct {
+	// Node is this ztunnel's node; local workloads have Workload.Node == Node.
+	Node string
+	// TrustDomain is the mesh trust domain.
+	TrustDomain string
+	// HBONEPort is the port HBONE is served on (15008).
+	HBONEPort uint16
+	// DialTimeout bounds plain TCP dials to workloads and endpoints.
+	DialTimeout time.Duration
+	// SOCKSHandshakeTimeout bounds the SOCKS5 negotiation.
+	SOCKSHandshakeTimeout time.Duration
+	// Server configures HBONE servers (inbound and gateway).
+	Server hbone.ServerConfig
+	// Client configures the pooled HBONE client.
+	Client hbone.ClientConfig
+}
+
+// DefaultConfig holds the defaults.
+var DefaultConfig = Config{
+	TrustDomain:           "cluster.local",
+	HBONEPort:             15008,
+	DialTimeout:           5 * time.Second,
+	SOCKSHandshakeTimeout: 10 * time.Second,
+}
+
+func (c Config) withDefaults() Config {
+	d := DefaultConfig
+	if c.TrustDomain == "" {
+		c.TrustDomain = d.TrustDomain
+	}
+	if c.HBONEPort == 0 {
+		c.HBONEPort = d.HBONEPort
+	}
+	if c.DialTimeout <= 0 {
+		c.DialTimeout = d.DialTimeout
+	}
+	if c.SOCKSHandshakeTimeout <= 0 {
+		c.SOCKSHandshakeTimeout = d.SOCKSHandshakeTimeout
+	}
+	c.Server.TrustDomain = c.TrustDomain
+	return c
+}
+
+// baggage is the parsed subset of the W3C baggage header ztunnel uses.
+type baggage struct {
+	cluster, namespace, name, network string
+}
+
+func (b baggage) String() string {
+	var parts []string
+	add := func(k, v string) {
+		if v != "" {
+			parts = append(parts, k+"="+v)
+		}
+	}
+	add("k8s.cluster.name", b.cluster)
+	add("k8s.namespace.name", b.namespace)
+	add("k8s.pod.name", b.name)
+	add("isthmus.network", b.network)
+	return strings.Join(parts, ",")
+}
+
+func parseBaggage(s string) baggage {
+	var b baggage
+	for _, kv := range strings.Split(s, ",") {
+		k, v, ok := strings.Cut(strings.TrimSpace(kv), "=")
+		if !ok {
+			continue
+		}
+		v, _, _ = strings.Cut(v, ";")
+		switch k {
+		case "k8s.cluster.name":
+			b.cluster = v
+		case "k8s.namespace.name":
+			b.namespace = v
+		case "k8s.pod.name":
+			b.name = v
+		case "isthmus.network":
+			b.network = v
+		}
+	}
+	return b
+}
+
+func forwarded(src, host string) string {
+	return "for=" + strconv.Quote(src) + ";host=" + host
+}

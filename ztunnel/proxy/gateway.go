@@ -1,0 +1,121 @@
+package proxy
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"net"
+	"net/http"
+	"net/netip"
+	"strconv"
+
+	"github.com/isthmus-mesh/isthmus/ztunnel/hbone"
+	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
+	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
+	"github.com/isthmus-mesh/isthmus/ztunnel/state"
+)
+
+// Gateway refusal reasons.
+const (
+	ReasonUnknownService  = "unknown_service"
+	ReasonUnknownPort     = "unknown_port"
+	ReasonNoLocalEndpoint = "no_local_endpoint"
+)
+
+// GatewayConfig configures an east-west Gateway.
+type GatewayConfig struct {
+	Config
+	// Network and Cluster are where the gateway runs; it forwards only to
+	// endpoints of Network.
+	Network string
+	Cluster string
+	// Identity is the gateway's own identity, presented to every client.
+	Identity identity.Identity
+}
+
+// Gateway terminates outer HBONE from other networks (with its own
+// identity; clients must belong to the trust domain), resolves the CONNECT
+// target <hostname>:<port> to a ready endpoint of that service on its own
+// network, and passes the inner (still encrypted) tunnel to
+// <endpoint>:HBONEPort without decrypting it. Safe for concurrent use.
+type Gateway struct {
+	cfg  GatewayConfig
+	deps Deps
+	srv  *hbone.Server
+	sel  state.Selector
+}
+
+// NewGateway returns a Gateway.
+func NewGateway(cfg GatewayConfig, deps Deps, sel state.Selector) (*Gateway, error) {
+	cfg.Config = cfg.Config.withDefaults()
+	deps, err := deps.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	if cfg.Identity.IsZero() || cfg.Network == "" {
+		return nil, errors.New("gateway: Identity and Network are required")
+	}
+	g := &Gateway{cfg: cfg, deps: deps, sel: sel}
+	scfg := cfg.Server
+	scfg.Reporter = metrics.ReporterGateway
+	g.srv, err = hbone.NewServer(scfg, hbone.ServerDeps{
+		Certs: deps.Certs, Handler: g, Metrics: deps.Metrics, Log: deps.Log.With("component", "gateway"),
+		Select: func(ctx context.Context, _ netip.Addr) (*tls.Certificate, error) {
+			return deps.Certs.Certificate(ctx, cfg.Identity)
+		},
+	})
+	if err != nil {
+		return nil, err
+	}
+	return g, nil
+}
+
+// Serve serves outer HBONE on ln until ln or the gateway is closed.
+func (g *Gateway) Serve(ln net.Listener) error { return g.srv.Serve(ln) }
+
+// Close stops the gateway and waits for its connections; idempotent.
+func (g *Gateway) Close() error { return g.srv.Close() }
+
+// Connect implements hbone.Handler for outer CONNECTs.
+func (g *Gateway) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstream, error) {
+	host, portStr, err := net.SplitHostPort(req.Authority)
+	port, perr := strconv.ParseUint(portStr, 10, 16)
+	if err != nil || perr != nil {
+		return hbone.Upstream{}, hbone.Refuse(http.StatusBadRequest, hbone.ReasonBadAuthority, "authority %q", req.Authority)
+	}
+	snap := g.deps.Store.Load()
+	svc, ok := snap.ServiceByHostname(host)
+	if !ok {
+		return hbone.Upstream{}, hbone.Refuse(http.StatusNotFound, ReasonUnknownService, "service %s", host)
+	}
+	if !svc.HasPort(uint16(port)) {
+		return hbone.Upstream{}, hbone.Refuse(http.StatusNotFound, ReasonUnknownPort, "service %s port %d", host, port)
+	}
+	ep, err := g.sel.Select(snap, svc, uint16(port), state.Source{Network: g.cfg.Network, Cluster: g.cfg.Cluster})
+	if err != nil || ep.Workload.Network != g.cfg.Network || len(ep.Workload.Addresses) == 0 || ep.Workload.Protocol != state.TunnelHBONE {
+		// Never bounce a tunnel to another network.
+		return hbone.Upstream{}, hbone.Refuse(http.StatusServiceUnavailable, ReasonNoLocalEndpoint, "service %s: no ready endpoint on %s", host, g.cfg.Network)
+	}
+	w := ep.Workload
+	addr := netip.AddrPortFrom(w.Addresses[0], g.cfg.HBONEPort)
+	dctx, cancel := context.WithTimeout(ctx, g.cfg.DialTimeout)
+	defer cancel()
+	c, err := g.deps.Dialer.DialContext(dctx, "tcp", addr.String())
+	if err != nil {
+		return hbone.Upstream{}, hbone.Refuse(http.StatusServiceUnavailable, ReasonUpstreamConnect, "dial %s: %v", addr, err)
+	}
+	bg := parseBaggage(req.Header.Get(HeaderBaggage))
+	return hbone.Upstream{
+		Conn:   c,
+		Header: http.Header{HeaderEndpoint: {w.Addresses[0].String()}},
+		Labels: metrics.ConnLabels{
+			Reporter:             metrics.ReporterGateway,
+			SourcePrincipal:      req.Peer.String(),
+			DestinationPrincipal: w.Identity().String(),
+			SourceCluster:        bg.cluster,
+			DestinationCluster:   w.Cluster,
+			SourceNetwork:        bg.network,
+			DestinationNetwork:   w.Network,
+		},
+	}, nil
+}

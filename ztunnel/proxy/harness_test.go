@@ -1,0 +1,305 @@
+package proxy
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"net/netip"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/isthmus-mesh/isthmus/ztunnel/hbone"
+	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
+	"github.com/isthmus-mesh/isthmus/ztunnel/internal/testca"
+	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
+	"github.com/isthmus-mesh/isthmus/ztunnel/state"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+const (
+	trustDomain = "cluster.local"
+	svcPort     = 18080
+	appPort     = 18081
+	echoHost    = "echo.default.svc.cluster.local"
+	echoKey     = "default/" + echoHost
+)
+
+// addrs hands out distinct 127.x.y.z addresses; the random second and third
+// octets keep parallel test processes on this machine apart.
+var addrs = struct {
+	base [2]byte
+	n    atomic.Uint32
+}{base: [2]byte{byte(64 + rand.IntN(180)), byte(rand.IntN(250))}}
+
+func nextAddr() netip.Addr {
+	n := addrs.n.Add(1)
+	return netip.AddrFrom4([4]byte{127, addrs.base[0], addrs.base[1] + byte(n/250), byte(1 + n%250)})
+}
+
+// recordingDialer dials TCP and remembers every address it dialled.
+type recordingDialer struct {
+	d     net.Dialer
+	mu    sync.Mutex
+	addrs []string
+}
+
+func (r *recordingDialer) DialContext(ctx context.Context, network, addr string) (net.Conn, error) {
+	r.mu.Lock()
+	r.addrs = append(r.addrs, addr)
+	r.mu.Unlock()
+	return r.d.DialContext(ctx, network, addr)
+}
+
+func (r *recordingDialer) dialed() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.addrs)
+}
+
+func (r *recordingDialer) dialedHost(a netip.Addr) bool {
+	for _, s := range r.dialed() {
+		ap, err := netip.ParseAddrPort(s)
+		if err == nil && ap.Addr() == a {
+			return true
+		}
+	}
+	return false
+}
+
+// startEcho serves an echo app on addr:appPort that half-closes after echoing.
+func startEcho(t testing.TB, addr netip.Addr) {
+	ln, err := net.Listen("tcp", netip.AddrPortFrom(addr, appPort).String())
+	require.NoError(t, err)
+	var wg sync.WaitGroup
+	conns := map[net.Conn]struct{}{}
+	var mu sync.Mutex
+	wg.Go(func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns[c] = struct{}{}
+			mu.Unlock()
+			wg.Go(func() {
+				defer c.Close()
+				_, _ = io.Copy(c, c)
+				_ = c.(*net.TCPConn).CloseWrite()
+				_, _ = io.Copy(io.Discard, c)
+			})
+		}
+	})
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		for c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+}
+
+func testLog(t testing.TB) *slog.Logger {
+	if _, bench := t.(*testing.B); bench {
+		return slog.New(slog.DiscardHandler)
+	}
+	return slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+func newMetrics(t testing.TB) *metrics.Metrics {
+	m, err := metrics.New(prometheus.NewRegistry())
+	require.NoError(t, err)
+	return m
+}
+
+func workloadID(sa string) identity.Identity {
+	return identity.Identity{TrustDomain: trustDomain, Namespace: "default", ServiceAccount: sa}
+}
+
+// mesh is a two-network test mesh:
+//
+//	network n1: node A (client pod a1), node B (echo pod b1)
+//	network n2: node C (echo pod c1), east-west gateway G
+//
+// Each network has its own view (store): n1 sees c1 as a synthetic workload
+// behind G.
+type mesh struct {
+	t             testing.TB
+	ca            *testca.CA
+	certs         *identity.Cache
+	n1, n2        *state.Store
+	a1, b1, c1    netip.Addr
+	vip, gwAddr   netip.Addr
+	socksAddr     netip.AddrPort
+	dialer        *recordingDialer
+	out           *Outbound
+	inB, inC      *Inbound
+	gw            *Gateway
+	mOut, mB, mC  *metrics.Metrics
+	mGW           *metrics.Metrics
+	serverConfig  hbone.ServerConfig
+	clientConfig  hbone.ClientConfig
+	withoutRemote bool
+}
+
+func pod(uid string, addr netip.Addr, node, network, cluster, sa string) *state.Workload {
+	return &state.Workload{
+		UID: uid, Name: uid, Namespace: "default", Addresses: []netip.Addr{addr},
+		Network: network, Cluster: cluster, Node: node, TrustDomain: trustDomain, ServiceAccount: sa,
+		Protocol: state.TunnelHBONE, Status: state.StatusReady,
+		Services: map[string]state.PortMap{echoKey: {svcPort: appPort}},
+	}
+}
+
+func newMesh(t testing.TB, tweak func(*mesh)) *mesh {
+	ca, err := testca.New(trustDomain)
+	require.NoError(t, err)
+	m := &mesh{
+		t: t, ca: ca, certs: identity.NewCache(ca), n1: state.NewStore(), n2: state.NewStore(),
+		a1: nextAddr(), b1: nextAddr(), c1: nextAddr(), vip: nextAddr(), gwAddr: nextAddr(),
+		dialer: &recordingDialer{},
+		mOut:   newMetrics(t), mB: newMetrics(t), mC: newMetrics(t), mGW: newMetrics(t),
+		serverConfig: hbone.ServerConfig{HandshakeTimeout: 300 * time.Millisecond},
+	}
+	m.socksAddr = netip.AddrPortFrom(nextAddr(), 15080)
+	if tweak != nil {
+		tweak(m)
+	}
+	svc := &state.Service{Name: "echo", Namespace: "default", VIPs: []netip.Addr{m.vip}, Ports: []uint16{svcPort}}
+	gwID := identity.Identity{TrustDomain: trustDomain, Namespace: "istio-system", ServiceAccount: "eastwest"}
+	gw := &state.NetworkGateway{Network: "n2", Address: m.gwAddr, HBONEPort: 15008, Identity: gwID}
+	m.n1.Update(func(tx *state.Tx) {
+		tx.UpsertService(svc)
+		client := pod("a1", m.a1, "node-a", "n1", "c1", "client")
+		client.Services = nil
+		tx.UpsertWorkload(client)
+		tx.UpsertWorkload(pod("b1", m.b1, "node-b", "n1", "c1", "echo"))
+		tx.UpsertGateway(gw)
+		if !m.withoutRemote {
+			tx.UpsertWorkload(&state.Workload{
+				UID: "n2/echo", Name: "echo", Namespace: "default", Network: "n2",
+				TrustDomain: trustDomain, ServiceAccount: "echo", Protocol: state.TunnelHBONE,
+				Gateway: gw, Status: state.StatusReady, Capacity: 1,
+				Services: map[string]state.PortMap{echoKey: {svcPort: appPort}},
+			})
+		}
+	})
+	m.n2.Update(func(tx *state.Tx) {
+		tx.UpsertService(svc)
+		tx.UpsertWorkload(pod("c1", m.c1, "node-c", "n2", "c2", "echo"))
+		tx.UpsertGateway(gw)
+	})
+	startEcho(t, m.b1)
+	startEcho(t, m.c1)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	cfg := func(node string) Config {
+		return Config{Node: node, TrustDomain: trustDomain, Server: m.serverConfig, Client: m.clientConfig}
+	}
+	m.inB, err = NewInbound(cfg("node-b"), Deps{Store: m.n1, Certs: m.certs, Metrics: m.mB, Log: testLog(t)})
+	require.NoError(t, err)
+	m.inC, err = NewInbound(cfg("node-c"), Deps{Store: m.n2, Certs: m.certs, Metrics: m.mC, Log: testLog(t)})
+	require.NoError(t, err)
+	for _, in := range []*Inbound{m.inB, m.inC} {
+		wg.Go(func() { _ = in.Run(ctx) })
+	}
+	m.gw, err = NewGateway(GatewayConfig{Config: cfg("node-g"), Network: "n2", Cluster: "c2", Identity: gwID},
+		Deps{Store: m.n2, Certs: m.certs, Metrics: m.mGW, Log: testLog(t)}, state.Selector{})
+	require.NoError(t, err)
+	gln, err := net.Listen("tcp", gw.AddrPort().String())
+	require.NoError(t, err)
+	wg.Go(func() { _ = m.gw.Serve(gln) })
+	m.out, err = NewOutbound(cfg("node-a"), Deps{Store: m.n1, Certs: m.certs, Metrics: m.mOut, Dialer: m.dialer, Log: testLog(t)}, state.Selector{})
+	require.NoError(t, err)
+	sln, err := net.Listen("tcp", m.socksAddr.String())
+	require.NoError(t, err)
+	wg.Go(func() { _ = m.out.ServeSOCKS5(sln) })
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		require.True(c, m.inB.Ready())
+		require.True(c, m.inC.Ready())
+	}, 5*time.Second, 10*time.Millisecond)
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, m.out.Close())
+		require.NoError(t, m.gw.Close())
+		wg.Wait()
+	})
+	return m
+}
+
+// socksDial connects from local address src through the SOCKS5 listener to
+// host:port (host may be a name or an IPv4 address) and returns the reply code.
+func socksDial(t testing.TB, socks netip.AddrPort, src netip.Addr, host string, port uint16) (*net.TCPConn, byte) {
+	d := net.Dialer{LocalAddr: net.TCPAddrFromAddrPort(netip.AddrPortFrom(src, 0)), Timeout: 5 * time.Second}
+	c, err := d.Dial("tcp", socks.String())
+	require.NoError(t, err)
+	tc := c.(*net.TCPConn)
+	_ = tc.SetDeadline(time.Now().Add(10 * time.Second))
+	_, err = tc.Write([]byte{5, 1, 0})
+	require.NoError(t, err)
+	var sel [2]byte
+	_, err = io.ReadFull(tc, sel[:])
+	require.NoError(t, err)
+	require.Equal(t, [2]byte{5, 0}, sel)
+	req := []byte{5, 1, 0}
+	if a, err := netip.ParseAddr(host); err == nil && a.Is4() {
+		b := a.As4()
+		req = append(append(req, 1), b[:]...)
+	} else {
+		req = append(append(req, 3, byte(len(host))), host...)
+	}
+	req = binary.BigEndian.AppendUint16(req, port)
+	_, err = tc.Write(req)
+	require.NoError(t, err)
+	var reply [10]byte
+	_, err = io.ReadFull(tc, reply[:])
+	require.NoError(t, err)
+	_ = tc.SetDeadline(time.Time{})
+	return tc, reply[1]
+}
+
+// echoOnce writes msg, half-closes, and returns everything read until EOF.
+func echoOnce(c *net.TCPConn, msg string) (string, error) {
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := c.Write([]byte(msg)); err != nil {
+		return "", err
+	}
+	if err := c.CloseWrite(); err != nil {
+		return "", err
+	}
+	b, err := io.ReadAll(c)
+	if err != nil && !errors.Is(err, io.EOF) {
+		return string(b), err
+	}
+	return string(b), nil
+}
+
+// echoVia opens a SOCKS5 connection from the mesh's client pod to host and
+// checks an echo round trip with half-close.
+func (m *mesh) echoVia(t testing.TB, host string) { m.echoViaPort(t, host, svcPort) }
+
+// echoViaPort is echoVia to an explicit port.
+func (m *mesh) echoViaPort(t testing.TB, host string, port uint16) {
+	c, code := socksDial(t, m.socksAddr, m.a1, host, port)
+	defer c.Close()
+	require.Equal(t, byte(0), code)
+	got, err := echoOnce(c, "hello "+host)
+	require.NoError(t, err)
+	require.Equal(t, "hello "+host, got)
+}

@@ -1,0 +1,225 @@
+package proxy
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/netip"
+	"strconv"
+	"sync"
+
+	"github.com/isthmus-mesh/isthmus/ztunnel/hbone"
+	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
+	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
+	"github.com/isthmus-mesh/isthmus/ztunnel/state"
+)
+
+// Inbound refusal reasons.
+const (
+	ReasonDestinationNotLocal = "destination_not_local"
+	ReasonDestinationMismatch = "destination_mismatch"
+	ReasonPortNotAllowed      = "port_not_allowed"
+	ReasonUpstreamConnect     = "upstream_connect_failed"
+)
+
+// ListenFunc opens a TCP listener; net.Listen by default.
+type ListenFunc func(network, address string) (net.Listener, error)
+
+// Deps are the collaborators shared by the proxies. Store and Certs are
+// required.
+type Deps struct {
+	Store   *state.Store
+	Certs   identity.CertSource
+	Metrics *metrics.Metrics
+	Log     *slog.Logger
+	// Dialer opens plain TCP connections (to workloads, endpoints, and for
+	// Outbound to HBONE peers); a net.Dialer by default.
+	Dialer hbone.Dialer
+	// Listen opens listeners; net.Listen by default.
+	Listen ListenFunc
+}
+
+func (d Deps) withDefaults() (Deps, error) {
+	if d.Store == nil || d.Certs == nil {
+		return d, errors.New("proxy: Store and Certs are required")
+	}
+	if d.Log == nil {
+		d.Log = slog.New(slog.DiscardHandler)
+	}
+	if d.Dialer == nil {
+		d.Dialer = &net.Dialer{}
+	}
+	if d.Listen == nil {
+		d.Listen = net.Listen
+	}
+	return d, nil
+}
+
+// Inbound serves HBONE on <address>:HBONEPort for every HBONE workload of
+// this node, presents the certificate of the workload a connection arrived
+// at, and forwards each CONNECT only to that workload's address and one of
+// its service target ports. Run follows the state store, opening and closing
+// listeners as local workloads come and go.
+type Inbound struct {
+	cfg  Config
+	deps Deps
+	srv  *hbone.Server
+
+	mu    sync.Mutex
+	lns   map[netip.Addr]net.Listener
+	ready bool
+	wg    sync.WaitGroup
+	once  sync.Once
+}
+
+// NewInbound returns an Inbound.
+func NewInbound(cfg Config, deps Deps) (*Inbound, error) {
+	cfg = cfg.withDefaults()
+	deps, err := deps.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	in := &Inbound{cfg: cfg, deps: deps, lns: map[netip.Addr]net.Listener{}}
+	scfg := cfg.Server
+	scfg.Reporter = metrics.ReporterDestination
+	in.srv, err = hbone.NewServer(scfg, hbone.ServerDeps{
+		Certs: deps.Certs, Select: in.certFor, Handler: in,
+		Metrics: deps.Metrics, Log: deps.Log.With("component", "inbound"),
+	})
+	if err != nil {
+		return nil, err
+	}
+	return in, nil
+}
+
+// Ready reports whether the listeners match the state at least once.
+func (in *Inbound) Ready() bool {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	return in.ready
+}
+
+// Run keeps listeners in line with the local workloads until ctx ends, then
+// closes the Inbound.
+func (in *Inbound) Run(ctx context.Context) error {
+	defer in.Close()
+	for {
+		snap := in.deps.Store.Load()
+		in.reconcile(snap)
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-snap.Stale():
+		}
+	}
+}
+
+func (in *Inbound) reconcile(snap *state.Snapshot) {
+	want := map[netip.Addr]bool{}
+	for _, w := range snap.LocalWorkloads(in.cfg.Node) {
+		if w.Protocol != state.TunnelHBONE {
+			continue
+		}
+		for _, a := range w.Addresses {
+			want[a] = true
+		}
+	}
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	for a, ln := range in.lns {
+		if !want[a] {
+			ln.Close()
+			delete(in.lns, a)
+		}
+	}
+	for a := range want {
+		if _, ok := in.lns[a]; ok {
+			continue
+		}
+		addr := netip.AddrPortFrom(a, in.cfg.HBONEPort).String()
+		ln, err := in.deps.Listen("tcp", addr)
+		if err != nil {
+			in.deps.Log.Error("inbound listen failed", "addr", addr, "err", err)
+			continue
+		}
+		in.lns[a] = ln
+		in.wg.Go(func() {
+			if err := in.srv.Serve(ln); err != nil {
+				in.deps.Log.Error("inbound serve ended", "addr", addr, "err", err)
+			}
+		})
+	}
+	in.ready = true
+}
+
+// Close stops all listeners and connections and waits; idempotent.
+func (in *Inbound) Close() error {
+	in.once.Do(func() {
+		in.srv.Close()
+		in.mu.Lock()
+		for a, ln := range in.lns {
+			ln.Close()
+			delete(in.lns, a)
+		}
+		in.mu.Unlock()
+	})
+	in.wg.Wait()
+	return nil
+}
+
+func (in *Inbound) localWorkload(addr netip.Addr) (*state.Workload, bool) {
+	w, ok := in.deps.Store.Load().WorkloadByAddr(addr)
+	if !ok || w.Node != in.cfg.Node || w.Synthetic() {
+		return nil, false
+	}
+	return w, true
+}
+
+func (in *Inbound) certFor(ctx context.Context, local netip.Addr) (*tls.Certificate, error) {
+	w, ok := in.localWorkload(local)
+	if !ok || w.Identity().IsZero() {
+		return nil, fmt.Errorf("%w: %s", hbone.ErrNoCertificate, local)
+	}
+	return in.deps.Certs.Certificate(ctx, w.Identity())
+}
+
+// Connect implements hbone.Handler for inbound CONNECTs.
+func (in *Inbound) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstream, error) {
+	host, portStr, err := net.SplitHostPort(req.Authority)
+	target, aerr := netip.ParseAddr(host)
+	port, perr := strconv.ParseUint(portStr, 10, 16)
+	if err != nil || aerr != nil || perr != nil || port == 0 {
+		return hbone.Upstream{}, hbone.Refuse(http.StatusBadRequest, hbone.ReasonBadAuthority, "authority %q", req.Authority)
+	}
+	target = target.Unmap()
+	tw, ok := in.localWorkload(target)
+	if !ok {
+		return hbone.Upstream{}, hbone.Refuse(http.StatusForbidden, ReasonDestinationNotLocal, "%s is not a workload of node %s", target, in.cfg.Node)
+	}
+	if target != req.Local.Addr() {
+		return hbone.Upstream{}, hbone.Refuse(http.StatusMisdirectedRequest, ReasonDestinationMismatch, "connection for %s asked for %s", req.Local.Addr(), target)
+	}
+	if !tw.ServesPort(uint16(port)) {
+		return hbone.Upstream{}, hbone.Refuse(http.StatusForbidden, ReasonPortNotAllowed, "%s has no port %d", tw.Name, port)
+	}
+	dctx, cancel := context.WithTimeout(ctx, in.cfg.DialTimeout)
+	defer cancel()
+	c, err := in.deps.Dialer.DialContext(dctx, "tcp", req.Authority)
+	if err != nil {
+		return hbone.Upstream{}, hbone.Refuse(http.StatusServiceUnavailable, ReasonUpstreamConnect, "dial %s: %v", req.Authority, err)
+	}
+	bg := parseBaggage(req.Header.Get(HeaderBaggage))
+	return hbone.Upstream{Conn: c, Labels: metrics.ConnLabels{
+		Reporter:             metrics.ReporterDestination,
+		SourcePrincipal:      req.Peer.String(),
+		DestinationPrincipal: tw.Identity().String(),
+		SourceCluster:        bg.cluster,
+		DestinationCluster:   tw.Cluster,
+		SourceNetwork:        bg.network,
+		DestinationNetwork:   tw.Network,
+	}}, nil
+}

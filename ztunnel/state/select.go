@@ -1,0 +1,113 @@
+package state
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+)
+
+// ErrNoEndpoint is returned when a service has no ready endpoint for a port.
+var ErrNoEndpoint = errors.New("no ready endpoint")
+
+// Source describes the client side of a connection for endpoint selection.
+type Source struct {
+	Network  string
+	Cluster  string
+	Locality Locality
+}
+
+// SourceOf returns the selection source for workload w.
+func SourceOf(w *Workload) Source {
+	return Source{Network: w.Network, Cluster: w.Cluster, Locality: w.Locality}
+}
+
+// Endpoint is a chosen destination for a service port.
+type Endpoint struct {
+	// Workload is the chosen workload; it may be synthetic (no address,
+	// reached through Workload.Gateway).
+	Workload *Workload
+	// TargetPort is the workload port for the requested service port.
+	TargetPort uint16
+}
+
+// Selector picks endpoints. The zero value uses math/rand/v2.
+type Selector struct {
+	// Rand returns a uniform integer in [0, n); nil means rand.Uint64N.
+	Rand func(n uint64) uint64
+}
+
+// Select chooses an endpoint of svc for port as seen from src. Only ready
+// workloads qualify. Among them it prefers, in order, the same network
+// (synthetic workloads count for the remote network they stand for), the
+// same cluster, then the same region, zone and subzone; within the best tier
+// it picks at random weighted by capacity.
+func (sel Selector) Select(snap *Snapshot, svc *Service, port uint16, src Source) (Endpoint, error) {
+	if !svc.HasPort(port) {
+		return Endpoint{}, fmt.Errorf("service %s has no port %d: %w", svc.Hostname, port, ErrNoEndpoint)
+	}
+	key := svc.Key()
+	var (
+		best      []Endpoint
+		bestScore = -1
+		total     uint64
+	)
+	for _, w := range snap.Endpoints(key) {
+		if w.Status != StatusReady {
+			continue
+		}
+		if len(w.Addresses) == 0 && w.Gateway == nil {
+			continue
+		}
+		tp, ok := w.TargetPort(key, port)
+		if !ok {
+			continue
+		}
+		score := rank(w, src)
+		switch {
+		case score > bestScore:
+			best, bestScore, total = best[:0], score, 0
+		case score < bestScore:
+			continue
+		}
+		best = append(best, Endpoint{Workload: w, TargetPort: tp})
+		total += w.Weight()
+	}
+	if len(best) == 0 {
+		return Endpoint{}, fmt.Errorf("service %s port %d: %w", svc.Hostname, port, ErrNoEndpoint)
+	}
+	rnd := sel.Rand
+	if rnd == nil {
+		rnd = rand.Uint64N
+	}
+	pick := rnd(total)
+	for _, ep := range best {
+		if pick < ep.Workload.Weight() {
+			return ep, nil
+		}
+		pick -= ep.Workload.Weight()
+	}
+	return best[len(best)-1], nil
+}
+
+// rank scores w for src; higher is better. Bits, most significant first:
+// same network, same cluster, same region, same zone, same subzone.
+func rank(w *Workload, src Source) int {
+	score := 0
+	if w.Network == src.Network {
+		score |= 1 << 4
+	}
+	if w.Cluster == src.Cluster && src.Cluster != "" {
+		score |= 1 << 3
+	}
+	l, s := w.Locality, src.Locality
+	if s.Region != "" && l.Region == s.Region {
+		score |= 1 << 2
+		if s.Zone != "" && l.Zone == s.Zone {
+			score |= 1 << 1
+			if s.Subzone != "" && l.Subzone == s.Subzone {
+				score |= 1
+			}
+		}
+	}
+	return score
+}

@@ -1,0 +1,264 @@
+package state
+
+import (
+	"cmp"
+	"maps"
+	"net/netip"
+	"slices"
+	"sync"
+	"sync/atomic"
+)
+
+// Snapshot is an immutable, indexed view of the mesh. All methods are safe
+// for concurrent use; returned values must not be modified.
+type Snapshot struct {
+	version   uint64
+	workloads map[string]*Workload // by UID
+	byAddr    map[netip.Addr]*Workload
+	services  map[string]*Service // by key <ns>/<hostname>
+	byVIP     map[netip.Addr]*Service
+	byHost    map[string]*Service
+	endpoints map[string][]*Workload // service key -> backing workloads, by UID
+	gateways  map[string]*NetworkGateway
+	stale     chan struct{}
+}
+
+func emptySnapshot() *Snapshot {
+	return &Snapshot{
+		workloads: map[string]*Workload{},
+		byAddr:    map[netip.Addr]*Workload{},
+		services:  map[string]*Service{},
+		byVIP:     map[netip.Addr]*Service{},
+		byHost:    map[string]*Service{},
+		endpoints: map[string][]*Workload{},
+		gateways:  map[string]*NetworkGateway{},
+		stale:     make(chan struct{}),
+	}
+}
+
+// Version increases by one with every applied update.
+func (s *Snapshot) Version() uint64 { return s.version }
+
+// Stale returns a channel closed when a newer snapshot replaces s.
+func (s *Snapshot) Stale() <-chan struct{} { return s.stale }
+
+// Workload returns the workload with uid.
+func (s *Snapshot) Workload(uid string) (*Workload, bool) {
+	w, ok := s.workloads[uid]
+	return w, ok
+}
+
+// WorkloadByAddr returns the workload owning addr. Addresses are unique in a
+// node's view: remote networks are represented by synthetic workloads.
+func (s *Snapshot) WorkloadByAddr(addr netip.Addr) (*Workload, bool) {
+	w, ok := s.byAddr[addr.Unmap()]
+	return w, ok
+}
+
+// ServiceByVIP returns the service with virtual IP vip.
+func (s *Snapshot) ServiceByVIP(vip netip.Addr) (*Service, bool) {
+	svc, ok := s.byVIP[vip.Unmap()]
+	return svc, ok
+}
+
+// ServiceByHostname returns the service with hostname host.
+func (s *Snapshot) ServiceByHostname(host string) (*Service, bool) {
+	svc, ok := s.byHost[host]
+	return svc, ok
+}
+
+// Endpoints returns the workloads backing the service with key svcKey,
+// sorted by UID.
+func (s *Snapshot) Endpoints(svcKey string) []*Workload { return s.endpoints[svcKey] }
+
+// Gateway returns the gateway of network.
+func (s *Snapshot) Gateway(network string) (*NetworkGateway, bool) {
+	g, ok := s.gateways[network]
+	return g, ok
+}
+
+// Workloads returns all workloads sorted by UID.
+func (s *Snapshot) Workloads() []*Workload {
+	return sortedValues(s.workloads, func(a, b *Workload) int { return cmp.Compare(a.UID, b.UID) })
+}
+
+// Services returns all services sorted by key.
+func (s *Snapshot) Services() []*Service {
+	return sortedValues(s.services, func(a, b *Service) int { return cmp.Compare(a.Key(), b.Key()) })
+}
+
+// Gateways returns all network gateways sorted by network.
+func (s *Snapshot) Gateways() []*NetworkGateway {
+	return sortedValues(s.gateways, func(a, b *NetworkGateway) int { return cmp.Compare(a.Network, b.Network) })
+}
+
+// LocalWorkloads returns the workloads scheduled on node, sorted by UID.
+func (s *Snapshot) LocalWorkloads(node string) []*Workload {
+	var out []*Workload
+	for _, w := range s.Workloads() {
+		if w.Node == node && len(w.Addresses) > 0 {
+			out = append(out, w)
+		}
+	}
+	return out
+}
+
+func sortedValues[V any](m map[string]V, less func(a, b V) int) []V {
+	out := slices.Collect(maps.Values(m))
+	slices.SortFunc(out, less)
+	return out
+}
+
+// Store holds the current Snapshot. Load is lock-free; Update serializes
+// writers and publishes a new snapshot atomically.
+type Store struct {
+	mu  sync.Mutex // serializes writers
+	cur atomic.Pointer[Snapshot]
+}
+
+// NewStore returns a store holding an empty snapshot.
+func NewStore() *Store {
+	st := &Store{}
+	st.cur.Store(emptySnapshot())
+	return st
+}
+
+// Load returns the current snapshot.
+func (st *Store) Load() *Snapshot { return st.cur.Load() }
+
+// Tx collects changes for one Update. Later changes to the same key win.
+type Tx struct {
+	workloads map[string]*Workload // nil value = removal
+	services  map[string]*Service
+	gateways  map[string]*NetworkGateway
+}
+
+// UpsertWorkload adds or replaces the workload with w.UID. w is copied.
+func (tx *Tx) UpsertWorkload(w *Workload) { tx.workloads[w.UID] = w.clone() }
+
+// RemoveWorkload removes the workload with uid.
+func (tx *Tx) RemoveWorkload(uid string) { tx.workloads[uid] = nil }
+
+// UpsertService adds or replaces a service keyed by <ns>/<hostname>; an
+// empty Hostname defaults to <name>.<ns>.svc.cluster.local. svc is copied.
+func (tx *Tx) UpsertService(svc *Service) {
+	c := svc.clone()
+	tx.services[c.Key()] = c
+}
+
+// RemoveService removes the service with key <ns>/<hostname>.
+func (tx *Tx) RemoveService(key string) { tx.services[key] = nil }
+
+// UpsertGateway adds or replaces the gateway of g.Network. g is copied.
+func (tx *Tx) UpsertGateway(g *NetworkGateway) {
+	c := *g
+	tx.gateways[g.Network] = &c
+}
+
+// RemoveGateway removes the gateway of network.
+func (tx *Tx) RemoveGateway(network string) { tx.gateways[network] = nil }
+
+// Update runs fn to collect changes and publishes one new snapshot holding
+// them. Indexes are rebuilt only for the changed keys; the maps themselves
+// are copied, so an update costs O(size) map copying plus O(change) work.
+func (st *Store) Update(fn func(tx *Tx)) *Snapshot {
+	tx := &Tx{workloads: map[string]*Workload{}, services: map[string]*Service{}, gateways: map[string]*NetworkGateway{}}
+	fn(tx)
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	old := st.cur.Load()
+	next := apply(old, tx)
+	st.cur.Store(next)
+	close(old.stale)
+	return next
+}
+
+func apply(old *Snapshot, tx *Tx) *Snapshot {
+	n := &Snapshot{
+		version:   old.version + 1,
+		workloads: maps.Clone(old.workloads),
+		byAddr:    maps.Clone(old.byAddr),
+		services:  maps.Clone(old.services),
+		byVIP:     maps.Clone(old.byVIP),
+		byHost:    maps.Clone(old.byHost),
+		endpoints: maps.Clone(old.endpoints),
+		gateways:  maps.Clone(old.gateways),
+		stale:     make(chan struct{}),
+	}
+	dirty := map[string]bool{} // service keys whose endpoint lists change
+	for uid, w := range tx.workloads {
+		if prev, ok := n.workloads[uid]; ok {
+			for _, a := range prev.Addresses {
+				if n.byAddr[a] == prev {
+					delete(n.byAddr, a)
+				}
+			}
+			for k := range prev.Services {
+				dirty[k] = true
+			}
+			delete(n.workloads, uid)
+		}
+		if w == nil {
+			continue
+		}
+		n.workloads[uid] = w
+		for i, a := range w.Addresses {
+			w.Addresses[i] = a.Unmap()
+			n.byAddr[a.Unmap()] = w
+		}
+		for k := range w.Services {
+			dirty[k] = true
+		}
+	}
+	for key, svc := range tx.services {
+		if prev, ok := n.services[key]; ok {
+			for _, v := range prev.VIPs {
+				if n.byVIP[v] == prev {
+					delete(n.byVIP, v)
+				}
+			}
+			delete(n.byHost, prev.Hostname)
+			delete(n.services, key)
+		}
+		if svc == nil {
+			continue
+		}
+		n.services[key] = svc
+		n.byHost[svc.Hostname] = svc
+		for i, v := range svc.VIPs {
+			svc.VIPs[i] = v.Unmap()
+			n.byVIP[v.Unmap()] = svc
+		}
+	}
+	for network, g := range tx.gateways {
+		if g == nil {
+			delete(n.gateways, network)
+			continue
+		}
+		n.gateways[network] = g
+	}
+	if len(dirty) > 0 {
+		rebuildEndpoints(n, dirty)
+	}
+	return n
+}
+
+func rebuildEndpoints(n *Snapshot, dirty map[string]bool) {
+	lists := make(map[string][]*Workload, len(dirty))
+	for _, w := range n.workloads {
+		for k := range w.Services {
+			if dirty[k] {
+				lists[k] = append(lists[k], w)
+			}
+		}
+	}
+	for k := range dirty {
+		l := lists[k]
+		if len(l) == 0 {
+			delete(n.endpoints, k)
+			continue
+		}
+		slices.SortFunc(l, func(a, b *Workload) int { return cmp.Compare(a.UID, b.UID) })
+		n.endpoints[k] = l
+	}
+}

@@ -1,0 +1,237 @@
+// Package state holds ztunnel's view of the mesh: workloads, services and
+// network gateways, indexed in immutable snapshots. A Store swaps snapshots
+// atomically, so readers never lock and never see a half-applied update;
+// writers (the delta-xDS client, tests) apply upserts and removals by key
+// through Store.Update.
+package state
+
+import (
+	"maps"
+	"net/netip"
+	"slices"
+	"strings"
+
+	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
+)
+
+// DefaultDomainSuffix is the cluster domain used to build service hostnames.
+const DefaultDomainSuffix = "svc.cluster.local"
+
+// TunnelProtocol is how a workload expects to be reached.
+type TunnelProtocol uint8
+
+const (
+	// TunnelNone means plain TCP to the workload.
+	TunnelNone TunnelProtocol = iota
+	// TunnelHBONE means HTTP/2 CONNECT over mTLS on the HBONE port.
+	TunnelHBONE
+)
+
+// String returns the protocol name.
+func (p TunnelProtocol) String() string {
+	if p == TunnelHBONE {
+		return "HBONE"
+	}
+	return "NONE"
+}
+
+// MarshalText implements encoding.TextMarshaler.
+func (p TunnelProtocol) MarshalText() ([]byte, error) { return []byte(p.String()), nil }
+
+// UnmarshalText implements encoding.TextUnmarshaler.
+func (p *TunnelProtocol) UnmarshalText(b []byte) error {
+	*p = TunnelNone
+	if string(b) == "HBONE" {
+		*p = TunnelHBONE
+	}
+	return nil
+}
+
+// Status is a workload's health.
+type Status uint8
+
+const (
+	// StatusReady workloads receive new connections.
+	StatusReady Status = iota
+	// StatusNotReady workloads receive no new connections.
+	StatusNotReady
+	// StatusTerminating workloads are going away and receive no new connections.
+	StatusTerminating
+)
+
+// String returns the status name.
+func (s Status) String() string {
+	switch s {
+	case StatusReady:
+		return "Ready"
+	case StatusTerminating:
+		return "Terminating"
+	default:
+		return "NotReady"
+	}
+}
+
+// MarshalText implements encoding.TextMarshaler.
+func (s Status) MarshalText() ([]byte, error) { return []byte(s.String()), nil }
+
+// UnmarshalText implements encoding.TextUnmarshaler.
+func (s *Status) UnmarshalText(b []byte) error {
+	switch string(b) {
+	case "Ready":
+		*s = StatusReady
+	case "Terminating":
+		*s = StatusTerminating
+	default:
+		*s = StatusNotReady
+	}
+	return nil
+}
+
+// Locality is a workload's topology position.
+type Locality struct {
+	Region  string `json:"region,omitempty"`
+	Zone    string `json:"zone,omitempty"`
+	Subzone string `json:"subzone,omitempty"`
+}
+
+// NetworkGateway is the HBONE entry point of a network.
+type NetworkGateway struct {
+	// Network is the network the gateway fronts.
+	Network string `json:"network"`
+	// Address and HBONEPort are where other networks reach the gateway.
+	Address   netip.Addr `json:"address"`
+	HBONEPort uint16     `json:"hbonePort"`
+	// Identity, if set, is the SPIFFE identity the gateway must present;
+	// otherwise any identity of the trust domain is accepted.
+	Identity identity.Identity `json:"-"`
+}
+
+// AddrPort returns the gateway's HBONE address.
+func (g *NetworkGateway) AddrPort() netip.AddrPort { return netip.AddrPortFrom(g.Address, g.HBONEPort) }
+
+// PortMap maps a service port to the workload's target port.
+type PortMap map[uint16]uint16
+
+// Workload is one addressable workload (a pod) or, when it has no address
+// and a Gateway, a synthetic "split-horizon" workload standing for a
+// service's endpoints on a remote network. Values held by a Snapshot are
+// shared and must not be modified.
+type Workload struct {
+	UID            string         `json:"uid"`
+	Name           string         `json:"name"`
+	Namespace      string         `json:"namespace"`
+	Addresses      []netip.Addr   `json:"addresses,omitempty"`
+	Network        string         `json:"network,omitempty"`
+	Cluster        string         `json:"cluster,omitempty"`
+	Node           string         `json:"node,omitempty"`
+	TrustDomain    string         `json:"trustDomain,omitempty"`
+	ServiceAccount string         `json:"serviceAccount,omitempty"`
+	Locality       Locality       `json:"locality"`
+	Protocol       TunnelProtocol `json:"protocol"`
+	// Gateway is set for synthetic workloads reached through a network gateway.
+	Gateway *NetworkGateway `json:"gateway,omitempty"`
+	// Services maps "<ns>/<hostname>" of each service the workload backs to
+	// its port mapping.
+	Services map[string]PortMap `json:"services,omitempty"`
+	Status   Status             `json:"status"`
+	// Capacity weighs the workload in endpoint selection; 0 means 1.
+	Capacity uint32 `json:"capacity,omitempty"`
+}
+
+// Identity returns the workload's SPIFFE identity.
+func (w *Workload) Identity() identity.Identity {
+	if w.ServiceAccount == "" {
+		return identity.Identity{}
+	}
+	return identity.Identity{TrustDomain: w.TrustDomain, Namespace: w.Namespace, ServiceAccount: w.ServiceAccount}
+}
+
+// Synthetic reports whether w stands for remote endpoints behind a gateway.
+func (w *Workload) Synthetic() bool { return len(w.Addresses) == 0 && w.Gateway != nil }
+
+// Weight returns the capacity used for weighted selection (at least 1).
+func (w *Workload) Weight() uint64 {
+	if w.Capacity == 0 {
+		return 1
+	}
+	return uint64(w.Capacity)
+}
+
+// TargetPort returns the workload port for port of the service with key
+// svcKey, and whether the workload serves that port.
+func (w *Workload) TargetPort(svcKey string, port uint16) (uint16, bool) {
+	pm, ok := w.Services[svcKey]
+	if !ok {
+		return 0, false
+	}
+	if len(pm) == 0 {
+		return port, true
+	}
+	t, ok := pm[port]
+	if ok && t == 0 {
+		t = port
+	}
+	return t, ok
+}
+
+// ServesPort reports whether any service the workload backs targets port.
+func (w *Workload) ServesPort(port uint16) bool {
+	for _, pm := range w.Services {
+		for sp, tp := range pm {
+			if tp == port || (tp == 0 && sp == port) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+func (w *Workload) clone() *Workload {
+	c := *w
+	c.Addresses = slices.Clone(w.Addresses)
+	if w.Gateway != nil {
+		g := *w.Gateway
+		c.Gateway = &g
+	}
+	if w.Services != nil {
+		c.Services = make(map[string]PortMap, len(w.Services))
+		for k, pm := range w.Services {
+			c.Services[k] = maps.Clone(pm)
+		}
+	}
+	return &c
+}
+
+// Service is a (federated) service. Values held by a Snapshot are shared and
+// must not be modified.
+type Service struct {
+	Name      string       `json:"name"`
+	Namespace string       `json:"namespace"`
+	Hostname  string       `json:"hostname"`
+	VIPs      []netip.Addr `json:"vips,omitempty"`
+	Ports     []uint16     `json:"ports"`
+}
+
+// Key returns "<ns>/<hostname>", the key used in Workload.Services.
+func (s *Service) Key() string { return s.Namespace + "/" + s.Hostname }
+
+// HasPort reports whether the service exposes port.
+func (s *Service) HasPort(port uint16) bool { return slices.Contains(s.Ports, port) }
+
+// Hostname returns <name>.<ns>.svc.cluster.local.
+func Hostname(name, namespace string) string {
+	return strings.Join([]string{name, namespace, DefaultDomainSuffix}, ".")
+}
+
+// ServiceKey returns the Workload.Services key for a service.
+func ServiceKey(namespace, hostname string) string { return namespace + "/" + hostname }
+
+func (s *Service) clone() *Service {
+	c := *s
+	c.VIPs = slices.Clone(s.VIPs)
+	c.Ports = slices.Clone(s.Ports)
+	if c.Hostname == "" {
+		c.Hostname = Hostname(c.Name, c.Namespace)
+	}
+	return &c
+}
