@@ -1,0 +1,286 @@
+package controller
+
+import (
+	"maps"
+	"net/netip"
+	"slices"
+	"strings"
+	"unique"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/labels"
+
+	"github.com/isthmus-mesh/isthmus/pilot/model"
+)
+
+// Well-known labels.
+const (
+	// NetworkLabel names a pod's, namespace's or gateway Service's network.
+	NetworkLabel = "topology.istio.io/network"
+	// SubzoneLabel is the node label of the subzone.
+	SubzoneLabel = "topology.istio.io/subzone"
+)
+
+// intern returns the canonical copy of s, so that repeated strings (label
+// keys and values, namespaces, nodes, service accounts) are stored once.
+func intern(s string) string {
+	if s == "" {
+		return ""
+	}
+	return unique.Make(s).Value()
+}
+
+func internMap(m map[string]string) map[string]string {
+	if len(m) == 0 {
+		return nil
+	}
+	out := make(map[string]string, len(m))
+	for k, v := range m {
+		out[intern(k)] = intern(v)
+	}
+	return out
+}
+
+// podInfo is what discovery keeps of a Pod: nothing else of it is cached.
+type podInfo struct {
+	name, ns    string
+	labels      map[string]string
+	sa, node    string
+	ips         []netip.Addr
+	ready       bool
+	terminating bool
+	ports       []namedPort // named container ports, for named target ports
+}
+
+type namedPort struct {
+	name string
+	port uint16
+}
+
+func (p *podInfo) key() string { return p.ns + "/" + p.name }
+
+func (p *podInfo) equal(o *podInfo) bool {
+	return o != nil && p.name == o.name && p.ns == o.ns && maps.Equal(p.labels, o.labels) && p.sa == o.sa && p.node == o.node &&
+		slices.Equal(p.ips, o.ips) && p.ready == o.ready && p.terminating == o.terminating && slices.Equal(p.ports, o.ports)
+}
+
+func (p *podInfo) namedPort(name string) (uint16, bool) {
+	for _, np := range p.ports {
+		if np.name == name {
+			return np.port, true
+		}
+	}
+	return 0, false
+}
+
+func convertPod(pod *corev1.Pod) *podInfo {
+	p := &podInfo{
+		name: pod.Name, ns: intern(pod.Namespace), labels: internMap(pod.Labels),
+		sa: intern(pod.Spec.ServiceAccountName), node: intern(pod.Spec.NodeName),
+		terminating: pod.DeletionTimestamp != nil,
+	}
+	if p.sa == "" {
+		p.sa = "default"
+	}
+	for _, ip := range pod.Status.PodIPs {
+		if a, err := netip.ParseAddr(ip.IP); err == nil {
+			p.ips = append(p.ips, a)
+		}
+	}
+	if len(p.ips) == 0 && pod.Status.PodIP != "" {
+		if a, err := netip.ParseAddr(pod.Status.PodIP); err == nil {
+			p.ips = append(p.ips, a)
+		}
+	}
+	for _, c := range pod.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			p.ready = c.Status == corev1.ConditionTrue
+		}
+	}
+	if pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
+		p.ready = false
+		p.ips = nil
+	}
+	for _, c := range pod.Spec.Containers {
+		for _, cp := range c.Ports {
+			if cp.Name != "" {
+				p.ports = append(p.ports, namedPort{intern(cp.Name), uint16(cp.ContainerPort)})
+			}
+		}
+	}
+	return p
+}
+
+// svcInfo is what discovery keeps of a Service.
+type svcInfo struct {
+	cs       *model.ClusterService
+	selector labels.Selector // nil: selector-less
+	gateway  *model.NetworkGateway
+}
+
+func convertService(cluster model.ClusterID, svc *corev1.Service) *svcInfo {
+	cs := &model.ClusterService{
+		Cluster: cluster, Name: svc.Name, Namespace: intern(svc.Namespace),
+		Headless: svc.Spec.ClusterIP == corev1.ClusterIPNone, Created: svc.CreationTimestamp.Time,
+	}
+	for _, ip := range svc.Spec.ClusterIPs {
+		if a, err := netip.ParseAddr(ip); err == nil {
+			cs.VIPs = append(cs.VIPs, a)
+		}
+	}
+	for _, sp := range svc.Spec.Ports {
+		p := model.Port{Name: intern(sp.Name), Port: uint16(sp.Port), Protocol: model.Protocol(intern(string(sp.Protocol)))}
+		if p.Protocol == "" {
+			p.Protocol = model.TCP
+		}
+		if sp.AppProtocol != nil {
+			p.AppProtocol = intern(*sp.AppProtocol)
+		}
+		switch {
+		case sp.TargetPort.StrVal != "":
+			p.TargetPortName = intern(sp.TargetPort.StrVal)
+		case sp.TargetPort.IntVal != 0:
+			p.TargetPort = uint16(sp.TargetPort.IntVal)
+		default:
+			p.TargetPort = p.Port
+		}
+		cs.Ports = append(cs.Ports, p)
+	}
+	info := &svcInfo{cs: cs}
+	if svc.Spec.Selector != nil && svc.Spec.Type != corev1.ServiceTypeExternalName {
+		cs.Selector = internMap(svc.Spec.Selector)
+		if cs.Selector == nil {
+			cs.Selector = map[string]string{}
+		}
+		info.selector = labels.SelectorFromSet(cs.Selector)
+	}
+	if net := svc.Labels[NetworkLabel]; net != "" {
+		info.gateway = gatewayOf(cluster, model.Network(net), svc)
+	}
+	return info
+}
+
+// gatewayOf returns the east-west gateway a Service labelled with a network
+// describes: its HBONE port (15008, or the port named tls-hbone) and its
+// address (load balancer ingress, else external IP). nil when it has none.
+func gatewayOf(cluster model.ClusterID, net model.Network, svc *corev1.Service) *model.NetworkGateway {
+	var port uint16
+	for _, sp := range svc.Spec.Ports {
+		if sp.Port == model.HBONEPort || sp.Name == "tls-hbone" {
+			port = uint16(sp.Port)
+			break
+		}
+	}
+	if port == 0 {
+		return nil
+	}
+	gw := &model.NetworkGateway{Network: net, Cluster: cluster, HBONEPort: port, Source: svc.Namespace + "/" + svc.Name}
+	for _, ing := range svc.Status.LoadBalancer.Ingress {
+		if a, err := netip.ParseAddr(ing.IP); err == nil {
+			gw.Address = a
+			return gw
+		}
+		if ing.Hostname != "" {
+			gw.Hostname = ing.Hostname
+			return gw
+		}
+	}
+	for _, ip := range svc.Spec.ExternalIPs {
+		if a, err := netip.ParseAddr(ip); err == nil {
+			gw.Address = a
+			return gw
+		}
+	}
+	return nil
+}
+
+func serviceEqual(a, b *svcInfo) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	x, y := a.cs, b.cs
+	return x.Name == y.Name && x.Namespace == y.Namespace && slices.Equal(x.VIPs, y.VIPs) && slices.Equal(x.Ports, y.Ports) &&
+		x.Headless == y.Headless && maps.Equal(x.Selector, y.Selector) && (x.Selector == nil) == (y.Selector == nil) &&
+		x.Exported == y.Exported && x.Created.Equal(y.Created) && gatewayEqual(a.gateway, b.gateway)
+}
+
+func gatewayEqual(a, b *model.NetworkGateway) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	return *a == *b
+}
+
+func convertNode(n *corev1.Node) model.Locality {
+	return model.Locality{
+		Region:  intern(n.Labels[corev1.LabelTopologyRegion]),
+		Zone:    intern(n.Labels[corev1.LabelTopologyZone]),
+		Subzone: intern(n.Labels[SubzoneLabel]),
+	}
+}
+
+// sliceInfo is what discovery keeps of an EndpointSlice.
+type sliceInfo struct {
+	name, ns, service string
+	ports             []slicePort
+	endpoints         []sliceEndpoint
+}
+
+type slicePort struct {
+	name string
+	port uint16
+}
+
+type sliceEndpoint struct {
+	addr        netip.Addr
+	ready       bool
+	terminating bool
+	node        string
+	pod         string // targetRef pod name, if any
+}
+
+func convertSlice(es *discoveryv1.EndpointSlice) *sliceInfo {
+	s := &sliceInfo{name: es.Name, ns: intern(es.Namespace), service: es.Labels[discoveryv1.LabelServiceName]}
+	for _, p := range es.Ports {
+		if p.Port == nil {
+			continue
+		}
+		name := ""
+		if p.Name != nil {
+			name = intern(*p.Name)
+		}
+		s.ports = append(s.ports, slicePort{name, uint16(*p.Port)})
+	}
+	for _, ep := range es.Endpoints {
+		ready := ep.Conditions.Ready == nil || *ep.Conditions.Ready
+		term := ep.Conditions.Terminating != nil && *ep.Conditions.Terminating
+		node := ""
+		if ep.NodeName != nil {
+			node = intern(*ep.NodeName)
+		}
+		pod := ""
+		if ep.TargetRef != nil && ep.TargetRef.Kind == "Pod" {
+			pod = ep.TargetRef.Name
+		}
+		for _, a := range ep.Addresses {
+			if addr, err := netip.ParseAddr(a); err == nil {
+				s.endpoints = append(s.endpoints, sliceEndpoint{addr, ready && !term, term, node, pod})
+			}
+		}
+	}
+	return s
+}
+
+func (s *sliceInfo) equal(o *sliceInfo) bool {
+	return o != nil && s.name == o.name && s.ns == o.ns && s.service == o.service && slices.Equal(s.ports, o.ports) && slices.Equal(s.endpoints, o.endpoints)
+}
+
+// splitKey splits namespace/name.
+func splitKey(key string) (ns, name string) {
+	ns, name, ok := strings.Cut(key, "/")
+	if !ok {
+		return "", key
+	}
+	return ns, name
+}

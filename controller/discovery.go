@@ -1,0 +1,338 @@
+// Package controller discovers, for one cluster, the Services,
+// EndpointSlices, Pods, Namespaces, Nodes and east-west gateways that the
+// federation needs, and keeps that cluster's view: its services, workloads
+// (with network and locality), endpoint shards and network gateways.
+//
+// It runs as a multicluster component, so it follows each cluster's life:
+// a view is built per cluster generation, handed whole to the Sink once its
+// watches have synced (Activate), then changed key by key (Update); when the
+// generation stops it is withdrawn (Deactivate) unless a newer generation
+// already serves, which makes kubeconfig rotations gapless.
+//
+// Objects are never cached whole: each watch feeds a store that turns the
+// object into a compact value (a pod keeps its name, labels, service
+// account, node, IPs, readiness and named ports; repeated strings are
+// interned) and drops the rest, so memory follows what the registry uses.
+// A service's endpoints are the pods its selector matches (readiness from
+// the Ready condition, terminating from the deletion timestamp); a service
+// without a selector takes them from its EndpointSlices.
+package controller
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"sync"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/isthmus-mesh/isthmus/multicluster"
+	"github.com/isthmus-mesh/isthmus/pilot/model"
+)
+
+// Config configures discovery. Zero values take the defaults beside them.
+type Config struct {
+	// ControlPlaneNamespace is the namespace whose network label gives a
+	// cluster's network (default "isthmus-system").
+	ControlPlaneNamespace string
+	// Domain is the services' DNS suffix (default "cluster.local").
+	Domain string
+	// WatchServiceExports watches MCS ServiceExports (for export mode).
+	WatchServiceExports bool
+	// Logger (default slog.Default()).
+	Logger *slog.Logger
+}
+
+func (c *Config) defaults() {
+	if c.ControlPlaneNamespace == "" {
+		c.ControlPlaneNamespace = "isthmus-system"
+	}
+	if c.Domain == "" {
+		c.Domain = model.DefaultDomain
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+}
+
+// ServiceExportGVRs are the MCS ServiceExport versions, preferred first.
+var ServiceExportGVRs = []schema.GroupVersionResource{
+	{Group: "multicluster.x-k8s.io", Version: "v1beta1", Resource: "serviceexports"},
+	{Group: "multicluster.x-k8s.io", Version: "v1alpha1", Resource: "serviceexports"},
+}
+
+// exportSource lists and watches ServiceExports in the preferred version
+// the cluster serves. A cluster without the CRD has no exports; a CRD
+// installed later is seen when the cluster's watches restart (a relist).
+type exportSource struct {
+	client *multicluster.Client
+	mu     sync.Mutex
+	gvr    *schema.GroupVersionResource
+}
+
+func (e *exportSource) list(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+	for _, gvr := range ServiceExportGVRs {
+		l, err := e.client.Dynamic.Resource(gvr).List(ctx, o)
+		if apierrors.IsNotFound(err) {
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		e.mu.Lock()
+		e.gvr = &gvr
+		e.mu.Unlock()
+		return l, nil
+	}
+	e.mu.Lock()
+	e.gvr = nil
+	e.mu.Unlock()
+	l := &unstructured.UnstructuredList{}
+	l.SetResourceVersion("0")
+	return l, nil
+}
+
+func (e *exportSource) watch(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+	e.mu.Lock()
+	gvr := e.gvr
+	e.mu.Unlock()
+	if gvr == nil {
+		return watch.NewFake(), nil // nothing to watch: no CRD
+	}
+	return e.client.Dynamic.Resource(*gvr).Watch(ctx, o)
+}
+
+// NewBuilder returns the multicluster component builder of discovery: one
+// view per cluster generation, feeding sink.
+func NewBuilder(cfg Config, sink Sink) multicluster.ComponentBuilder {
+	cfg.defaults()
+	return func(ctx context.Context, c *multicluster.Cluster) (multicluster.Component, error) {
+		if sink == nil {
+			return nil, errors.New("controller: nil sink")
+		}
+		return start(ctx, cfg, c, sink), nil
+	}
+}
+
+// Discovery is one cluster generation's discovery component.
+type Discovery struct {
+	v      *view
+	stores []*store
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+	once   sync.Once
+}
+
+func start(parent context.Context, cfg Config, c *multicluster.Cluster, sink Sink) *Discovery {
+	ctx, cancel := context.WithCancel(parent)
+	d := &Discovery{v: newView(c.ID, c.Generation, cfg.Domain, c.Network, sink), cancel: cancel}
+	kube := c.Client.Kube
+	log := cfg.Logger.With("cluster", c.ID, "generation", c.Generation)
+	v := d.v
+
+	d.watch(ctx, "pods", &corev1.Pod{}, lw(
+		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			return kube.CoreV1().Pods("").List(ctx, o)
+		},
+		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			return kube.CoreV1().Pods("").Watch(ctx, o)
+		}),
+		func(obj any) { v.putPod(convertPod(obj.(*corev1.Pod))) }, v.removePod)
+	d.watch(ctx, "services", &corev1.Service{}, lw(
+		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			return kube.CoreV1().Services("").List(ctx, o)
+		},
+		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			return kube.CoreV1().Services("").Watch(ctx, o)
+		}),
+		func(obj any) { v.putService(convertService(c.ID, obj.(*corev1.Service))) }, v.removeService)
+	d.watch(ctx, "nodes", &corev1.Node{}, lw(
+		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			return kube.CoreV1().Nodes().List(ctx, o)
+		},
+		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			return kube.CoreV1().Nodes().Watch(ctx, o)
+		}),
+		func(obj any) { n := obj.(*corev1.Node); v.putNode(n.Name, convertNode(n)) },
+		func(key string) { v.removeNode(key) })
+	nsSel := fields.OneTermEqualSelector("metadata.name", cfg.ControlPlaneNamespace).String()
+	d.watch(ctx, "namespaces", &corev1.Namespace{}, lw(
+		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			o.FieldSelector = nsSel
+			return kube.CoreV1().Namespaces().List(ctx, o)
+		},
+		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			o.FieldSelector = nsSel
+			return kube.CoreV1().Namespaces().Watch(ctx, o)
+		}),
+		func(obj any) { v.setNamespaceNetwork(model.Network(obj.(*corev1.Namespace).Labels[NetworkLabel])) },
+		func(string) { v.setNamespaceNetwork("") })
+	d.watch(ctx, "endpointslices", &discoveryv1.EndpointSlice{}, lw(
+		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			return kube.DiscoveryV1().EndpointSlices("").List(ctx, o)
+		},
+		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			return kube.DiscoveryV1().EndpointSlices("").Watch(ctx, o)
+		}),
+		func(obj any) { v.putSlice(convertSlice(obj.(*discoveryv1.EndpointSlice))) }, v.removeSlice)
+	if cfg.WatchServiceExports && c.Client.Dynamic != nil {
+		ex := &exportSource{client: c.Client}
+		d.watch(ctx, "serviceexports", &unstructured.Unstructured{}, lw(ex.list, ex.watch),
+			func(obj any) {
+				u := obj.(*unstructured.Unstructured)
+				v.setExported(model.ServiceKey{Namespace: u.GetNamespace(), Name: u.GetName()}, true)
+			},
+			func(key string) {
+				ns, name := splitKey(key)
+				v.setExported(model.ServiceKey{Namespace: ns, Name: name}, false)
+			})
+	}
+	log.Debug("discovery started")
+	return d
+}
+
+func lw(list cache.ListWithContextFunc, w cache.WatchFuncWithContext) *cache.ListWatch {
+	return &cache.ListWatch{ListWithContextFunc: list, WatchFuncWithContext: w}
+}
+
+// watch runs a reflector of one kind into a store feeding the view.
+func (d *Discovery) watch(ctx context.Context, name string, example runtime.Object, lw *cache.ListWatch, put func(any), remove func(string)) {
+	s := &store{v: d.v, put: put, remove: remove, keys: map[string]struct{}{}}
+	d.stores = append(d.stores, s)
+	r := cache.NewReflectorWithOptions(lw, example, s, cache.ReflectorOptions{Name: name + "@" + string(d.v.cluster)})
+	d.wg.Go(func() { r.RunWithContext(ctx) })
+}
+
+// HasSynced reports whether every watch has listed once. The first time it
+// is true the view is handed to the sink.
+func (d *Discovery) HasSynced() bool {
+	for _, s := range d.stores {
+		if !s.hasSynced() {
+			return false
+		}
+	}
+	d.v.activate()
+	return true
+}
+
+// Close stops the watches, waits for them, and withdraws the view from the
+// sink unless a newer generation serves.
+func (d *Discovery) Close() {
+	d.once.Do(func() {
+		d.cancel()
+		d.wg.Wait()
+		d.v.deactivate()
+	})
+}
+
+// store is a cache.ReflectorStore that keeps no objects: it converts each
+// one into the view and remembers only keys (to diff relists).
+type store struct {
+	v      *view
+	put    func(any)
+	remove func(key string)
+
+	mu     sync.Mutex
+	keys   map[string]struct{}
+	synced bool
+}
+
+func keyOf(obj any) (string, error) {
+	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		return d.Key, nil
+	}
+	m, err := meta.Accessor(obj)
+	if err != nil {
+		return "", err
+	}
+	if m.GetNamespace() == "" {
+		return m.GetName(), nil
+	}
+	return m.GetNamespace() + "/" + m.GetName(), nil
+}
+
+func (s *store) apply(fn func()) {
+	s.v.mu.Lock()
+	defer s.v.mu.Unlock()
+	fn()
+	s.v.finish()
+}
+
+// Add implements cache.ReflectorStore.
+func (s *store) Add(obj any) error { return s.Update(obj) }
+
+// Update implements cache.ReflectorStore.
+func (s *store) Update(obj any) error {
+	key, err := keyOf(obj)
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	s.keys[key] = struct{}{}
+	s.mu.Unlock()
+	s.apply(func() { s.put(obj) })
+	return nil
+}
+
+// Delete implements cache.ReflectorStore.
+func (s *store) Delete(obj any) error {
+	key, err := keyOf(obj)
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	delete(s.keys, key)
+	s.mu.Unlock()
+	s.apply(func() { s.remove(key) })
+	return nil
+}
+
+// Replace implements cache.ReflectorStore: a (re)list. Keys not listed are
+// removed; the rest are upserted (equal values change nothing).
+func (s *store) Replace(list []any, _ string) error {
+	next := make(map[string]struct{}, len(list))
+	for _, obj := range list {
+		key, err := keyOf(obj)
+		if err != nil {
+			return err
+		}
+		next[key] = struct{}{}
+	}
+	s.mu.Lock()
+	prev := s.keys
+	s.keys = next
+	s.mu.Unlock()
+	s.apply(func() {
+		for key := range prev {
+			if _, ok := next[key]; !ok {
+				s.remove(key)
+			}
+		}
+		for _, obj := range list {
+			s.put(obj)
+		}
+	})
+	s.mu.Lock()
+	s.synced = true
+	s.mu.Unlock()
+	return nil
+}
+
+// Resync implements cache.ReflectorStore.
+func (s *store) Resync() error { return nil }
+
+func (s *store) hasSynced() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.synced
+}

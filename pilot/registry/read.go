@@ -1,0 +1,132 @@
+package registry
+
+import (
+	"maps"
+	"slices"
+	"strings"
+
+	"github.com/isthmus-mesh/isthmus/pilot/model"
+)
+
+// Services returns every federated service (immutable values), sorted by
+// hostname.
+func (r *Registry) Services() []*model.Service {
+	r.mu.RLock()
+	out := make([]*model.Service, 0, len(r.services))
+	for _, s := range r.services {
+		out = append(out, s)
+	}
+	r.mu.RUnlock()
+	slices.SortFunc(out, func(a, b *model.Service) int { return strings.Compare(a.Hostname, b.Hostname) })
+	return out
+}
+
+// Service returns the federated service of hostname (nil if none). In
+// export mode, <name>.<ns>.svc.clusterset.local names an exported service.
+func (r *Registry) Service(hostname string) *model.Service {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	if s := r.services[hostname]; s != nil {
+		return s
+	}
+	if r.cfg.ExportMode {
+		if prefix, ok := strings.CutSuffix(hostname, ".svc."+ClusterSetDomain); ok {
+			if s := r.services[prefix+".svc."+r.cfg.Domain]; s != nil && exportedAnywhere(s) {
+				return s
+			}
+		}
+	}
+	return nil
+}
+
+func exportedAnywhere(s *model.Service) bool {
+	return len(s.LocalClusters) < len(s.Clusters)
+}
+
+// Workloads returns every workload (immutable values).
+func (r *Registry) Workloads() []*model.Workload {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	return slices.Collect(maps.Values(r.workloads))
+}
+
+// Workload returns the workload of uid (nil if none).
+func (r *Registry) Workload(uid string) *model.Workload {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	return r.workloads[uid]
+}
+
+// Gateways returns every network gateway, sorted.
+func (r *Registry) Gateways() []model.NetworkGateway {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	return slices.Clone(r.gateways)
+}
+
+// GatewaysOf returns the gateways of network n.
+func (r *Registry) GatewaysOf(n model.Network) []model.NetworkGateway {
+	var out []model.NetworkGateway
+	for _, g := range r.Gateways() {
+		if g.Network == n {
+			out = append(out, g)
+		}
+	}
+	return out
+}
+
+// ServiceAccountOnNode reports whether a workload of service account sa in
+// namespace ns runs on node in cluster (for the CA's impersonation check).
+func (r *Registry) ServiceAccountOnNode(cluster, node, ns, sa string) bool {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	for _, w := range r.byNode[nodeKey{model.ClusterID(cluster), node}] {
+		if w.Namespace == ns && w.ServiceAccount == sa {
+			return true
+		}
+	}
+	return false
+}
+
+// StaleClusters returns the clusters marked unreachable, with the time.
+func (r *Registry) StaleClusters() map[model.ClusterID]int64 {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	out := make(map[model.ClusterID]int64, len(r.stale))
+	for c, t := range r.stale {
+		out[c] = t.Unix()
+	}
+	return out
+}
+
+// Clusters returns the clusters that contribute state, with their serving
+// generation.
+func (r *Registry) Clusters() map[model.ClusterID]uint64 {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	out := make(map[model.ClusterID]uint64, len(r.clusters))
+	for c, cs := range r.clusters {
+		out[c] = cs.gen
+	}
+	return out
+}
+
+// Subscribe calls fn, serially from Run's goroutine, with each debounced
+// change set. fn must not block for long. The returned func unsubscribes.
+func (r *Registry) Subscribe(fn func(model.ChangeSet)) (cancel func()) {
+	return r.feed.subscribe(fn)
+}
+
+func clusterServiceEqual(a, b *model.ClusterService) bool {
+	return a.Name == b.Name && a.Namespace == b.Namespace && a.Cluster == b.Cluster && slices.Equal(a.VIPs, b.VIPs) &&
+		slices.Equal(a.Ports, b.Ports) && a.Headless == b.Headless && maps.Equal(a.Selector, b.Selector) &&
+		a.Exported == b.Exported && a.Created.Equal(b.Created)
+}
+
+func shardEqual(a, b []model.Endpoint) bool {
+	return slices.EqualFunc(a, b, func(x, y model.Endpoint) bool {
+		return x.WorkloadUID == y.WorkloadUID && x.Address == y.Address && x.Cluster == y.Cluster && x.Network == y.Network &&
+			x.Locality == y.Locality && x.ServiceAccount == y.ServiceAccount && x.Namespace == y.Namespace && x.Node == y.Node &&
+			x.Ready == y.Ready && x.Terminating == y.Terminating && slices.Equal(x.Ports, y.Ports)
+	})
+}

@@ -1,0 +1,476 @@
+// Package registry merges every cluster's view into the federated registry
+// and publishes typed, debounced change events.
+//
+// Namespace sameness: a Service with the same name and namespace in several
+// clusters is one service (hostname <name>.<ns>.svc.<domain>), whose
+// endpoints are the union of per-cluster shards and whose VIPs are kept per
+// cluster; ports are merged by name, the oldest definition winning a
+// conflict (the MCS rule), and conflicts are reported. Cluster-local hosts
+// never leave their cluster; in MCS export mode only exported services do.
+//
+// Clusters feed it through the controller.Sink contract (Activate, Update,
+// Deactivate per cluster generation), so a kubeconfig rotation swaps a
+// cluster's state without a gap and without events when nothing changed.
+//
+// Readers get immutable values: a change replaces a service's or
+// workload's value under a short write lock, never mutates a published one.
+// Subscribers receive model.ChangeSets from Run's goroutine: the first
+// change after a quiet period goes out at once (leading edge); changes that
+// follow within the quiet period are merged, bounded by a maximum delay.
+package registry
+
+import (
+	"cmp"
+	"fmt"
+	"log/slog"
+	"maps"
+	"net/netip"
+	"path"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/isthmus-mesh/isthmus/pilot/model"
+)
+
+// Config configures the Registry; zero values take the defaults beside them.
+type Config struct {
+	// Domain is the services' DNS suffix (default "cluster.local").
+	Domain string
+	// QuietPeriod merges changes that follow each other closer than this
+	// (default 100 ms).
+	QuietPeriod time.Duration
+	// MaxDelay bounds how long a change may wait for a burst to end
+	// (default 1 s).
+	MaxDelay time.Duration
+	// ClusterLocalHosts are hostnames (a leading "*." matches any prefix)
+	// that never cross clusters (default *.kube-system.svc.<domain> and
+	// kubernetes.default.svc.<domain>).
+	ClusterLocalHosts []string
+	// ExportMode federates only services with an MCS ServiceExport; the others
+	// stay local to their cluster. Exported services also resolve as
+	// <name>.<ns>.svc.clusterset.local.
+	ExportMode bool
+	// StaleGrace is how long an unreachable cluster's last state is kept
+	// before it is removed (0: forever).
+	StaleGrace time.Duration
+	// Logger (default slog.Default()).
+	Logger *slog.Logger
+}
+
+func (c *Config) defaults() {
+	if c.Domain == "" {
+		c.Domain = model.DefaultDomain
+	}
+	if c.QuietPeriod == 0 {
+		c.QuietPeriod = 100 * time.Millisecond
+	}
+	if c.MaxDelay == 0 {
+		c.MaxDelay = time.Second
+	}
+	if c.ClusterLocalHosts == nil {
+		c.ClusterLocalHosts = []string{"*.kube-system.svc." + c.Domain, "kubernetes.default.svc." + c.Domain}
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+}
+
+// ClusterSetDomain is the MCS clusterset domain.
+const ClusterSetDomain = "clusterset.local"
+
+// Registry is the federated registry. It is safe for concurrent use.
+type Registry struct {
+	cfg Config
+	log *slog.Logger
+
+	mu        sync.RWMutex
+	clusters  map[model.ClusterID]*clusterState
+	services  map[string]*model.Service // by hostname
+	workloads map[string]*model.Workload
+	byNode    map[nodeKey]map[string]*model.Workload
+	gateways  []model.NetworkGateway
+	stale     map[model.ClusterID]time.Time
+
+	feed *feed
+}
+
+type nodeKey struct {
+	cluster model.ClusterID
+	node    string
+}
+
+// clusterState is what one cluster (one generation of it) contributes.
+type clusterState struct {
+	gen       uint64
+	services  map[model.ServiceKey]*model.ClusterService
+	shards    map[model.ServiceKey][]model.Endpoint
+	workloads map[string]*model.Workload
+	gateways  []model.NetworkGateway
+	staleT    *time.Timer
+}
+
+// New makes an empty registry; Run publishes its changes.
+func New(cfg Config) *Registry {
+	cfg.defaults()
+	return &Registry{
+		cfg: cfg, log: cfg.Logger.With("component", "registry"),
+		clusters: map[model.ClusterID]*clusterState{}, services: map[string]*model.Service{},
+		workloads: map[string]*model.Workload{}, byNode: map[nodeKey]map[string]*model.Workload{},
+		stale: map[model.ClusterID]time.Time{},
+		feed:  newFeed(cfg.QuietPeriod, cfg.MaxDelay),
+	}
+}
+
+// ---- controller.Sink ----
+
+// Activate serves gen's whole state for cluster, replacing an older
+// generation's; only differences produce changes.
+func (r *Registry) Activate(cluster model.ClusterID, gen uint64, st *model.ClusterState) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	old := r.clusters[cluster]
+	if old != nil && old.gen > gen {
+		return
+	}
+	next := &clusterState{gen: gen, services: st.Services, shards: st.Shards, workloads: st.Workloads, gateways: st.Gateways}
+	if next.services == nil {
+		next.services = map[model.ServiceKey]*model.ClusterService{}
+	}
+	if next.shards == nil {
+		next.shards = map[model.ServiceKey][]model.Endpoint{}
+	}
+	if next.workloads == nil {
+		next.workloads = map[string]*model.Workload{}
+	}
+	if old == nil {
+		old = &clusterState{}
+	} else if old.staleT != nil {
+		old.staleT.Stop()
+	}
+	r.clusters[cluster] = next
+	delete(r.stale, cluster)
+	var changes []model.Change
+	svcKeys := map[model.ServiceKey]bool{}
+	for k, cs := range next.services {
+		if o := old.services[k]; o == nil || !clusterServiceEqual(o, cs) {
+			svcKeys[k] = true
+		}
+	}
+	for k := range old.services {
+		if next.services[k] == nil {
+			svcKeys[k] = true
+		}
+	}
+	for k, sh := range next.shards {
+		if !shardEqual(old.shards[k], sh) {
+			svcKeys[k] = true
+		}
+	}
+	for k := range old.shards {
+		if _, ok := next.shards[k]; !ok {
+			svcKeys[k] = true
+		}
+	}
+	for uid, w := range next.workloads {
+		changes = r.putWorkload(changes, uid, w)
+	}
+	for uid := range old.workloads {
+		if next.workloads[uid] == nil {
+			changes = r.putWorkload(changes, uid, nil)
+		}
+	}
+	for k := range svcKeys {
+		changes = r.rebuildService(changes, k)
+	}
+	if !slices.Equal(old.gateways, next.gateways) {
+		changes = r.rebuildGateways(changes)
+	}
+	r.feed.add(changes)
+}
+
+// Update applies a change of cluster's serving generation.
+func (r *Registry) Update(cluster model.ClusterID, gen uint64, d *model.ClusterDelta) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	cs := r.clusters[cluster]
+	if cs == nil || cs.gen != gen {
+		return
+	}
+	var changes []model.Change
+	svcKeys := map[model.ServiceKey]bool{}
+	for k, s := range d.Services {
+		old := cs.services[k]
+		switch {
+		case s == nil && old == nil:
+			continue
+		case s == nil:
+			delete(cs.services, k)
+		case old != nil && clusterServiceEqual(old, s):
+			continue
+		default:
+			cs.services[k] = s
+		}
+		svcKeys[k] = true
+	}
+	for k, sh := range d.Shards {
+		if shardEqual(cs.shards[k], sh) {
+			continue
+		}
+		if len(sh) == 0 {
+			delete(cs.shards, k)
+		} else {
+			cs.shards[k] = sh
+		}
+		svcKeys[k] = true
+	}
+	for uid, w := range d.Workloads {
+		if w == nil {
+			delete(cs.workloads, uid)
+		} else {
+			cs.workloads[uid] = w
+		}
+		changes = r.putWorkload(changes, uid, w)
+	}
+	for k := range svcKeys {
+		changes = r.rebuildService(changes, k)
+	}
+	if d.GatewaysChanged && !slices.Equal(cs.gateways, d.Gateways) {
+		cs.gateways = d.Gateways
+		changes = r.rebuildGateways(changes)
+	}
+	r.feed.add(changes)
+}
+
+// Deactivate removes cluster if gen is still its serving generation: all
+// its services' shards, workloads and gateways go in one change set.
+func (r *Registry) Deactivate(cluster model.ClusterID, gen uint64) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	cs := r.clusters[cluster]
+	if cs == nil || cs.gen != gen {
+		return
+	}
+	r.removeClusterLocked(cluster, cs)
+}
+
+func (r *Registry) removeClusterLocked(cluster model.ClusterID, cs *clusterState) {
+	if cs.staleT != nil {
+		cs.staleT.Stop()
+	}
+	delete(r.clusters, cluster)
+	delete(r.stale, cluster)
+	var changes []model.Change
+	for uid := range cs.workloads {
+		changes = r.putWorkload(changes, uid, nil)
+	}
+	keys := map[model.ServiceKey]bool{}
+	for k := range cs.services {
+		keys[k] = true
+	}
+	for k := range cs.shards {
+		keys[k] = true
+	}
+	for k := range keys {
+		changes = r.rebuildService(changes, k)
+	}
+	if len(cs.gateways) > 0 {
+		changes = r.rebuildGateways(changes)
+	}
+	r.log.Info("cluster removed from the registry", "cluster", cluster, "changes", len(changes))
+	r.feed.add(changes)
+}
+
+// SetReachable records whether a cluster's API server answers. An
+// unreachable cluster's last state stays, marked stale, for StaleGrace (0:
+// forever), then is removed; reachable again clears the mark.
+func (r *Registry) SetReachable(cluster model.ClusterID, reachable bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	cs := r.clusters[cluster]
+	if cs == nil {
+		return
+	}
+	if reachable {
+		if cs.staleT != nil {
+			cs.staleT.Stop()
+			cs.staleT = nil
+		}
+		delete(r.stale, cluster)
+		return
+	}
+	if _, ok := r.stale[cluster]; ok {
+		return
+	}
+	r.stale[cluster] = time.Now()
+	r.log.Warn("cluster unreachable; keeping its last state", "cluster", cluster, "grace", r.cfg.StaleGrace)
+	if r.cfg.StaleGrace > 0 {
+		gen := cs.gen
+		cs.staleT = time.AfterFunc(r.cfg.StaleGrace, func() {
+			r.mu.Lock()
+			defer r.mu.Unlock()
+			if cur := r.clusters[cluster]; cur != nil && cur.gen == gen {
+				if _, still := r.stale[cluster]; still {
+					r.removeClusterLocked(cluster, cur)
+				}
+			}
+		})
+	}
+}
+
+// ---- derived state (called with mu held) ----
+
+func (r *Registry) putWorkload(changes []model.Change, uid string, w *model.Workload) []model.Change {
+	old := r.workloads[uid]
+	if old != nil {
+		nk := nodeKey{old.Cluster, old.Node}
+		delete(r.byNode[nk], uid)
+		if len(r.byNode[nk]) == 0 {
+			delete(r.byNode, nk)
+		}
+	}
+	if w == nil {
+		if old == nil {
+			return changes
+		}
+		delete(r.workloads, uid)
+		return append(changes, model.Change{Kind: model.WorkloadChange, Op: model.Removed, Key: uid})
+	}
+	r.workloads[uid] = w
+	nk := nodeKey{w.Cluster, w.Node}
+	if r.byNode[nk] == nil {
+		r.byNode[nk] = map[string]*model.Workload{}
+	}
+	r.byNode[nk][uid] = w
+	if old == w {
+		return changes
+	}
+	op := model.Added
+	if old != nil {
+		op = model.Updated
+	}
+	return append(changes, model.Change{Kind: model.WorkloadChange, Op: op, Key: uid})
+}
+
+func (r *Registry) hostname(k model.ServiceKey) string {
+	return model.Hostname(k.Name, k.Namespace, r.cfg.Domain)
+}
+
+// clusterLocal reports whether host never crosses clusters.
+func (r *Registry) clusterLocal(host string) bool {
+	for _, pat := range r.cfg.ClusterLocalHosts {
+		if suffix, ok := strings.CutPrefix(pat, "*"); ok {
+			if strings.HasSuffix(host, suffix) {
+				return true
+			}
+		} else if ok, _ := path.Match(pat, host); ok || pat == host {
+			return true
+		}
+	}
+	return false
+}
+
+// rebuildService recomputes the federated service k from every cluster.
+func (r *Registry) rebuildService(changes []model.Change, k model.ServiceKey) []model.Change {
+	host := r.hostname(k)
+	var defs []*model.ClusterService
+	for _, cs := range r.clusters {
+		if s := cs.services[k]; s != nil {
+			defs = append(defs, s)
+		}
+	}
+	old := r.services[host]
+	if len(defs) == 0 {
+		if old == nil {
+			return changes
+		}
+		delete(r.services, host)
+		return append(changes, model.Change{Kind: model.ServiceChange, Op: model.Removed, Key: host})
+	}
+	// Oldest definition first (MCS conflict rule), then by cluster ID.
+	slices.SortFunc(defs, func(a, b *model.ClusterService) int {
+		return cmp.Or(a.Created.Compare(b.Created), cmp.Compare(a.Cluster, b.Cluster))
+	})
+	svc := &model.Service{
+		Name: k.Name, Namespace: k.Namespace, Hostname: host, Headless: defs[0].Headless,
+		VIPs: map[model.ClusterID][]netip.Addr{}, Shards: map[model.ClusterID][]model.Endpoint{},
+	}
+	if r.clusterLocal(host) {
+		svc.Scope = model.ScopeClusterLocal
+	}
+	byName := map[string]int{}
+	for _, d := range defs {
+		svc.Clusters = append(svc.Clusters, d.Cluster)
+		if len(d.VIPs) > 0 {
+			svc.VIPs[d.Cluster] = d.VIPs
+		}
+		if sh := r.clusters[d.Cluster].shards[k]; len(sh) > 0 {
+			svc.Shards[d.Cluster] = sh
+		}
+		if r.cfg.ExportMode && !d.Exported {
+			if svc.LocalClusters == nil {
+				svc.LocalClusters = map[model.ClusterID]bool{}
+			}
+			svc.LocalClusters[d.Cluster] = true
+		}
+		for _, p := range d.Ports {
+			i, seen := byName[p.Name]
+			if !seen {
+				byName[p.Name] = len(svc.Ports)
+				svc.Ports = append(svc.Ports, p)
+				continue
+			}
+			if svc.Ports[i] != p {
+				svc.PortConflicts = append(svc.PortConflicts, fmt.Sprintf("port %q in cluster %s (%d/%s) differs from the oldest definition (%d/%s); ignored",
+					p.Name, d.Cluster, p.Port, p.Protocol, svc.Ports[i].Port, svc.Ports[i].Protocol))
+			}
+		}
+	}
+	slices.Sort(svc.Clusters)
+	r.services[host] = svc
+	op := model.Added
+	if old != nil {
+		op = model.Updated
+	}
+	return append(changes, model.Change{Kind: model.ServiceChange, Op: op, Key: host})
+}
+
+// rebuildGateways recomputes the gateway list and reports the networks
+// whose gateways changed.
+func (r *Registry) rebuildGateways(changes []model.Change) []model.Change {
+	var all []model.NetworkGateway
+	for _, cs := range r.clusters {
+		all = append(all, cs.gateways...)
+	}
+	slices.SortFunc(all, func(a, b model.NetworkGateway) int { return cmp.Compare(a.Key(), b.Key()) })
+	before := map[model.Network][]model.NetworkGateway{}
+	for _, g := range r.gateways {
+		before[g.Network] = append(before[g.Network], g)
+	}
+	after := map[model.Network][]model.NetworkGateway{}
+	for _, g := range all {
+		after[g.Network] = append(after[g.Network], g)
+	}
+	r.gateways = all
+	nets := map[model.Network]bool{}
+	for n := range before {
+		nets[n] = true
+	}
+	for n := range after {
+		nets[n] = true
+	}
+	for _, n := range slices.Sorted(maps.Keys(nets)) {
+		b, a := before[n], after[n]
+		switch {
+		case slices.Equal(b, a):
+		case len(a) == 0:
+			changes = append(changes, model.Change{Kind: model.GatewayChange, Op: model.Removed, Key: string(n)})
+		case len(b) == 0:
+			changes = append(changes, model.Change{Kind: model.GatewayChange, Op: model.Added, Key: string(n)})
+		default:
+			changes = append(changes, model.Change{Kind: model.GatewayChange, Op: model.Updated, Key: string(n)})
+		}
+	}
+	return changes
+}

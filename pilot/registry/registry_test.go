@@ -1,0 +1,231 @@
+package registry
+
+import (
+	"context"
+	"net/netip"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/isthmus-mesh/isthmus/pilot/model"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// recorder collects change sets.
+type recorder struct {
+	mu   sync.Mutex
+	sets []model.ChangeSet
+	at   []time.Time
+}
+
+func (r *recorder) fn(cs model.ChangeSet) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.sets = append(r.sets, cs)
+	r.at = append(r.at, time.Now())
+}
+
+func (r *recorder) count() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.sets)
+}
+
+func (r *recorder) all() []model.ChangeSet {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]model.ChangeSet(nil), r.sets...)
+}
+
+func run(t *testing.T, cfg Config) (*Registry, *recorder) {
+	t.Helper()
+	reg := New(cfg)
+	rec := &recorder{}
+	reg.Subscribe(rec.fn)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = reg.Run(ctx); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return reg, rec
+}
+
+func svc(cluster model.ClusterID, ns, name string, created time.Time, ports ...model.Port) *model.ClusterService {
+	return &model.ClusterService{Cluster: cluster, Name: name, Namespace: ns, Ports: ports, Selector: map[string]string{"app": name},
+		Created: created, VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.1")}}
+}
+
+func ep(cluster model.ClusterID, net model.Network, addr string) model.Endpoint {
+	return model.Endpoint{WorkloadUID: string(cluster) + "/demo/" + addr, Address: netip.MustParseAddr(addr), Cluster: cluster, Network: net,
+		Namespace: "demo", ServiceAccount: "default", Ready: true, Ports: []model.PortMapping{{ServicePort: 80, TargetPort: 8080}}}
+}
+
+func state(services []*model.ClusterService, shards map[model.ServiceKey][]model.Endpoint) *model.ClusterState {
+	st := &model.ClusterState{Services: map[model.ServiceKey]*model.ClusterService{}, Shards: shards, Workloads: map[string]*model.Workload{}}
+	for _, s := range services {
+		st.Services[s.Key()] = s
+	}
+	return st
+}
+
+var (
+	t0   = time.Unix(1000, 0)
+	httpPort = model.Port{Name: "http", Port: 80, TargetPort: 8080, Protocol: model.TCP}
+	echo = model.ServiceKey{Namespace: "demo", Name: "echo"}
+)
+
+func TestNamespaceSamenessAndPortConflicts(t *testing.T) {
+	reg, _ := run(t, Config{})
+	grpc2 := model.Port{Name: "grpc", Port: 9090, TargetPort: 9090, Protocol: model.TCP}
+	reg.Activate("c1", 1, state([]*model.ClusterService{svc("c1", "demo", "echo", t0, httpPort)},
+		map[model.ServiceKey][]model.Endpoint{echo: {ep("c1", "n1", "10.0.0.1")}}))
+	conflicting := model.Port{Name: "http", Port: 8000, TargetPort: 8080, Protocol: model.TCP}
+	reg.Activate("c2", 1, state([]*model.ClusterService{svc("c2", "demo", "echo", t0.Add(time.Hour), conflicting, grpc2)},
+		map[model.ServiceKey][]model.Endpoint{echo: {ep("c2", "n2", "10.1.0.1"), ep("c2", "n2", "10.1.0.2")}}))
+
+	s := reg.Service("echo.demo.svc.cluster.local")
+	require.NotNil(t, s)
+	require.Equal(t, []model.ClusterID{"c1", "c2"}, s.Clusters)
+	require.Equal(t, []model.Port{httpPort, grpc2}, s.Ports, "ports merged by name, the oldest definition wins")
+	require.Len(t, s.PortConflicts, 1)
+	require.Contains(t, s.PortConflicts[0], "c2")
+	require.Len(t, s.Shards["c1"], 1)
+	require.Len(t, s.Shards["c2"], 2)
+	require.Len(t, s.VIPs, 2)
+	require.Equal(t, model.ScopeGlobal, s.Scope)
+	require.True(t, s.ShardVisible("c2", "c1"))
+}
+
+func TestClusterLocalAndExportMode(t *testing.T) {
+	reg, _ := run(t, Config{ExportMode: true})
+	ks := svc("c2", "kube-system", "kube-dns", t0, httpPort)
+	exported := svc("c2", "demo", "echo", t0, httpPort)
+	exported.Exported = true
+	notExported := svc("c2", "demo", "private", t0, httpPort)
+	reg.Activate("c2", 1, state([]*model.ClusterService{ks, exported, notExported}, nil))
+
+	dns := reg.Service("kube-dns.kube-system.svc.cluster.local")
+	require.Equal(t, model.ScopeClusterLocal, dns.Scope)
+	require.False(t, dns.ShardVisible("c2", "c1"), "kube-system never leaves its cluster")
+	require.True(t, dns.ShardVisible("c2", "c2"))
+
+	require.True(t, reg.Service("echo.demo.svc.cluster.local").ShardVisible("c2", "c1"))
+	require.NotNil(t, reg.Service("echo.demo.svc.clusterset.local"), "exported services resolve in clusterset.local")
+	private := reg.Service("private.demo.svc.cluster.local")
+	require.False(t, private.ShardVisible("c2", "c1"), "not exported: local to its cluster")
+	require.Nil(t, reg.Service("private.demo.svc.clusterset.local"))
+}
+
+func TestEqualActivationAndUpdatesEmitNothing(t *testing.T) {
+	reg, rec := run(t, Config{QuietPeriod: 10 * time.Millisecond})
+	shards := map[model.ServiceKey][]model.Endpoint{echo: {ep("c1", "n1", "10.0.0.1")}}
+	reg.Activate("c1", 1, state([]*model.ClusterService{svc("c1", "demo", "echo", t0, httpPort)}, shards))
+	require.Eventually(t, func() bool { return rec.count() == 1 }, time.Second, time.Millisecond)
+
+	// A new generation with equal state (a rotated token) changes nothing.
+	reg.Activate("c1", 2, state([]*model.ClusterService{svc("c1", "demo", "echo", t0, httpPort)},
+		map[model.ServiceKey][]model.Endpoint{echo: {ep("c1", "n1", "10.0.0.1")}}))
+	// An equal update of the serving generation changes nothing either.
+	reg.Update("c1", 2, &model.ClusterDelta{Shards: map[model.ServiceKey][]model.Endpoint{echo: {ep("c1", "n1", "10.0.0.1")}}})
+	// The old generation's updates and removal are ignored.
+	reg.Update("c1", 1, &model.ClusterDelta{Shards: map[model.ServiceKey][]model.Endpoint{echo: nil}})
+	reg.Deactivate("c1", 1)
+	time.Sleep(50 * time.Millisecond)
+	require.Equal(t, 1, rec.count())
+	require.Len(t, reg.Service("echo.demo.svc.cluster.local").Shards["c1"], 1)
+
+	// A real change is published.
+	reg.Update("c1", 2, &model.ClusterDelta{Shards: map[model.ServiceKey][]model.Endpoint{echo: {ep("c1", "n1", "10.0.0.2")}}})
+	require.Eventually(t, func() bool { return rec.count() == 2 }, time.Second, time.Millisecond)
+	require.Equal(t, []model.Change{{Kind: model.ServiceChange, Op: model.Updated, Key: "echo.demo.svc.cluster.local"}}, rec.all()[1].Changes)
+}
+
+func TestDeactivateRemovesEverythingInOneEvent(t *testing.T) {
+	reg, rec := run(t, Config{QuietPeriod: 10 * time.Millisecond})
+	w := &model.Workload{UID: "c2/demo/echo-0", Cluster: "c2", Node: "n", Namespace: "demo", ServiceAccount: "echo"}
+	st := state([]*model.ClusterService{svc("c2", "demo", "echo", t0, httpPort), svc("c2", "demo", "other", t0, httpPort)},
+		map[model.ServiceKey][]model.Endpoint{echo: {ep("c2", "n2", "10.1.0.1")}})
+	st.Workloads[w.UID] = w
+	st.Gateways = []model.NetworkGateway{{Network: "n2", Cluster: "c2", Address: netip.MustParseAddr("10.1.255.1"), HBONEPort: 15008}}
+	reg.Activate("c1", 1, state([]*model.ClusterService{svc("c1", "demo", "echo", t0, httpPort)}, nil))
+	reg.Activate("c2", 1, st)
+	require.Eventually(t, func() bool { return reg.Service("other.demo.svc.cluster.local") != nil }, time.Second, time.Millisecond)
+	require.True(t, reg.ServiceAccountOnNode("c2", "n", "demo", "echo"))
+	time.Sleep(30 * time.Millisecond)
+	before := rec.count()
+
+	reg.Deactivate("c2", 1)
+	require.Eventually(t, func() bool { return rec.count() == before+1 }, time.Second, time.Millisecond)
+	time.Sleep(30 * time.Millisecond)
+	require.Equal(t, before+1, rec.count(), "one event")
+	last := rec.all()[before]
+	require.ElementsMatch(t, []model.Change{
+		{Kind: model.ServiceChange, Op: model.Updated, Key: "echo.demo.svc.cluster.local"},
+		{Kind: model.ServiceChange, Op: model.Removed, Key: "other.demo.svc.cluster.local"},
+		{Kind: model.WorkloadChange, Op: model.Removed, Key: "c2/demo/echo-0"},
+		{Kind: model.GatewayChange, Op: model.Removed, Key: "n2"},
+	}, last.Changes)
+	require.Equal(t, []model.ClusterID{"c1"}, reg.Service("echo.demo.svc.cluster.local").Clusters)
+	require.False(t, reg.ServiceAccountOnNode("c2", "n", "demo", "echo"))
+}
+
+func TestStaleClusterKeptThenRemovedAfterGrace(t *testing.T) {
+	reg, _ := run(t, Config{StaleGrace: 100 * time.Millisecond})
+	reg.Activate("c2", 1, state([]*model.ClusterService{svc("c2", "demo", "echo", t0, httpPort)}, nil))
+	reg.SetReachable("c2", false)
+	require.Contains(t, reg.StaleClusters(), model.ClusterID("c2"))
+	require.NotNil(t, reg.Service("echo.demo.svc.cluster.local"), "last state kept while stale")
+	require.Eventually(t, func() bool { return reg.Service("echo.demo.svc.cluster.local") == nil }, 2*time.Second, 5*time.Millisecond)
+
+	// Reachable again before the grace: nothing is removed.
+	reg.Activate("c3", 1, state([]*model.ClusterService{svc("c3", "demo", "echo", t0, httpPort)}, nil))
+	reg.SetReachable("c3", false)
+	reg.SetReachable("c3", true)
+	time.Sleep(200 * time.Millisecond)
+	require.NotNil(t, reg.Service("echo.demo.svc.cluster.local"))
+	require.Empty(t, reg.StaleClusters())
+}
+
+func TestDebounceLeadingEdgeBurstAndMaxDelay(t *testing.T) {
+	put := func(reg *Registry, i int) {
+		reg.Update("c1", 1, &model.ClusterDelta{Workloads: map[string]*model.Workload{
+			"w": {UID: "w", Cluster: "c1", Addresses: []netip.Addr{netip.AddrFrom4([4]byte{10, 0, byte(i >> 8), byte(i)})}},
+		}})
+	}
+	t.Run("leading edge", func(t *testing.T) {
+		// With an hour of quiet period, only the leading edge can publish.
+		reg, rec := run(t, Config{QuietPeriod: time.Hour, MaxDelay: time.Hour})
+		reg.Activate("c1", 1, state(nil, nil))
+		put(reg, 0)
+		require.Eventually(t, func() bool { return rec.count() == 1 }, 10*time.Second, time.Millisecond)
+		put(reg, 1) // within the quiet period: held back
+		time.Sleep(100 * time.Millisecond)
+		require.Equal(t, 1, rec.count())
+	})
+	t.Run("burst merged", func(t *testing.T) {
+		reg, rec := run(t, Config{QuietPeriod: 50 * time.Millisecond, MaxDelay: time.Hour})
+		reg.Activate("c1", 1, state(nil, nil))
+		for i := range 200 {
+			put(reg, i)
+		}
+		require.Eventually(t, func() bool {
+			sets := rec.all()
+			return len(sets) > 0 && sets[len(sets)-1].Changes[0].Key == "w" && reg.Workload("w").Addresses[0] == netip.AddrFrom4([4]byte{10, 0, 0, 199})
+		}, 10*time.Second, time.Millisecond)
+		time.Sleep(150 * time.Millisecond)
+		require.LessOrEqual(t, rec.count(), 2, "200 changes cost the leading push and one merged push")
+	})
+	t.Run("max delay", func(t *testing.T) {
+		// The quiet period never ends while changes keep coming; MaxDelay publishes anyway.
+		reg, rec := run(t, Config{QuietPeriod: time.Hour, MaxDelay: 20 * time.Millisecond})
+		reg.Activate("c1", 1, state(nil, nil))
+		for i := 0; rec.count() < 3 && i < 5000; i++ {
+			put(reg, i)
+			time.Sleep(time.Millisecond)
+		}
+		require.GreaterOrEqual(t, rec.count(), 3)
+	})
+}
