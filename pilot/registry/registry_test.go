@@ -72,9 +72,9 @@ func state(services []*model.ClusterService, shards map[model.ServiceKey][]model
 }
 
 var (
-	t0   = time.Unix(1000, 0)
+	t0       = time.Unix(1000, 0)
 	httpPort = model.Port{Name: "http", Port: 80, TargetPort: 8080, Protocol: model.TCP}
-	echo = model.ServiceKey{Namespace: "demo", Name: "echo"}
+	echo     = model.ServiceKey{Namespace: "demo", Name: "echo"}
 )
 
 func TestNamespaceSamenessAndPortConflicts(t *testing.T) {
