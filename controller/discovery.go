@@ -72,12 +72,9 @@ var ServiceExportGVRs = []schema.GroupVersionResource{
 }
 
 // exportSource lists and watches ServiceExports in the preferred version
-// the cluster serves. A cluster without the CRD has no exports; a CRD
-// installed later is seen when the cluster's watches restart (a relist).
+// the cluster serves. A cluster without the CRD has no exports.
 type exportSource struct {
 	client *multicluster.Client
-	mu     sync.Mutex
-	gvr    *schema.GroupVersionResource
 }
 
 func (e *exportSource) list(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
@@ -86,30 +83,24 @@ func (e *exportSource) list(ctx context.Context, o metav1.ListOptions) (runtime.
 		if apierrors.IsNotFound(err) {
 			continue
 		}
-		if err != nil {
-			return nil, err
-		}
-		e.mu.Lock()
-		e.gvr = &gvr
-		e.mu.Unlock()
-		return l, nil
+		return l, err
 	}
-	e.mu.Lock()
-	e.gvr = nil
-	e.mu.Unlock()
 	l := &unstructured.UnstructuredList{}
 	l.SetResourceVersion("0")
 	return l, nil
 }
 
 func (e *exportSource) watch(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-	e.mu.Lock()
-	gvr := e.gvr
-	e.mu.Unlock()
-	if gvr == nil {
-		return watch.NewFake(), nil // nothing to watch: no CRD
+	var err error
+	for _, gvr := range ServiceExportGVRs {
+		var w watch.Interface
+		if w, err = e.client.Dynamic.Resource(gvr).Watch(ctx, o); !apierrors.IsNotFound(err) {
+			return w, err
+		}
 	}
-	return e.client.Dynamic.Resource(*gvr).Watch(ctx, o)
+	// No CRD: the reflector backs off, lists (nothing) and tries again, so a
+	// CRD installed later is found.
+	return nil, err
 }
 
 // NewBuilder returns the multicluster component builder of discovery: one

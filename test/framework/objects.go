@@ -10,6 +10,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
+	"sigs.k8s.io/controller-runtime/pkg/envtest"
 )
 
 // EnsureNamespace creates namespace ns with labels, or updates the labels of
@@ -126,4 +127,11 @@ func (c *Cluster) CreateEndpointSlice(ctx context.Context, ns, name, svc string,
 		es.Endpoints = append(es.Endpoints, discoveryv1.Endpoint{Addresses: []string{a.String()}, Conditions: discoveryv1.EndpointConditions{Ready: &ready}})
 	}
 	return c.Client.DiscoveryV1().EndpointSlices(ns).Create(ctx, es, metav1.CreateOptions{})
+}
+
+// InstallCRDs installs the CustomResourceDefinitions in the YAML files or
+// folders at paths and waits until they are served.
+func (c *Cluster) InstallCRDs(paths ...string) error {
+	_, err := envtest.InstallCRDs(c.Config, envtest.CRDInstallOptions{Paths: paths, ErrorIfPathMissing: true})
+	return err
 }
