@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"slices"
+	"strings"
 
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 )
@@ -109,4 +110,20 @@ func writeJSON(w http.ResponseWriter, v any) {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	_ = enc.Encode(v)
+}
+
+// WorkloadzHandler serves /debug/workloadz[?cluster=<id>]: the workloads
+// (immutable values) as JSON, sorted by uid.
+func (r *Registry) WorkloadzHandler() http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		cluster := model.ClusterID(req.URL.Query().Get("cluster"))
+		out := []*model.Workload{}
+		for _, wl := range r.Workloads() {
+			if cluster == "" || wl.Cluster == cluster {
+				out = append(out, wl)
+			}
+		}
+		slices.SortFunc(out, func(a, b *model.Workload) int { return strings.Compare(a.UID, b.UID) })
+		writeJSON(w, out)
+	})
 }

@@ -1,0 +1,227 @@
+// Package server assembles pilot: the multicluster controller, per-cluster
+// discovery, the federated registry, and their debug and health endpoints.
+// cmd/pilot maps flags into Config and runs a Server; tests and benchmarks
+// run the same Server in-process.
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"k8s.io/client-go/rest"
+
+	"github.com/isthmus-mesh/isthmus/controller"
+	"github.com/isthmus-mesh/isthmus/multicluster"
+	"github.com/isthmus-mesh/isthmus/pilot/model"
+	"github.com/isthmus-mesh/isthmus/pilot/registry"
+)
+
+// Config configures pilot. Zero values take the defaults of each part.
+type Config struct {
+	// Namespace is the control plane's namespace (default "isthmus-system").
+	Namespace string
+	// ClusterID of the config cluster pilot runs in (default "primary").
+	ClusterID model.ClusterID
+	// Network is the config cluster's default network.
+	Network model.Network
+	// Multicluster, Discovery and Registry configure those parts; the
+	// namespace, cluster ID, network and logger above are copied into them.
+	Multicluster multicluster.Config
+	Discovery    controller.Config
+	Registry     registry.Config
+	// DebugAddr serves /debug/* (default "127.0.0.1:8080"; "-" disables).
+	DebugAddr string
+	// MonitoringAddr serves /metrics, /healthz and /readyz (default ":15014"; "-" disables).
+	MonitoringAddr string
+	// ShutdownTimeout bounds the graceful shutdown of HTTP servers (default 5 s).
+	ShutdownTimeout time.Duration
+	// Logger (default slog.Default()).
+	Logger *slog.Logger
+}
+
+func (c *Config) defaults() {
+	if c.Namespace == "" {
+		c.Namespace = "isthmus-system"
+	}
+	if c.ClusterID == "" {
+		c.ClusterID = "primary"
+	}
+	if c.DebugAddr == "" {
+		c.DebugAddr = "127.0.0.1:8080"
+	}
+	if c.MonitoringAddr == "" {
+		c.MonitoringAddr = ":15014"
+	}
+	if c.ShutdownTimeout == 0 {
+		c.ShutdownTimeout = 5 * time.Second
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	c.Multicluster.Namespace, c.Multicluster.ConfigClusterID, c.Multicluster.ConfigClusterNetwork = c.Namespace, c.ClusterID, c.Network
+	c.Multicluster.Logger = c.Logger
+	c.Discovery.ControlPlaneNamespace, c.Discovery.Logger = c.Namespace, c.Logger
+	if c.Registry.Logger == nil {
+		c.Registry.Logger = c.Logger
+	}
+	if c.Registry.ExportMode {
+		c.Discovery.WatchServiceExports = true
+	}
+}
+
+// Server is one pilot.
+type Server struct {
+	cfg          Config
+	log          *slog.Logger
+	Metrics      *prometheus.Registry
+	Multicluster *multicluster.Controller
+	Registry     *registry.Registry
+
+	mu        sync.Mutex
+	debugLn   net.Listener
+	monitorLn net.Listener
+	ready     chan struct{}
+}
+
+// New assembles a pilot for the config cluster reached by configREST;
+// build makes remote clients (nil: multicluster.DefaultClientBuilder).
+func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) (*Server, error) {
+	cfg.defaults()
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	cfg.Multicluster.Registerer = reg
+	local, err := multicluster.NewClient(configREST)
+	if err != nil {
+		return nil, fmt.Errorf("config cluster client: %w", err)
+	}
+	mc, err := multicluster.New(cfg.Multicluster, local, build)
+	if err != nil {
+		return nil, err
+	}
+	r := registry.New(cfg.Registry)
+	mc.AddComponent("discovery", controller.NewBuilder(cfg.Discovery, r))
+	mc.Subscribe(func(s multicluster.Status) {
+		switch s.State {
+		case multicluster.StateUnreachable:
+			r.SetReachable(s.ID, false)
+		case multicluster.StateSynced:
+			r.SetReachable(s.ID, true)
+		}
+	})
+	return &Server{cfg: cfg, log: cfg.Logger, Metrics: reg, Multicluster: mc, Registry: r, ready: make(chan struct{})}, nil
+}
+
+// Ready reports whether the config cluster has synced (remote clusters
+// never hold readiness back).
+func (s *Server) Ready() bool { return s.Multicluster.Ready() }
+
+// DebugMux returns the debug endpoints.
+func (s *Server) DebugMux() *http.ServeMux {
+	mux := http.NewServeMux()
+	mux.Handle("/debug/clusterz", s.Multicluster.ClusterzHandler())
+	mux.Handle("/debug/registryz", s.Registry.RegistryzHandler())
+	mux.Handle("/debug/endpointz", s.Registry.EndpointzHandler())
+	mux.Handle("/debug/workloadz", s.Registry.WorkloadzHandler())
+	return mux
+}
+
+// MonitoringMux returns /metrics, /healthz and /readyz.
+func (s *Server) MonitoringMux() *http.ServeMux {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(s.Metrics, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if !s.Ready() {
+			http.Error(w, "config cluster not synced", http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = w.Write([]byte("ok\n"))
+	})
+	return mux
+}
+
+// DebugAddr returns the bound debug address once Run listens ("" before).
+func (s *Server) DebugAddr() string { return addrOf(&s.mu, &s.debugLn) }
+
+// MonitoringAddr returns the bound monitoring address once Run listens.
+func (s *Server) MonitoringAddr() string { return addrOf(&s.mu, &s.monitorLn) }
+
+func addrOf(mu *sync.Mutex, ln *net.Listener) string {
+	mu.Lock()
+	defer mu.Unlock()
+	if *ln == nil {
+		return ""
+	}
+	return (*ln).Addr().String()
+}
+
+// Run runs every part until ctx ends, then shuts down within
+// ShutdownTimeout and returns the first error of any part.
+func (s *Server) Run(ctx context.Context) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	run := func(name string, fn func(context.Context) error) {
+		wg.Go(func() {
+			if err := fn(ctx); err != nil {
+				errs <- fmt.Errorf("%s: %w", name, err)
+				cancel()
+			}
+		})
+	}
+	for _, h := range []struct {
+		name, addr string
+		mux        *http.ServeMux
+		ln         *net.Listener
+	}{{"debug", s.cfg.DebugAddr, s.DebugMux(), &s.debugLn}, {"monitoring", s.cfg.MonitoringAddr, s.MonitoringMux(), &s.monitorLn}} {
+		if h.addr == "-" {
+			continue
+		}
+		ln, err := net.Listen("tcp", h.addr)
+		if err != nil {
+			cancel()
+			wg.Wait()
+			return fmt.Errorf("%s listener: %w", h.name, err)
+		}
+		s.mu.Lock()
+		*h.ln = ln
+		s.mu.Unlock()
+		srv := &http.Server{Handler: h.mux, ReadHeaderTimeout: 10 * time.Second}
+		run(h.name, func(ctx context.Context) error { return serveHTTP(ctx, srv, ln, s.cfg.ShutdownTimeout) })
+	}
+	run("registry", s.Registry.Run)
+	run("multicluster", s.Multicluster.Run)
+	s.log.Info("pilot running", "cluster", s.cfg.ClusterID, "namespace", s.cfg.Namespace, "debug", s.DebugAddr(), "monitoring", s.MonitoringAddr())
+	wg.Wait()
+	close(errs)
+	var all []error
+	for err := range errs {
+		all = append(all, err)
+	}
+	return errors.Join(all...)
+}
+
+func serveHTTP(ctx context.Context, srv *http.Server, ln net.Listener, timeout time.Duration) error {
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ln) }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		sctx, cancel := context.WithTimeout(context.Background(), timeout)
+		defer cancel()
+		_ = srv.Shutdown(sctx)
+		<-done
+		return nil
+	}
+}
