@@ -76,7 +76,7 @@ func (p *podInfo) namedPort(name string) (uint16, bool) {
 
 func convertPod(pod *corev1.Pod) *podInfo {
 	p := &podInfo{
-		name: pod.Name, ns: intern(pod.Namespace), labels: internMap(pod.Labels),
+		name: pod.Name, ns: intern(pod.Namespace), labels: pod.Labels, // interned by the view
 		sa: intern(pod.Spec.ServiceAccountName), node: intern(pod.Spec.NodeName),
 		terminating: pod.DeletionTimestamp != nil,
 	}

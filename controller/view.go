@@ -2,9 +2,11 @@ package controller
 
 import (
 	"cmp"
+	"fmt"
 	"maps"
 	"net/netip"
 	"slices"
+	"strings"
 	"sync"
 
 	"github.com/isthmus-mesh/isthmus/pilot/model"
@@ -48,8 +50,14 @@ type view struct {
 
 	// Derived state, as the sink has it.
 	workloads map[string]*model.Workload
-	shards    map[model.ServiceKey]map[string]model.Endpoint // member key -> endpoint
+	members   map[model.ServiceKey]map[string]struct{}       // pods (by name) backing a selector service
+	sliceEPs  map[model.ServiceKey]map[string]model.Endpoint // endpoints of selector-less services, by address
 	sliceWLs  map[model.ServiceKey]map[string]bool           // uids of workloads made from slices
+
+	// Shared immutable values: identical label sets and service-port maps
+	// are stored once per view.
+	labelSets   map[string]map[string]string
+	serviceMaps map[string]map[string][]model.PortMapping
 
 	delta model.ClusterDelta
 }
@@ -61,8 +69,9 @@ func newView(cluster model.ClusterID, gen uint64, domain string, network model.N
 		services: map[model.ServiceKey]*svcInfo{}, svcsByNS: map[string]map[string]*svcInfo{},
 		nodes: map[string]model.Locality{}, slices: map[string]*sliceInfo{}, slicesBy: map[model.ServiceKey]map[string]*sliceInfo{},
 		exported:  map[model.ServiceKey]bool{},
-		workloads: map[string]*model.Workload{}, shards: map[model.ServiceKey]map[string]model.Endpoint{},
-		sliceWLs: map[model.ServiceKey]map[string]bool{},
+		workloads: map[string]*model.Workload{}, members: map[model.ServiceKey]map[string]struct{}{},
+		sliceEPs: map[model.ServiceKey]map[string]model.Endpoint{}, sliceWLs: map[model.ServiceKey]map[string]bool{},
+		labelSets: map[string]map[string]string{}, serviceMaps: map[string]map[string][]model.PortMapping{},
 	}
 }
 
@@ -86,16 +95,18 @@ func (v *view) activate() {
 	v.delta = model.ClusterDelta{}
 	st := &model.ClusterState{
 		Services:  make(map[model.ServiceKey]*model.ClusterService, len(v.services)),
-		Shards:    make(map[model.ServiceKey][]model.Endpoint, len(v.shards)),
+		Shards:    make(map[model.ServiceKey][]model.Endpoint, len(v.members)+len(v.sliceEPs)),
 		Workloads: maps.Clone(v.workloads),
 		Gateways:  v.gatewayList(),
 	}
 	for k, s := range v.services {
 		st.Services[k] = s.cs
 	}
-	for k := range v.shards {
-		if sh := v.shardSlice(k); len(sh) > 0 {
-			st.Shards[k] = sh
+	for _, keys := range []map[model.ServiceKey]struct{}{setOf(v.members), setOf(v.sliceEPs)} {
+		for k := range keys {
+			if sh := v.shardSlice(k); len(sh) > 0 {
+				st.Shards[k] = sh
+			}
 		}
 	}
 	v.sink.Activate(v.cluster, v.gen, st)
@@ -170,13 +181,66 @@ func (v *view) workloadOf(p *podInfo) *model.Workload {
 		ServiceAccount: p.sa, Node: p.node, Cluster: v.cluster, Network: v.networkOf(p), Locality: v.nodes[p.node],
 		Labels: p.labels, Ready: p.ready && !p.terminating, Terminating: p.terminating,
 	}
+	var svcs map[string][]model.PortMapping
 	for _, s := range v.servicesSelecting(p) {
-		if w.Services == nil {
-			w.Services = map[string][]model.PortMapping{}
+		if svcs == nil {
+			svcs = map[string][]model.PortMapping{}
 		}
-		w.Services[v.hostname(s.cs.Key())] = portsFor(s, p)
+		svcs[v.hostname(s.cs.Key())] = portsFor(s, p)
 	}
+	w.Services = v.internServices(svcs)
 	return w
+}
+
+// internServices returns the view's shared copy of an equal services map.
+func (v *view) internServices(m map[string][]model.PortMapping) map[string][]model.PortMapping {
+	if len(m) == 0 {
+		return nil
+	}
+	var b strings.Builder
+	for _, h := range slices.Sorted(maps.Keys(m)) {
+		b.WriteString(h)
+		for _, pm := range m[h] {
+			fmt.Fprintf(&b, ",%d:%d", pm.ServicePort, pm.TargetPort)
+		}
+		b.WriteByte(';')
+	}
+	key := b.String()
+	if shared, ok := v.serviceMaps[key]; ok {
+		return shared
+	}
+	v.serviceMaps[key] = m
+	return m
+}
+
+// internLabels returns the view's shared copy of an equal label set, with
+// interned keys and values.
+func (v *view) internLabels(m map[string]string) map[string]string {
+	if len(m) == 0 {
+		return nil
+	}
+	var b strings.Builder
+	for _, k := range slices.Sorted(maps.Keys(m)) {
+		b.WriteString(k)
+		b.WriteByte(0)
+		b.WriteString(m[k])
+		b.WriteByte(0)
+	}
+	key := b.String()
+	if shared, ok := v.labelSets[key]; ok {
+		return shared
+	}
+	shared := internMap(m)
+	v.labelSets[key] = shared
+	return shared
+}
+
+func setOf[V any](m map[model.ServiceKey]V) map[model.ServiceKey]struct{} {
+	out := make(map[model.ServiceKey]struct{}, len(m))
+	for k := range m {
+		out[k] = struct{}{}
+	}
+	return out
 }
 
 func (v *view) endpointOf(w *model.Workload, s *svcInfo, p *podInfo) model.Endpoint {
@@ -187,17 +251,18 @@ func (v *view) endpointOf(w *model.Workload, s *svcInfo, p *podInfo) model.Endpo
 	}
 }
 
-// setWorkload records uid's workload (nil: none) in the delta when it changed.
-func (v *view) setWorkload(uid string, w *model.Workload) {
+// setWorkload records uid's workload (nil: none) in the delta when it
+// changed, and reports whether it did.
+func (v *view) setWorkload(uid string, w *model.Workload) bool {
 	old, had := v.workloads[uid]
 	if w == nil {
 		if !had {
-			return
+			return false
 		}
 		delete(v.workloads, uid)
 	} else {
 		if had && workloadEqual(old, w) {
-			return
+			return false
 		}
 		v.workloads[uid] = w
 	}
@@ -205,12 +270,13 @@ func (v *view) setWorkload(uid string, w *model.Workload) {
 		v.delta.Workloads = map[string]*model.Workload{}
 	}
 	v.delta.Workloads[uid] = w
+	return true
 }
 
-// setMember records one endpoint of service k (nil: none) and marks the
-// shard changed when it did.
-func (v *view) setMember(k model.ServiceKey, member string, ep *model.Endpoint) {
-	sh := v.shards[k]
+// setSliceMember records one endpoint of selector-less service k (nil:
+// none) and marks the shard changed when it did.
+func (v *view) setSliceMember(k model.ServiceKey, member string, ep *model.Endpoint) {
+	sh := v.sliceEPs[k]
 	old, had := sh[member]
 	switch {
 	case ep == nil && !had:
@@ -218,18 +284,41 @@ func (v *view) setMember(k model.ServiceKey, member string, ep *model.Endpoint) 
 	case ep == nil:
 		delete(sh, member)
 		if len(sh) == 0 {
-			delete(v.shards, k)
+			delete(v.sliceEPs, k)
 		}
 	case had && endpointEqual(&old, ep):
 		return
 	default:
 		if sh == nil {
 			sh = map[string]model.Endpoint{}
-			v.shards[k] = sh
+			v.sliceEPs[k] = sh
 		}
 		sh[member] = *ep
 	}
 	v.markShard(k)
+}
+
+// setPodMember adds or removes pod name as a member of service k; it
+// reports whether membership changed.
+func (v *view) setPodMember(k model.ServiceKey, name string, member bool) bool {
+	set := v.members[k]
+	_, had := set[name]
+	switch {
+	case member == had:
+		return false
+	case member:
+		if set == nil {
+			set = map[string]struct{}{}
+			v.members[k] = set
+		}
+		set[name] = struct{}{}
+	default:
+		delete(set, name)
+		if len(set) == 0 {
+			delete(v.members, k)
+		}
+	}
+	return true
 }
 
 func (v *view) markShard(k model.ServiceKey) {
@@ -239,14 +328,26 @@ func (v *view) markShard(k model.ServiceKey) {
 	v.delta.Shards[k] = nil // filled at flush time
 }
 
-// shardSlice renders service k's shard, sorted by address.
+// shardSlice renders service k's shard, sorted by address: the endpoints of
+// its member pods (derived from their workloads, not stored) and of its
+// EndpointSlices.
 func (v *view) shardSlice(k model.ServiceKey) []model.Endpoint {
-	sh := v.shards[k]
-	if len(sh) == 0 {
+	members, sliceEPs := v.members[k], v.sliceEPs[k]
+	s := v.services[k]
+	if len(members)+len(sliceEPs) == 0 || s == nil {
 		return nil
 	}
-	out := make([]model.Endpoint, 0, len(sh))
-	for _, ep := range sh {
+	out := make([]model.Endpoint, 0, len(members)+len(sliceEPs))
+	for name := range members {
+		p := v.pods[k.Namespace+"/"+name]
+		if p == nil {
+			continue
+		}
+		if w := v.workloads[model.WorkloadUID(v.cluster, p.ns, p.name)]; w != nil {
+			out = append(out, v.endpointOf(w, s, p))
+		}
+	}
+	for _, ep := range sliceEPs {
 		out = append(out, ep)
 	}
 	slices.SortFunc(out, func(a, b model.Endpoint) int {
@@ -269,19 +370,20 @@ func (v *view) finish() {
 // select it now.
 func (v *view) refreshPod(p *podInfo, extra []*svcInfo) {
 	w := v.workloadOf(p)
-	uid := model.WorkloadUID(v.cluster, p.ns, p.name)
-	v.setWorkload(uid, w)
+	changed := v.setWorkload(model.WorkloadUID(v.cluster, p.ns, p.name), w)
 	now := map[model.ServiceKey]bool{}
 	if w != nil {
 		for _, s := range v.servicesSelecting(p) {
-			now[s.cs.Key()] = true
-			ep := v.endpointOf(w, s, p)
-			v.setMember(s.cs.Key(), p.name, &ep)
+			k := s.cs.Key()
+			now[k] = true
+			if v.setPodMember(k, p.name, true) || changed {
+				v.markShard(k)
+			}
 		}
 	}
 	for _, s := range extra {
-		if !now[s.cs.Key()] {
-			v.setMember(s.cs.Key(), p.name, nil)
+		if k := s.cs.Key(); !now[k] && v.setPodMember(k, p.name, false) {
+			v.markShard(k)
 		}
 	}
 }
@@ -289,6 +391,7 @@ func (v *view) refreshPod(p *podInfo, extra []*svcInfo) {
 // ---- store callbacks: called with mu held; the store finishes ----
 
 func (v *view) putPod(p *podInfo) {
+	p.labels = v.internLabels(p.labels)
 	key := p.key()
 	old := v.pods[key]
 	if p.equal(old) {
@@ -313,7 +416,9 @@ func (v *view) removePod(key string) {
 		return
 	}
 	for _, s := range v.servicesSelecting(old) {
-		v.setMember(s.cs.Key(), old.name, nil)
+		if v.setPodMember(s.cs.Key(), old.name, false) {
+			v.markShard(s.cs.Key())
+		}
 	}
 	v.unindexPod(old)
 	delete(v.pods, key)
@@ -339,6 +444,7 @@ func (v *view) putService(s *svcInfo) {
 	v.services[k] = s
 	addIndex(v.svcsByNS, k.Namespace, k.Name, s)
 	v.setServiceDelta(k, s.cs)
+	v.markShard(k)
 	if old != nil && (old.gateway != nil) || s.gateway != nil {
 		v.gatewaysChanged()
 	}
@@ -355,6 +461,7 @@ func (v *view) removeService(key string) {
 	delete(v.services, k)
 	delIndex(v.svcsByNS, ns, name)
 	v.setServiceDelta(k, nil)
+	v.markShard(k)
 	if old.gateway != nil {
 		v.gatewaysChanged()
 	}
@@ -499,20 +606,20 @@ func (v *view) refreshSlices(k model.ServiceKey) {
 						UID: ep.WorkloadUID, Name: se.addr.String(), Namespace: k.Namespace, Addresses: []netip.Addr{se.addr},
 						ServiceAccount: ep.ServiceAccount, Node: se.node, Cluster: v.cluster, Network: ep.Network, Locality: ep.Locality,
 						Ready: se.ready, Terminating: se.terminating,
-						Services: map[string][]model.PortMapping{v.hostname(k): ports},
+						Services: v.internServices(map[string][]model.PortMapping{v.hostname(k): ports}),
 					}
 				}
-				want["slice/"+se.addr.String()] = ep
+				want[se.addr.String()] = ep
 			}
 		}
 	}
-	for member := range v.shards[k] {
-		if _, ok := want[member]; !ok && len(member) > 6 && member[:6] == "slice/" {
-			v.setMember(k, member, nil)
+	for member := range v.sliceEPs[k] {
+		if _, ok := want[member]; !ok {
+			v.setSliceMember(k, member, nil)
 		}
 	}
 	for member, ep := range want {
-		v.setMember(k, member, &ep)
+		v.setSliceMember(k, member, &ep)
 	}
 	for uid := range v.sliceWLs[k] {
 		if wantWL[uid] == nil {

@@ -1,5 +1,6 @@
 // Package server assembles pilot: the multicluster controller, per-cluster
-// discovery, the federated registry, and their debug and health endpoints.
+// discovery, the federated registry, the mesh CA (gRPC over TLS), and the
+// debug and health endpoints.
 // cmd/pilot maps flags into Config and runs a Server; tests and benchmarks
 // run the same Server in-process.
 package server
@@ -17,10 +18,14 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
 	"github.com/isthmus-mesh/isthmus/controller"
 	"github.com/isthmus-mesh/isthmus/multicluster"
+	"github.com/isthmus-mesh/isthmus/pilot/ca"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 	"github.com/isthmus-mesh/isthmus/pilot/registry"
 )
@@ -38,6 +43,11 @@ type Config struct {
 	Multicluster multicluster.Config
 	Discovery    controller.Config
 	Registry     registry.Config
+	// CA configures the mesh CA (its ClusterID and Namespace are copied
+	// from above).
+	CA ca.Config
+	// GRPCAddr serves the CA (and xDS) over TLS (default ":15012"; "-" disables).
+	GRPCAddr string
 	// DebugAddr serves /debug/* (default "127.0.0.1:8080"; "-" disables).
 	DebugAddr string
 	// MonitoringAddr serves /metrics, /healthz and /readyz (default ":15014"; "-" disables).
@@ -58,6 +68,9 @@ func (c *Config) defaults() {
 	if c.DebugAddr == "" {
 		c.DebugAddr = "127.0.0.1:8080"
 	}
+	if c.GRPCAddr == "" {
+		c.GRPCAddr = ":15012"
+	}
 	if c.MonitoringAddr == "" {
 		c.MonitoringAddr = ":15014"
 	}
@@ -73,6 +86,7 @@ func (c *Config) defaults() {
 	if c.Registry.Logger == nil {
 		c.Registry.Logger = c.Logger
 	}
+	c.CA.ClusterID, c.CA.Namespace = string(c.ClusterID), c.Namespace
 	if c.Registry.ExportMode {
 		c.Discovery.WatchServiceExports = true
 	}
@@ -85,8 +99,10 @@ type Server struct {
 	Metrics      *prometheus.Registry
 	Multicluster *multicluster.Controller
 	Registry     *registry.Registry
+	CA           *ca.CA
 
 	mu        sync.Mutex
+	grpcLn    net.Listener
 	debugLn   net.Listener
 	monitorLn net.Listener
 	ready     chan struct{}
@@ -117,8 +133,32 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 			r.SetReachable(s.ID, true)
 		}
 	})
-	return &Server{cfg: cfg, log: cfg.Logger, Metrics: reg, Multicluster: mc, Registry: r, ready: make(chan struct{})}, nil
+	authority, err := ca.New(cfg.CA, ca.Deps{
+		ConfigClient: local.Kube, Clusters: kubeClients{mc}, Nodes: r, Logger: cfg.Logger.With("component", "ca"), Registerer: reg,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("ca: %w", err)
+	}
+	mc.AddComponent("ca-root-publisher", func(ctx context.Context, c *multicluster.Cluster) (multicluster.Component, error) {
+		return authority.PublishRoots(ctx, string(c.ID), c.Client.Kube)
+	})
+	return &Server{cfg: cfg, log: cfg.Logger, Metrics: reg, Multicluster: mc, Registry: r, CA: authority, ready: make(chan struct{})}, nil
 }
+
+// kubeClients adapts the multicluster controller to the CA's Clusters.
+type kubeClients struct{ mc *multicluster.Controller }
+
+func (k kubeClients) KubeClient(id string) (kubernetes.Interface, bool) {
+	c, ok := k.mc.KubeClient(id)
+	if !ok {
+		return nil, false
+	}
+	return c.Kube, true
+}
+
+// GRPCAddr returns the bound address of the TLS gRPC listener once Run
+// listens ("" before).
+func (s *Server) GRPCAddr() string { return addrOf(&s.mu, &s.grpcLn) }
 
 // Ready reports whether the config cluster has synced (remote clusters
 // never hold readiness back).
@@ -199,6 +239,26 @@ func (s *Server) Run(ctx context.Context) error {
 		srv := &http.Server{Handler: h.mux, ReadHeaderTimeout: 10 * time.Second}
 		run(h.name, func(ctx context.Context) error { return serveHTTP(ctx, srv, ln, s.cfg.ShutdownTimeout) })
 	}
+	if err := s.CA.Init(ctx); err != nil {
+		cancel()
+		wg.Wait()
+		return fmt.Errorf("ca: %w", err)
+	}
+	run("ca", s.CA.Run)
+	if s.cfg.GRPCAddr != "-" {
+		ln, err := net.Listen("tcp", s.cfg.GRPCAddr)
+		if err != nil {
+			cancel()
+			wg.Wait()
+			return fmt.Errorf("grpc listener: %w", err)
+		}
+		s.mu.Lock()
+		s.grpcLn = ln
+		s.mu.Unlock()
+		srv := grpc.NewServer(grpc.Creds(credentials.NewTLS(s.CA.ServerTLSConfig())))
+		s.CA.Register(srv)
+		run("grpc", func(ctx context.Context) error { return serveGRPC(ctx, srv, ln, s.cfg.ShutdownTimeout) })
+	}
 	run("registry", s.Registry.Run)
 	run("multicluster", s.Multicluster.Run)
 	s.log.Info("pilot running", "cluster", s.cfg.ClusterID, "namespace", s.cfg.Namespace, "debug", s.DebugAddr(), "monitoring", s.MonitoringAddr())
@@ -209,6 +269,25 @@ func (s *Server) Run(ctx context.Context) error {
 		all = append(all, err)
 	}
 	return errors.Join(all...)
+}
+
+func serveGRPC(ctx context.Context, srv *grpc.Server, ln net.Listener, timeout time.Duration) error {
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ln) }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		stopped := make(chan struct{})
+		go func() { srv.GracefulStop(); close(stopped) }()
+		select {
+		case <-stopped:
+		case <-time.After(timeout):
+			srv.Stop()
+		}
+		<-done
+		return nil
+	}
 }
 
 func serveHTTP(ctx context.Context, srv *http.Server, ln net.Listener, timeout time.Duration) error {

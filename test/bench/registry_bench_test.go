@@ -76,7 +76,7 @@ func (e *env) startPilot(b *testing.B) {
 	require.NoError(b, c0.EnsureNamespace(ctx, e.ns, nil))
 	p, err := server.New(server.Config{
 		Namespace: e.ns, ClusterID: model.ClusterID(clusterName(0)), Network: "network-0",
-		DebugAddr: "-", MonitoringAddr: "-", Logger: slog.New(slog.DiscardHandler),
+		DebugAddr: "-", MonitoringAddr: "-", GRPCAddr: "-", Logger: slog.New(slog.DiscardHandler),
 	}, c0.Config, nil)
 	require.NoError(b, err)
 	p.Registry.Subscribe(e.onChange)
