@@ -1,0 +1,270 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/url"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"sigs.k8s.io/yaml"
+
+	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
+)
+
+// createRemoteSecretConfig holds the flags of create-remote-secret.
+type createRemoteSecretConfig struct {
+	// Kubeconfig and Context select the remote cluster (default: the
+	// standard kubeconfig loading rules and its current context).
+	Kubeconfig string
+	Context    string
+	// Name is the remote cluster's ID: the Secret's key.
+	Name string
+	// Namespace is the control-plane namespace: where the reader
+	// ServiceAccount lives in the remote and the Secret in the primary.
+	Namespace string
+	// Network, when set, annotates the Secret with the cluster's default
+	// network.
+	Network string
+	// Server overrides the API server URL written into the kubeconfig
+	// (default: the remote kubeconfig's server).
+	Server string
+	// Apply writes the Secret to the primary instead of printing it.
+	Apply             bool
+	PrimaryKubeconfig string
+	PrimaryContext    string
+	// TokenWait bounds the wait for the token controller before the
+	// TokenRequest API is used.
+	TokenWait time.Duration
+	// Timeout bounds the whole command.
+	Timeout time.Duration
+}
+
+func newCreateRemoteSecretCommand(logger func() *slog.Logger) *cobra.Command {
+	cfg := &createRemoteSecretConfig{}
+	cmd := &cobra.Command{
+		Use:   "create-remote-secret",
+		Short: "Create pilot's reader identity in a remote cluster and print (or apply) the remote Secret",
+		Long: `Creates the reader ServiceAccount, ClusterRole and binding that pilot needs in
+the remote cluster (or adopts those of the remote chart), issues a token for
+it, and renders the remote Secret: label istio/multiCluster=true, key = the
+cluster ID, value = a kubeconfig with the remote's server, its CA inline and
+the token. The Secret is printed as YAML on stdout, or with --apply created
+or updated in the primary cluster. The token appears nowhere else.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return createRemoteSecret(cmd.Context(), *cfg, cmd.OutOrStdout(), logger())
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&cfg.Kubeconfig, "kubeconfig", "", "kubeconfig of the remote cluster (default: $KUBECONFIG or ~/.kube/config)")
+	f.StringVar(&cfg.Context, "context", "", "context of the remote cluster in --kubeconfig (default: its current context)")
+	f.StringVar(&cfg.Name, "name", "", "ID of the remote cluster (a DNS-1123 label); required")
+	f.StringVar(&cfg.Namespace, "namespace", "isthmus-system", "control-plane namespace, in the remote and in the primary")
+	f.StringVar(&cfg.Network, "network", "", "default network of the remote cluster's workloads (annotation topology.istio.io/network)")
+	f.StringVar(&cfg.Server, "server", "", "API server URL pilot should use (default: the server in --kubeconfig)")
+	f.BoolVar(&cfg.Apply, "apply", false, "create or update the Secret in the primary cluster instead of printing it")
+	f.StringVar(&cfg.PrimaryKubeconfig, "primary-kubeconfig", "", "kubeconfig of the primary cluster, with --apply")
+	f.StringVar(&cfg.PrimaryContext, "primary-context", "", "context of the primary cluster, with --apply")
+	f.DurationVar(&cfg.TokenWait, "token-wait", 5*time.Second, "how long to wait for the token controller before using the TokenRequest API")
+	f.DurationVar(&cfg.Timeout, "timeout", time.Minute, "timeout of the whole command")
+	_ = cmd.MarkFlagRequired("name")
+	return cmd
+}
+
+// createRemoteSecret runs create-remote-secret with cfg.
+func createRemoteSecret(ctx context.Context, cfg createRemoteSecretConfig, out io.Writer, log *slog.Logger) error {
+	if errs := validation.IsDNS1123Label(cfg.Name); len(errs) > 0 {
+		return fmt.Errorf("--name %q is not a valid cluster ID: %s", cfg.Name, strings.Join(errs, "; "))
+	}
+	if !cfg.Apply && (cfg.PrimaryKubeconfig != "" || cfg.PrimaryContext != "") {
+		return errors.New("--primary-kubeconfig and --primary-context need --apply")
+	}
+	if cfg.Apply && cfg.PrimaryKubeconfig == "" && cfg.PrimaryContext == "" {
+		return errors.New("--apply needs --primary-kubeconfig or --primary-context: name the primary cluster explicitly")
+	}
+	if cfg.Timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, cfg.Timeout)
+		defer cancel()
+	}
+
+	remote, err := restConfig(cfg.Kubeconfig, cfg.Context)
+	if err != nil {
+		return fmt.Errorf("remote cluster: %w", err)
+	}
+	server := cfg.Server
+	if server == "" {
+		server = remote.Host
+	}
+	if _, err := url.Parse(server); err != nil || server == "" {
+		return fmt.Errorf("remote API server URL %q: invalid", server)
+	}
+	ca, err := caData(remote)
+	if err != nil {
+		return fmt.Errorf("remote cluster: %w", err)
+	}
+	if len(ca) == 0 && strings.HasPrefix(server, "https://") {
+		log.Warn("the remote kubeconfig has no CA; pilot will verify the API server with its system roots", "server", server)
+	}
+
+	client, err := kubernetes.NewForConfig(remote)
+	if err != nil {
+		return fmt.Errorf("remote cluster client: %w", err)
+	}
+	log.Debug("creating the reader identity", "server", remote.Host, "namespace", cfg.Namespace)
+	token, err := remotesecret.EnsureReader(ctx, client, remotesecret.ReaderOptions{Namespace: cfg.Namespace, TokenWait: cfg.TokenWait})
+	if err != nil {
+		return fmt.Errorf("reader identity in the remote cluster: %w", err)
+	}
+	kubeconfig, err := remotesecret.Kubeconfig(cfg.Name, server, ca, token)
+	if err != nil {
+		return fmt.Errorf("render kubeconfig: %w", err)
+	}
+	secret := remotesecret.Secret(cfg.Name, cfg.Namespace, kubeconfig)
+	if cfg.Network != "" {
+		secret.Annotations[remotesecret.NetworkAnnotation] = cfg.Network
+	}
+
+	if !cfg.Apply {
+		b, err := secretYAML(secret)
+		if err != nil {
+			return err
+		}
+		_, err = out.Write(b)
+		return err
+	}
+	primary, err := restConfig(cfg.PrimaryKubeconfig, cfg.PrimaryContext)
+	if err != nil {
+		return fmt.Errorf("primary cluster: %w", err)
+	}
+	if primary.Host == remote.Host {
+		return fmt.Errorf("the primary and the remote are the same API server (%s): a cluster is not its own remote", primary.Host)
+	}
+	pc, err := kubernetes.NewForConfig(primary)
+	if err != nil {
+		return fmt.Errorf("primary cluster client: %w", err)
+	}
+	verb, err := applySecret(ctx, pc, secret)
+	if err != nil {
+		return fmt.Errorf("write Secret %s/%s to the primary cluster: %w", secret.Namespace, secret.Name, err)
+	}
+	_, err = fmt.Fprintf(out, "secret/%s %s in namespace %s of the primary cluster (%s)\n", secret.Name, verb, secret.Namespace, primary.Host)
+	return err
+}
+
+// restConfig loads a client config from a kubeconfig path (or the default
+// loading rules when empty) and an optional context.
+func restConfig(path, kubeContext string) (*rest.Config, error) {
+	rules := clientcmd.NewDefaultClientConfigLoadingRules()
+	if path != "" {
+		rules.ExplicitPath = path
+	}
+	cc := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{CurrentContext: kubeContext})
+	cfg, err := cc.ClientConfig()
+	if err != nil {
+		return nil, fmt.Errorf("load kubeconfig %q (context %q): %w", path, kubeContext, err)
+	}
+	return cfg, nil
+}
+
+// caData returns the PEM CA of cfg's server, inline or read from its file.
+func caData(cfg *rest.Config) ([]byte, error) {
+	if len(cfg.CAData) > 0 {
+		return cfg.CAData, nil
+	}
+	if cfg.CAFile == "" {
+		return nil, nil
+	}
+	b, err := os.ReadFile(cfg.CAFile)
+	if err != nil {
+		return nil, fmt.Errorf("read certificate-authority: %w", err)
+	}
+	return b, nil
+}
+
+// secretYAML renders the Secret as a YAML document for kubectl apply.
+func secretYAML(s *corev1.Secret) ([]byte, error) {
+	b, err := yaml.Marshal(s)
+	if err != nil {
+		return nil, fmt.Errorf("encode Secret: %w", err)
+	}
+	// Drop the empty creationTimestamp client-go types always marshal.
+	var m map[string]any
+	if err := yaml.Unmarshal(b, &m); err != nil {
+		return nil, fmt.Errorf("encode Secret: %w", err)
+	}
+	if md, ok := m["metadata"].(map[string]any); ok {
+		delete(md, "creationTimestamp")
+	}
+	b, err = yaml.Marshal(m)
+	if err != nil {
+		return nil, fmt.Errorf("encode Secret: %w", err)
+	}
+	return append([]byte("---\n"), b...), nil
+}
+
+// applySecret creates s, or updates the existing Secret's data, labels and
+// annotations (keeping others). It returns "created", "updated" or
+// "unchanged".
+func applySecret(ctx context.Context, c kubernetes.Interface, s *corev1.Secret) (string, error) {
+	secrets := c.CoreV1().Secrets(s.Namespace)
+	_, err := secrets.Create(ctx, s, metav1.CreateOptions{FieldManager: "isthmusctl"})
+	if err == nil {
+		return "created", nil
+	}
+	if apierrors.IsNotFound(err) {
+		return "", fmt.Errorf("namespace %s does not exist in the primary (install the base chart): %w", s.Namespace, err)
+	}
+	if !apierrors.IsAlreadyExists(err) {
+		return "", err
+	}
+	cur, err := secrets.Get(ctx, s.Name, metav1.GetOptions{})
+	if err != nil {
+		return "", err
+	}
+	changed := false
+	set := func(m *map[string]string, k, v string) {
+		if *m == nil {
+			*m = map[string]string{}
+		}
+		if (*m)[k] != v {
+			(*m)[k] = v
+			changed = true
+		}
+	}
+	for k, v := range s.Labels {
+		set(&cur.Labels, k, v)
+	}
+	for k, v := range s.Annotations {
+		set(&cur.Annotations, k, v)
+	}
+	for k, v := range s.Data {
+		if string(cur.Data[k]) != string(v) {
+			changed = true
+		}
+	}
+	if len(cur.Data) != len(s.Data) {
+		changed = true
+	}
+	if !changed {
+		return "unchanged", nil
+	}
+	cur.Data = s.Data
+	if _, err := secrets.Update(ctx, cur, metav1.UpdateOptions{FieldManager: "isthmusctl"}); err != nil {
+		return "", err
+	}
+	return "updated", nil
+}

@@ -1,0 +1,401 @@
+package manifests_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"slices"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"helm.sh/helm/v3/pkg/action"
+	"helm.sh/helm/v3/pkg/chart/loader"
+	"helm.sh/helm/v3/pkg/chartutil"
+	"helm.sh/helm/v3/pkg/releaseutil"
+	appsv1 "k8s.io/api/apps/v1"
+	authorizationv1 "k8s.io/api/authorization/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/discovery"
+	"k8s.io/client-go/discovery/cached/memory"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/restmapper"
+	"sigs.k8s.io/yaml"
+
+	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
+	"github.com/isthmus-mesh/isthmus/test/framework"
+)
+
+var clusters *framework.ClusterSet
+
+func TestMain(m *testing.M) {
+	os.Exit(framework.Main(m, framework.Options{Names: []string{"charts"}}, &clusters))
+}
+
+const namespace = "isthmus-system"
+
+// render renders chart dir as `helm install --dry-run` (client only) would,
+// into namespace, and returns the objects in manifest order.
+func render(t *testing.T, dir, ns string, values map[string]any) []*unstructured.Unstructured {
+	t.Helper()
+	ch, err := loader.Load(dir)
+	require.NoError(t, err, "load chart %s", dir)
+	inst := action.NewInstall(&action.Configuration{Log: func(string, ...any) {}})
+	inst.DryRun, inst.ClientOnly, inst.Replace = true, true, true
+	inst.ReleaseName, inst.Namespace = "isthmus-"+strings.ReplaceAll(dir, "/", "-"), ns
+	kv, err := chartutil.ParseKubeVersion(serverVersion(t))
+	require.NoError(t, err)
+	inst.KubeVersion = kv
+	rel, err := inst.Run(ch, values)
+	require.NoError(t, err, "render chart %s", dir)
+
+	docs := releaseutil.SplitManifests(rel.Manifest)
+	keys := make([]string, 0, len(docs))
+	for k := range docs {
+		keys = append(keys, k)
+	}
+	sort.Sort(releaseutil.BySplitManifestsOrder(keys))
+	var out []*unstructured.Unstructured
+	for _, k := range keys {
+		m := map[string]any{}
+		require.NoError(t, yaml.Unmarshal([]byte(docs[k]), &m), "chart %s: document %s", dir, docs[k])
+		if len(m) == 0 {
+			continue
+		}
+		out = append(out, &unstructured.Unstructured{Object: m})
+	}
+	return out
+}
+
+func serverVersion(t *testing.T) string {
+	t.Helper()
+	v, err := clusters.Clusters[0].Client.Discovery().ServerVersion()
+	require.NoError(t, err)
+	return v.GitVersion
+}
+
+// applier applies objects with server-side apply to the test cluster.
+type applier struct {
+	dyn    dynamic.Interface
+	mapper meta.RESTMapper
+}
+
+func newApplier(t *testing.T, cfg *rest.Config) *applier {
+	t.Helper()
+	dc, err := discovery.NewDiscoveryClientForConfig(cfg)
+	require.NoError(t, err)
+	dyn, err := dynamic.NewForConfig(cfg)
+	require.NoError(t, err)
+	return &applier{dyn: dyn, mapper: restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(dc))}
+}
+
+// apply server-side applies obj with strict field validation (unknown or
+// duplicate fields are errors), as a dry run when dryRun is set.
+func (a *applier) apply(ctx context.Context, obj *unstructured.Unstructured, dryRun bool) error {
+	gvk := obj.GroupVersionKind()
+	m, err := a.mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
+	if err != nil {
+		return fmt.Errorf("%s %s: no API resource: %w", gvk, obj.GetName(), err)
+	}
+	var ri dynamic.ResourceInterface = a.dyn.Resource(m.Resource)
+	if m.Scope.Name() == meta.RESTScopeNameNamespace {
+		if obj.GetNamespace() == "" {
+			return fmt.Errorf("%s %s: namespaced object without a namespace", gvk.Kind, obj.GetName())
+		}
+		ri = a.dyn.Resource(m.Resource).Namespace(obj.GetNamespace())
+	} else if obj.GetNamespace() != "" {
+		return fmt.Errorf("%s %s: cluster-scoped object with namespace %q", gvk.Kind, obj.GetName(), obj.GetNamespace())
+	}
+	body, err := obj.MarshalJSON()
+	if err != nil {
+		return err
+	}
+	opts := metav1.PatchOptions{FieldManager: "charts-test", Force: new(true), FieldValidation: "Strict"}
+	if dryRun {
+		opts.DryRun = []string{metav1.DryRunAll}
+	}
+	if _, err := ri.Patch(ctx, obj.GetName(), types.ApplyPatchType, body, opts); err != nil {
+		return fmt.Errorf("apply %s %s/%s: %w", gvk.Kind, obj.GetNamespace(), obj.GetName(), err)
+	}
+	return nil
+}
+
+func kinds(objs []*unstructured.Unstructured) []string {
+	var out []string
+	for _, o := range objs {
+		out = append(out, o.GetKind()+"/"+o.GetName())
+	}
+	slices.Sort(out)
+	return out
+}
+
+func find(t *testing.T, objs []*unstructured.Unstructured, kind, name string) *unstructured.Unstructured {
+	t.Helper()
+	for _, o := range objs {
+		if o.GetKind() == kind && o.GetName() == name {
+			return o
+		}
+	}
+	require.Failf(t, "object not rendered", "%s/%s not in %v", kind, name, kinds(objs))
+	return nil
+}
+
+func convert[T any](t *testing.T, u *unstructured.Unstructured) *T {
+	t.Helper()
+	out := new(T)
+	require.NoError(t, runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, out))
+	return out
+}
+
+// TestChartsApplyToAPIServer renders every chart, with its defaults and with
+// the value sets that switch templates on or off, and applies every object
+// to a real kube-apiserver (server-side apply, dry run, strict validation).
+// The base CRDs and the namespace are installed for real first, as the
+// other charts' objects live in the namespace and pilot's RBAC names the
+// MCS group.
+func TestChartsApplyToAPIServer(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	c := clusters.Clusters[0]
+
+	base, err := loader.Load("base")
+	require.NoError(t, err)
+	crdNames := []string{}
+	for _, f := range base.CRDObjects() {
+		crdNames = append(crdNames, f.Name)
+	}
+	require.ElementsMatch(t, []string{"crds/multicluster.x-k8s.io_serviceexports.yaml", "crds/multicluster.x-k8s.io_serviceimports.yaml"}, crdNames,
+		"the base chart ships the MCS CRDs in crds/")
+	require.NoError(t, c.InstallCRDs("base/crds"))
+	require.NoError(t, c.EnsureNamespace(ctx, namespace, nil))
+
+	a := newApplier(t, c.Config)
+	cases := []struct {
+		name, chart string
+		values      map[string]any
+		want        []string
+	}{
+		{name: "base", chart: "base", want: []string{"Namespace/isthmus-system"}},
+		{name: "base with network", chart: "base", values: map[string]any{"namespace": map[string]any{"network": "net-a"}},
+			want: []string{"Namespace/isthmus-system"}},
+		{name: "pilot", chart: "pilot", want: []string{
+			"ClusterRole/isthmusd-isthmus-system", "ClusterRoleBinding/isthmusd-isthmus-system", "Deployment/isthmusd",
+			"Role/isthmusd", "RoleBinding/isthmusd", "Service/isthmusd", "ServiceAccount/isthmusd"}},
+		{name: "pilot with PDB and network", chart: "pilot",
+			values: map[string]any{"network": "net-a", "podDisruptionBudget": map[string]any{"enabled": true}},
+			want: []string{
+				"ClusterRole/isthmusd-isthmus-system", "ClusterRoleBinding/isthmusd-isthmus-system", "Deployment/isthmusd",
+				"PodDisruptionBudget/isthmusd", "Role/isthmusd", "RoleBinding/isthmusd", "Service/isthmusd", "ServiceAccount/isthmusd"}},
+		{name: "remote", chart: "remote", want: []string{
+			"ClusterRole/isthmus-reader-isthmus-system", "ClusterRoleBinding/isthmus-reader-isthmus-system",
+			"ServiceAccount/isthmus-reader-service-account"}},
+		{name: "ztunnel", chart: "ztunnel", want: []string{"DaemonSet/ztunnel", "ServiceAccount/ztunnel"}},
+		{name: "ztunnel gateway mode", chart: "ztunnel", values: map[string]any{"mode": "gateway", "network": "net-a"},
+			want: []string{"Deployment/ztunnel-gateway", "ServiceAccount/ztunnel"}},
+		{name: "eastwest-gateway", chart: "eastwest-gateway", want: []string{
+			"Deployment/isthmus-eastwestgateway", "PodDisruptionBudget/isthmus-eastwestgateway",
+			"Service/isthmus-eastwestgateway", "ServiceAccount/isthmus-eastwestgateway"}},
+	}
+	t.Run("a misplaced field is refused", func(t *testing.T) {
+		// The check has teeth: a template that puts a field at the wrong
+		// level (here replicas under metadata) fails the dry run.
+		objs := render(t, "pilot", namespace, nil)
+		dep := find(t, objs, "Deployment", "isthmusd").DeepCopy()
+		require.NoError(t, unstructured.SetNestedField(dep.Object, int64(2), "spec", "template", "spec", "replicas"))
+		require.ErrorContains(t, a.apply(ctx, dep, true), "replicas")
+	})
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			objs := render(t, tc.chart, namespace, tc.values)
+			require.Equal(t, tc.want, kinds(objs))
+			var errs []string
+			for _, o := range objs {
+				if err := a.apply(ctx, o, true); err != nil {
+					errs = append(errs, err.Error())
+				}
+			}
+			require.Empty(t, errs, "the API server refused rendered objects")
+		})
+	}
+}
+
+// TestChartValues checks what the templates make of the values: pilot's
+// flags and probes, ztunnel's mode switch, the gateway Service pilot
+// discovers, and that a bad mode is refused at render time.
+func TestChartValues(t *testing.T) {
+	t.Run("pilot flags and probes", func(t *testing.T) {
+		objs := render(t, "pilot", namespace, map[string]any{"clusterID": "east", "network": "net-a"})
+		dep := convert[appsv1.Deployment](t, find(t, objs, "Deployment", "isthmusd"))
+		ctr := dep.Spec.Template.Spec.Containers[0]
+		require.Equal(t, "docker.io/isthmus/pilot:0.1.0", ctr.Image)
+		require.Equal(t, []string{"--namespace=isthmus-system", "--cluster-id=east", "--network=net-a",
+			"--xds-plaintext-addr=:15010", "--xds-addr=:15012", "--monitoring-addr=:15014", "--debug-addr=127.0.0.1:8080"}, ctr.Args)
+		require.Equal(t, "/readyz", ctr.ReadinessProbe.HTTPGet.Path)
+		require.Equal(t, int32(15014), ctr.ReadinessProbe.HTTPGet.Port.IntVal)
+		require.Equal(t, "/healthz", ctr.LivenessProbe.HTTPGet.Path)
+		svc := convert[corev1.Service](t, find(t, objs, "Service", "isthmusd"))
+		var ports []int32
+		for _, p := range svc.Spec.Ports {
+			ports = append(ports, p.Port)
+		}
+		require.Equal(t, []int32{15010, 15012, 15014}, ports)
+	})
+	t.Run("pilot image values", func(t *testing.T) {
+		objs := render(t, "pilot", namespace, map[string]any{"image": map[string]any{"registry": "reg.example", "tag": "v9"}})
+		dep := find(t, objs, "Deployment", "isthmusd")
+		ctrs, _, _ := unstructured.NestedSlice(dep.Object, "spec", "template", "spec", "containers")
+		require.Equal(t, "reg.example/isthmus/pilot:v9", ctrs[0].(map[string]any)["image"])
+	})
+	t.Run("ztunnel node mode is a DaemonSet without host network", func(t *testing.T) {
+		objs := render(t, "ztunnel", namespace, nil)
+		ds := find(t, objs, "DaemonSet", "ztunnel")
+		hn, found, _ := unstructured.NestedBool(ds.Object, "spec", "template", "spec", "hostNetwork")
+		require.True(t, found)
+		require.False(t, hn)
+		args, _, _ := unstructured.NestedSlice(ds.Object, "spec", "template", "spec", "containers")
+		require.Contains(t, args[0].(map[string]any)["args"], "--mode=node")
+		require.Contains(t, args[0].(map[string]any)["args"], "--xds-address=isthmusd.isthmus-system.svc:15012")
+	})
+	t.Run("ztunnel gateway mode", func(t *testing.T) {
+		objs := render(t, "ztunnel", namespace, map[string]any{"mode": "gateway", "gateway": map[string]any{"replicas": 3}})
+		dep := convert[appsv1.Deployment](t, find(t, objs, "Deployment", "ztunnel-gateway"))
+		require.Equal(t, int32(3), *dep.Spec.Replicas)
+		require.Contains(t, dep.Spec.Template.Spec.Containers[0].Args, "--mode=gateway")
+		require.NotContains(t, kinds(objs), "DaemonSet/ztunnel")
+	})
+	t.Run("ztunnel refuses an unknown mode", func(t *testing.T) {
+		ch, err := loader.Load("ztunnel")
+		require.NoError(t, err)
+		inst := action.NewInstall(&action.Configuration{Log: func(string, ...any) {}})
+		inst.DryRun, inst.ClientOnly, inst.ReleaseName, inst.Namespace = true, true, "z", namespace
+		_, err = inst.Run(ch, map[string]any{"mode": "sidecar"})
+		require.ErrorContains(t, err, `mode must be "node" or "gateway"`)
+	})
+	t.Run("east-west gateway Service", func(t *testing.T) {
+		objs := render(t, "eastwest-gateway", namespace, map[string]any{"network": "net-b"})
+		svc := convert[corev1.Service](t, find(t, objs, "Service", "isthmus-eastwestgateway"))
+		require.Equal(t, corev1.ServiceTypeLoadBalancer, svc.Spec.Type)
+		require.Equal(t, "net-b", svc.Labels["topology.istio.io/network"])
+		require.Len(t, svc.Spec.Ports, 1)
+		require.Equal(t, "tls-hbone", svc.Spec.Ports[0].Name)
+		require.Equal(t, int32(15008), svc.Spec.Ports[0].Port)
+		dep := find(t, objs, "Deployment", "isthmus-eastwestgateway")
+		ctrs, _, _ := unstructured.NestedSlice(dep.Object, "spec", "template", "spec", "containers")
+		args := ctrs[0].(map[string]any)["args"]
+		require.Contains(t, args, "--mode=gateway")
+		require.Contains(t, args, "--network=net-b")
+	})
+}
+
+// TestRemoteChartRulesAreReaderRules keeps the remote chart and
+// remotesecret.EnsureReader consistent: same names, same rules.
+func TestRemoteChartRulesAreReaderRules(t *testing.T) {
+	objs := render(t, "remote", namespace, nil)
+	role := convert[rbacv1.ClusterRole](t, find(t, objs, "ClusterRole", "isthmus-reader-"+namespace))
+	require.Equal(t, remotesecret.ReaderRules, role.Rules)
+	binding := convert[rbacv1.ClusterRoleBinding](t, find(t, objs, "ClusterRoleBinding", "isthmus-reader-"+namespace))
+	require.Equal(t, rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: role.Name}, binding.RoleRef)
+	require.Equal(t, []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Name: "isthmus-reader-service-account", Namespace: namespace}}, binding.Subjects)
+}
+
+// TestRemoteChartThenCreateRemoteSecret installs the remote chart for real
+// in its own namespace, then runs what `isthmusctl create-remote-secret`
+// runs there (remotesecret.EnsureReader): it adopts the chart's objects
+// without changing their rules, and its token can read the cluster.
+func TestRemoteChartThenCreateRemoteSecret(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	c := clusters.Clusters[0]
+	const ns = "isthmus-remote-chart"
+	require.NoError(t, c.EnsureNamespace(ctx, ns, nil))
+	a := newApplier(t, c.Config)
+	for _, o := range render(t, "remote", ns, nil) {
+		require.NoError(t, a.apply(ctx, o, false))
+	}
+	token, err := remotesecret.EnsureReader(ctx, c.Client, remotesecret.ReaderOptions{Namespace: ns, TokenWait: time.Millisecond})
+	require.NoError(t, err)
+	role, err := c.Client.RbacV1().ClusterRoles().Get(ctx, "isthmus-reader-"+ns, metav1.GetOptions{})
+	require.NoError(t, err)
+	require.Equal(t, remotesecret.ReaderRules, role.Rules)
+	require.Equal(t, "Helm", role.Labels["app.kubernetes.io/managed-by"], "EnsureReader keeps the chart's labels")
+
+	reader, err := kubernetes.NewForConfig(&rest.Config{Host: c.Host(), BearerToken: token,
+		TLSClientConfig: rest.TLSClientConfig{CAData: c.CAData()}})
+	require.NoError(t, err)
+	_, err = reader.CoreV1().Pods("").List(ctx, metav1.ListOptions{Limit: 1})
+	require.NoError(t, err, "the reader token lists pods in every namespace")
+	_, err = reader.CoreV1().Secrets(ns).List(ctx, metav1.ListOptions{Limit: 1})
+	require.Error(t, err, "the reader token cannot read Secrets")
+}
+
+// TestPilotRBACCoversReaderRules installs the pilot chart's RBAC for real
+// and asks the API server (SubjectAccessReview) whether pilot's
+// ServiceAccount may do, in its own cluster, everything ReaderRules lets it
+// do in a remote (ConfigMaps only in its namespace), plus its own duties:
+// Secrets, Leases and Events in its namespace.
+func TestPilotRBACCoversReaderRules(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	c := clusters.Clusters[0]
+	const ns = "isthmus-pilot-rbac"
+	require.NoError(t, c.EnsureNamespace(ctx, ns, nil))
+	a := newApplier(t, c.Config)
+	for _, o := range render(t, "pilot", ns, nil) {
+		switch o.GetKind() {
+		case "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding":
+			require.NoError(t, a.apply(ctx, o, false))
+		}
+	}
+	type access struct{ group, resource, subresource, verb string }
+	var want []access
+	for _, r := range remotesecret.ReaderRules {
+		for _, g := range r.APIGroups {
+			for _, res := range r.Resources {
+				resource, sub, _ := strings.Cut(res, "/")
+				for _, v := range r.Verbs {
+					want = append(want, access{g, resource, sub, v})
+				}
+			}
+		}
+	}
+	for _, v := range []string{"get", "list", "watch", "create", "update"} {
+		want = append(want, access{"", "secrets", "", v})
+	}
+	for _, v := range []string{"get", "create", "update"} {
+		want = append(want, access{"coordination.k8s.io", "leases", "", v})
+	}
+	want = append(want, access{"", "events", "", "create"}, access{"events.k8s.io", "events", "", "create"})
+
+	user := "system:serviceaccount:" + ns + ":isthmusd"
+	var denied []string
+	for _, w := range want {
+		sar := &authorizationv1.SubjectAccessReview{Spec: authorizationv1.SubjectAccessReviewSpec{
+			User: user, Groups: []string{"system:serviceaccounts", "system:serviceaccounts:" + ns, "system:authenticated"},
+			ResourceAttributes: &authorizationv1.ResourceAttributes{Namespace: ns, Group: w.group, Resource: w.resource,
+				Subresource: w.subresource, Verb: w.verb},
+		}}
+		res, err := c.Client.AuthorizationV1().SubjectAccessReviews().Create(ctx, sar, metav1.CreateOptions{})
+		require.NoError(t, err)
+		if !res.Status.Allowed {
+			denied = append(denied, fmt.Sprintf("%s %s.%s/%s", w.verb, w.resource, w.group, w.subresource))
+		}
+	}
+	require.Empty(t, denied, "pilot's chart must grant these in the config cluster")
+
+	// Secrets are readable in pilot's namespace only.
+	sar := &authorizationv1.SubjectAccessReview{Spec: authorizationv1.SubjectAccessReviewSpec{User: user,
+		ResourceAttributes: &authorizationv1.ResourceAttributes{Namespace: "default", Resource: "secrets", Verb: "get"}}}
+	res, err := c.Client.AuthorizationV1().SubjectAccessReviews().Create(ctx, sar, metav1.CreateOptions{})
+	require.NoError(t, err)
+	require.False(t, res.Status.Allowed, "pilot must not read Secrets outside its namespace")
+}

@@ -1,0 +1,24 @@
+{{/* Common labels of every object of the chart. */}}
+{{- define "pilot.labels" -}}
+app.kubernetes.io/name: isthmus-pilot
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/part-of: isthmus
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end }}
+
+{{/* Labels selecting pilot's pods. */}}
+{{- define "pilot.selector" -}}
+app: isthmusd
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Name of cluster-scoped objects: unique per control-plane namespace. */}}
+{{- define "pilot.clusterName" -}}
+isthmusd-{{ .Release.Namespace }}
+{{- end }}
+
+{{- define "pilot.image" -}}
+{{ .Values.image.registry }}/{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}

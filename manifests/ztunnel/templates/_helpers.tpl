@@ -1,0 +1,171 @@
+{{/* Common labels of every object of the chart. */}}
+{{- define "ztunnel.labels" -}}
+app.kubernetes.io/name: isthmus-ztunnel
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/part-of: isthmus
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end }}
+
+{{/* Labels selecting the chart's pods. */}}
+{{- define "ztunnel.selector" -}}
+app: ztunnel
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "ztunnel.image" -}}
+{{ .Values.image.registry }}/{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{- define "ztunnel.xdsAddress" -}}
+{{ .Values.xdsAddress | default (printf "isthmusd.%s.svc:15012" .Release.Namespace) }}
+{{- end }}
+
+{{/* The pod template, shared by the DaemonSet and the Deployment. */}}
+{{- define "ztunnel.podTemplate" -}}
+metadata:
+  labels:
+    {{- include "ztunnel.selector" . | nindent 4 }}
+    {{- with .Values.network }}
+    topology.istio.io/network: {{ . | quote }}
+    {{- end }}
+    {{- with .Values.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  annotations:
+    prometheus.io/scrape: "true"
+    prometheus.io/port: {{ .Values.ports.metrics | quote }}
+    {{- with .Values.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  serviceAccountName: {{ .Values.serviceAccount.name }}
+  hostNetwork: false
+  terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
+  {{- with .Values.priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
+  {{- with .Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- range . }}
+    - name: {{ . }}
+    {{- end }}
+  {{- end }}
+  containers:
+    - name: ztunnel
+      image: {{ include "ztunnel.image" . | quote }}
+      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      args:
+        - --mode={{ .Values.mode }}
+        - --node=$(NODE_NAME)
+        - --cluster-id={{ required "clusterID is required" .Values.clusterID }}
+        {{- with .Values.network }}
+        - --network={{ . }}
+        {{- end }}
+        - --trust-domain={{ .Values.trustDomain }}
+        - --xds-address={{ include "ztunnel.xdsAddress" . }}
+        - --ca-address={{ include "ztunnel.xdsAddress" . }}
+        - --ca-token=/var/run/secrets/tokens/isthmus-token
+        - --root-cert=/var/run/secrets/isthmus/root-cert.pem
+        - --hbone-port={{ .Values.ports.hbone }}
+        {{- if eq .Values.mode "node" }}
+        - --outbound-addr=:{{ .Values.ports.outbound }}
+        - --inbound-plaintext-addr=:{{ .Values.ports.inboundPlaintext }}
+        - --socks5-addr=:{{ .Values.ports.socks5 }}
+        {{- end }}
+        - --readiness-addr=:{{ .Values.ports.readiness }}
+        - --metrics-addr=:{{ .Values.ports.metrics }}
+        - --admin-addr={{ .Values.adminAddr }}
+        {{- range .Values.extraArgs }}
+        - {{ . | quote }}
+        {{- end }}
+      env:
+        - name: NODE_NAME
+          valueFrom:
+            fieldRef:
+              fieldPath: spec.nodeName
+        - name: POD_NAME
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.name
+        - name: POD_NAMESPACE
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.namespace
+        - name: INSTANCE_IP
+          valueFrom:
+            fieldRef:
+              fieldPath: status.podIP
+        {{- with .Values.env }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      ports:
+        - name: tls-hbone
+          containerPort: {{ .Values.ports.hbone }}
+          protocol: TCP
+        {{- if eq .Values.mode "node" }}
+        - name: tcp-outbound
+          containerPort: {{ .Values.ports.outbound }}
+          protocol: TCP
+        - name: tcp-inbound
+          containerPort: {{ .Values.ports.inboundPlaintext }}
+          protocol: TCP
+        - name: tcp-socks5
+          containerPort: {{ .Values.ports.socks5 }}
+          protocol: TCP
+        {{- end }}
+        - name: http-ready
+          containerPort: {{ .Values.ports.readiness }}
+          protocol: TCP
+        - name: http-metrics
+          containerPort: {{ .Values.ports.metrics }}
+          protocol: TCP
+      readinessProbe:
+        httpGet:
+          path: /healthz/ready
+          port: {{ .Values.ports.readiness }}
+        {{- toYaml .Values.readinessProbe | nindent 8 }}
+      {{- with .Values.resources }}
+      resources:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with .Values.securityContext }}
+      securityContext:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      volumeMounts:
+        - name: isthmus-token
+          mountPath: /var/run/secrets/tokens
+          readOnly: true
+        - name: isthmus-root-cert
+          mountPath: /var/run/secrets/isthmus
+          readOnly: true
+  volumes:
+    - name: isthmus-token
+      projected:
+        sources:
+          - serviceAccountToken:
+              path: isthmus-token
+              audience: {{ .Values.caAudience }}
+              expirationSeconds: 43200
+    - name: isthmus-root-cert
+      configMap:
+        name: {{ .Values.rootCertConfigMap }}
+        optional: true
+        items:
+          - key: root-cert.pem
+            path: root-cert.pem
+  {{- with .Values.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with (ternary .Values.tolerations .Values.gateway.tolerations (eq .Values.mode "node")) }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
