@@ -9,6 +9,7 @@ TESTBIN   ?= $(shell $(GO) env GOPATH)/isthmus-testbin/k8s-$(K8S_VERSION)
 GOTEST_FLAGS ?= -race -count=1 -timeout 60m
 BENCH     ?= .
 BENCHTIME ?= 1x
+VERSION   ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 export KUBEBUILDER_ASSETS := $(TESTBIN)
 
 .PHONY: all build test unit bench lint testbin generate demo demo-once clean
@@ -16,7 +17,7 @@ export KUBEBUILDER_ASSETS := $(TESTBIN)
 all: build
 
 build:
-	$(GO) build -o bin/ ./cmd/...
+	$(GO) build -ldflags "-X main.version=$(VERSION)" -o bin/ ./cmd/...
 
 ## testbin: build kube-apiserver and etcd from the Go module proxy (idempotent).
 testbin:

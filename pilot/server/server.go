@@ -12,6 +12,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"sync"
 	"time"
 
@@ -20,8 +21,11 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/leaderelection"
+	"k8s.io/client-go/tools/leaderelection/resourcelock"
 
 	"github.com/isthmus-mesh/isthmus/controller"
 	"github.com/isthmus-mesh/isthmus/multicluster"
@@ -48,10 +52,20 @@ type Config struct {
 	CA ca.Config
 	// GRPCAddr serves the CA (and xDS) over TLS (default ":15012"; "-" disables).
 	GRPCAddr string
+	// XDSPlaintextAddr serves xDS without TLS, for development only
+	// (default "-": disabled).
+	XDSPlaintextAddr string
 	// DebugAddr serves /debug/* (default "127.0.0.1:8080"; "-" disables).
 	DebugAddr string
 	// MonitoringAddr serves /metrics, /healthz and /readyz (default ":15014"; "-" disables).
 	MonitoringAddr string
+	// LeaderElection guards the parts that write to clusters beyond
+	// idempotent content (MCS ServiceExport status) with a Lease in
+	// Namespace, so several replicas can run (default on; tests may turn
+	// it off with NoLeaderElection).
+	NoLeaderElection bool
+	// Identity of this replica in leader election (default hostname-pid).
+	Identity string
 	// ShutdownTimeout bounds the graceful shutdown of HTTP servers (default 5 s).
 	ShutdownTimeout time.Duration
 	// Logger (default slog.Default()).
@@ -71,8 +85,15 @@ func (c *Config) defaults() {
 	if c.GRPCAddr == "" {
 		c.GRPCAddr = ":15012"
 	}
+	if c.XDSPlaintextAddr == "" {
+		c.XDSPlaintextAddr = "-"
+	}
 	if c.MonitoringAddr == "" {
 		c.MonitoringAddr = ":15014"
+	}
+	if c.Identity == "" {
+		host, _ := os.Hostname()
+		c.Identity = fmt.Sprintf("%s-%d", host, os.Getpid())
 	}
 	if c.ShutdownTimeout == 0 {
 		c.ShutdownTimeout = 5 * time.Second
@@ -100,6 +121,7 @@ type Server struct {
 	Multicluster *multicluster.Controller
 	Registry     *registry.Registry
 	CA           *ca.CA
+	local        *multicluster.Client
 
 	mu        sync.Mutex
 	grpcLn    net.Listener
@@ -142,7 +164,7 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 	mc.AddComponent("ca-root-publisher", func(ctx context.Context, c *multicluster.Cluster) (multicluster.Component, error) {
 		return authority.PublishRoots(ctx, string(c.ID), c.Client.Kube)
 	})
-	return &Server{cfg: cfg, log: cfg.Logger, Metrics: reg, Multicluster: mc, Registry: r, CA: authority, ready: make(chan struct{})}, nil
+	return &Server{cfg: cfg, log: cfg.Logger, Metrics: reg, Multicluster: mc, Registry: r, CA: authority, local: local, ready: make(chan struct{})}, nil
 }
 
 // kubeClients adapts the multicluster controller to the CA's Clusters.
@@ -261,6 +283,14 @@ func (s *Server) Run(ctx context.Context) error {
 	}
 	run("registry", s.Registry.Run)
 	run("multicluster", s.Multicluster.Run)
+	if s.cfg.Registry.ExportMode {
+		writer := controller.NewExportStatusWriter(s.Registry, s.Multicluster.KubeClient, s.log)
+		if s.cfg.NoLeaderElection {
+			run("export-status", writer.Run)
+		} else {
+			run("export-status", func(ctx context.Context) error { return s.leading(ctx, writer.Run) })
+		}
+	}
 	s.log.Info("pilot running", "cluster", s.cfg.ClusterID, "namespace", s.cfg.Namespace, "debug", s.DebugAddr(), "monitoring", s.MonitoringAddr())
 	wg.Wait()
 	close(errs)
@@ -269,6 +299,35 @@ func (s *Server) Run(ctx context.Context) error {
 		all = append(all, err)
 	}
 	return errors.Join(all...)
+}
+
+// leading runs fn while this replica holds the leader Lease, until ctx ends.
+func (s *Server) leading(ctx context.Context, fn func(context.Context) error) error {
+	lock := &resourcelock.LeaseLock{
+		LeaseMeta:  metav1.ObjectMeta{Namespace: s.cfg.Namespace, Name: "isthmus-pilot-leader"},
+		Client:     s.local.Kube.CoordinationV1(),
+		LockConfig: resourcelock.ResourceLockConfig{Identity: s.cfg.Identity},
+	}
+	for ctx.Err() == nil {
+		le, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
+			Lock: lock, LeaseDuration: 15 * time.Second, RenewDeadline: 10 * time.Second, RetryPeriod: 2 * time.Second,
+			ReleaseOnCancel: true, Name: "isthmus-pilot",
+			Callbacks: leaderelection.LeaderCallbacks{
+				OnStartedLeading: func(ctx context.Context) {
+					s.log.Info("leading: writing ServiceExport status", "identity", s.cfg.Identity)
+					if err := fn(ctx); err != nil {
+						s.log.Error("leader task failed", "error", err)
+					}
+				},
+				OnStoppedLeading: func() { s.log.Info("no longer leading", "identity", s.cfg.Identity) },
+			},
+		})
+		if err != nil {
+			return err
+		}
+		le.Run(ctx) // returns when leadership is lost or ctx ends; then campaign again
+	}
+	return nil
 }
 
 func serveGRPC(ctx context.Context, srv *grpc.Server, ln net.Listener, timeout time.Duration) error {

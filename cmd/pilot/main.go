@@ -1,0 +1,130 @@
+// Command pilot is the Isthmus control plane: it federates every registered
+// cluster, serves the federated registry and signs workload certificates.
+// This file maps flags into server.Config and runs the server until SIGINT
+// or SIGTERM; everything else lives in pilot/server.
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2"
+
+	"github.com/isthmus-mesh/isthmus/pilot/model"
+	"github.com/isthmus-mesh/isthmus/pilot/server"
+)
+
+var version = "dev"
+
+type options struct {
+	kubeconfig, kubeContext string
+	logLevel, logFormat     string
+	namespace, clusterID    string
+	network                 string
+	cfg                     server.Config
+}
+
+func main() {
+	if err := newCommand().Execute(); err != nil {
+		os.Exit(1)
+	}
+}
+
+func newCommand() *cobra.Command {
+	o := &options{}
+	cmd := &cobra.Command{
+		Use:           "pilot",
+		Short:         "Isthmus control plane: multicluster federation, xDS and the mesh CA",
+		Version:       version,
+		SilenceUsage:  true,
+		SilenceErrors: false,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			ctx, stop := signal.NotifyContext(cmd.Context(), syscall.SIGINT, syscall.SIGTERM)
+			defer stop()
+			return o.run(ctx)
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig of the config cluster (default: in-cluster)")
+	f.StringVar(&o.kubeContext, "context", "", "context in --kubeconfig")
+	f.StringVar(&o.namespace, "namespace", "isthmus-system", "control-plane namespace (remote secrets, CA secrets)")
+	f.StringVar(&o.clusterID, "cluster-id", "primary", "ID of the config cluster")
+	f.StringVar(&o.network, "network", "", "default network of the config cluster")
+	f.StringVar(&o.cfg.GRPCAddr, "xds-addr", ":15012", "TLS gRPC address (CA and xDS); - disables")
+	f.StringVar(&o.cfg.XDSPlaintextAddr, "xds-plaintext-addr", "-", "plaintext xDS address (development only); - disables")
+	f.StringVar(&o.cfg.MonitoringAddr, "monitoring-addr", ":15014", "address of /metrics, /healthz and /readyz; - disables")
+	f.StringVar(&o.cfg.DebugAddr, "debug-addr", "127.0.0.1:8080", "address of /debug/*; - disables")
+	f.DurationVar(&o.cfg.Multicluster.SyncTimeout, "sync-timeout", 30*time.Second, "a remote not synced after this is reported timed out")
+	f.StringSliceVar(&o.cfg.Multicluster.AllowedKubeconfigOptions, "allow-kubeconfig-option", nil,
+		"kubeconfig options remote secrets may use although they run programs or read files (exec, auth-provider[:name], tokenFile, clientCertificate, clientKey, certificateAuthority)")
+	f.BoolVar(&o.cfg.Registry.ExportMode, "export-mode", false, "federate only services with an MCS ServiceExport")
+	f.DurationVar(&o.cfg.Registry.StaleGrace, "stale-grace", 0, "how long an unreachable cluster's last state is kept (0: forever)")
+	f.DurationVar(&o.cfg.Registry.QuietPeriod, "debounce-quiet", 100*time.Millisecond, "changes closer than this are merged")
+	f.DurationVar(&o.cfg.Registry.MaxDelay, "debounce-max", time.Second, "longest a change waits for a burst to end")
+	f.StringVar(&o.cfg.CA.TrustDomain, "trust-domain", "cluster.local", "SPIFFE trust domain")
+	f.StringSliceVar(&o.cfg.CA.ServingSANs, "serving-san", nil, "DNS names or IPs of pilot's serving certificate (default isthmusd.<namespace>.svc)")
+	f.BoolVar(&o.cfg.NoLeaderElection, "no-leader-election", false, "write cluster status without a leader Lease (single replica only)")
+	f.DurationVar(&o.cfg.ShutdownTimeout, "shutdown-timeout", 10*time.Second, "bound of the graceful shutdown")
+	f.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
+	f.StringVar(&o.logFormat, "log-format", "text", "text or json")
+	return cmd
+}
+
+func (o *options) run(ctx context.Context) error {
+	logger, err := newLogger(o.logLevel, o.logFormat)
+	if err != nil {
+		return err
+	}
+	klog.SetSlogLogger(logger.With("source", "client-go"))
+	rc, err := restConfig(o.kubeconfig, o.kubeContext)
+	if err != nil {
+		return err
+	}
+	o.cfg.Namespace, o.cfg.ClusterID, o.cfg.Network = o.namespace, model.ClusterID(o.clusterID), model.Network(o.network)
+	o.cfg.Logger = logger
+	srv, err := server.New(o.cfg, rc, nil)
+	if err != nil {
+		return err
+	}
+	logger.Info("starting pilot", "version", version)
+	return srv.Run(ctx)
+}
+
+func restConfig(path, kubeContext string) (*rest.Config, error) {
+	if path == "" {
+		cfg, err := rest.InClusterConfig()
+		if err != nil {
+			return nil, fmt.Errorf("no --kubeconfig and not in a cluster: %w", err)
+		}
+		return cfg, nil
+	}
+	cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(
+		&clientcmd.ClientConfigLoadingRules{ExplicitPath: path}, &clientcmd.ConfigOverrides{CurrentContext: kubeContext}).ClientConfig()
+	if err != nil {
+		return nil, fmt.Errorf("kubeconfig %s: %w", path, err)
+	}
+	return cfg, nil
+}
+
+func newLogger(level, format string) (*slog.Logger, error) {
+	var lv slog.Level
+	if err := lv.UnmarshalText([]byte(level)); err != nil {
+		return nil, fmt.Errorf("--log-level: %w", err)
+	}
+	opts := &slog.HandlerOptions{Level: lv}
+	switch format {
+	case "text":
+		return slog.New(slog.NewTextHandler(os.Stderr, opts)), nil
+	case "json":
+		return slog.New(slog.NewJSONHandler(os.Stderr, opts)), nil
+	}
+	return nil, fmt.Errorf("--log-format: %q is neither text nor json", format)
+}
