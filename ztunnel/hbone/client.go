@@ -2,7 +2,6 @@ package hbone
 
 import (
 	"context"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -267,7 +266,7 @@ func (c *Client) newConn(ctx context.Context, req DialRequest) (*http2.ClientCon
 	if err != nil {
 		return nil, nil, "", fmt.Errorf("hbone dial %s%s: %w", req.Addr, req.UnderlayKey, err)
 	}
-	tc := tls.Client(raw, clientTLS(cert, c.certs, req.Peer, req.Source.TrustDomain))
+	tc := newTLSConn(raw, clientTLS(cert, c.certs, req.Peer, req.Source.TrustDomain), true)
 	if err := tc.HandshakeContext(ctx); err != nil {
 		raw.Close()
 		return nil, nil, "", fmt.Errorf("hbone handshake %s%s: %w", req.Addr, req.UnderlayKey, err)

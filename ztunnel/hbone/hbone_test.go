@@ -61,6 +61,7 @@ func (l *countingListener) Accept() (net.Conn, error) {
 // env is an HBONE server in front of a TCP echo service.
 type env struct {
 	ca     *testca.CA
+	certs  *identity.Cache
 	srv    *Server
 	ln     *countingListener
 	addr   netip.AddrPort
@@ -104,21 +105,28 @@ func startEchoTCP(t *testing.T) netip.AddrPort {
 }
 
 func newEnv(t *testing.T, ccfg ClientConfig) *env {
+	return newEnvConfig(t, ServerConfig{}, ccfg)
+}
+
+// newEnvConfig is newEnv with a server configuration. The server's handler
+// dials the CONNECT authority.
+func newEnvConfig(t *testing.T, scfg ServerConfig, ccfg ClientConfig) *env {
 	ca, err := testca.New("cluster.local")
 	require.NoError(t, err)
 	certs := identity.NewCache(ca)
-	e := &env{ca: ca, echo: startEchoTCP(t)}
+	e := &env{ca: ca, certs: certs, echo: startEchoTCP(t)}
 	m, err := metrics.New(prometheus.NewRegistry())
 	require.NoError(t, err)
-	e.srv, err = NewServer(ServerConfig{TrustDomain: "cluster.local"}, ServerDeps{
+	scfg.TrustDomain = "cluster.local"
+	e.srv, err = NewServer(scfg, ServerDeps{
 		Certs:   certs,
 		Metrics: m,
 		Select: func(ctx context.Context, _ netip.Addr) (*tls.Certificate, error) {
 			return certs.Certificate(ctx, serverID)
 		},
-		Handler: HandlerFunc(func(ctx context.Context, _ *Request) (Upstream, error) {
+		Handler: HandlerFunc(func(ctx context.Context, req *Request) (Upstream, error) {
 			var d net.Dialer
-			c, err := d.DialContext(ctx, "tcp", e.echo.String())
+			c, err := d.DialContext(ctx, "tcp", req.Authority)
 			return Upstream{Conn: c}, err
 		}),
 	})

@@ -6,12 +6,20 @@ import (
 	"net"
 	"net/netip"
 	"sync"
+	"syscall"
 )
 
-// BufferSize is the size of the pooled relay buffers.
+// BufferSize is the size of the pooled relay buffers used while data flows.
 const BufferSize = 64 << 10
 
-var bufPool = sync.Pool{New: func() any { b := make([]byte, BufferSize); return &b }}
+// smallBufferSize is the buffer a relay direction holds while it waits for
+// data on a source that cannot report readiness (an HTTP/2 stream).
+const smallBufferSize = 2 << 10
+
+var (
+	bufPool   = sync.Pool{New: func() any { b := make([]byte, BufferSize); return &b }}
+	smallPool = sync.Pool{New: func() any { b := make([]byte, smallBufferSize); return &b }}
+)
 
 func getBuf() *[]byte  { return bufPool.Get().(*[]byte) }
 func putBuf(b *[]byte) { bufPool.Put(b) }
@@ -32,29 +40,31 @@ func CloseWrite(c net.Conn) error {
 // when its input ends. It returns the bytes copied a->b and b->a and the
 // first error other than a clean EOF, naming its direction. onAB and onBA,
 // if not nil, are called with each chunk size for live byte accounting.
+//
+// The b->a direction runs on the calling goroutine and a->b on one extra
+// goroutine. Neither holds a large buffer while its source is idle.
 func Relay(a, b net.Conn, onAB, onBA func(int)) (ab, ba int64, err error) {
-	errc := make(chan error, 2)
-	var nab, nba int64
+	errc := make(chan error, 1)
+	var nab int64
 	go func() {
 		var e error
 		nab, e = copyHalf(b, a, onAB)
-		errc <- dirErr("source->destination", e)
-	}()
-	go func() {
-		var e error
-		nba, e = copyHalf(a, b, onBA)
-		errc <- dirErr("destination->source", e)
-	}()
-	var errs []error
-	for range 2 {
-		if e := <-errc; e != nil {
-			errs = append(errs, e)
-			// One side failed: tear both down so the other copy ends.
+		e = dirErr("source->destination", e)
+		if e != nil {
+			// Tear both down so the other copy ends.
 			a.Close()
 			b.Close()
 		}
+		errc <- e
+	}()
+	nba, e := copyHalf(a, b, onBA)
+	eba := dirErr("destination->source", e)
+	if eba != nil {
+		a.Close()
+		b.Close()
 	}
-	return nab, nba, errors.Join(errs...)
+	eab := <-errc
+	return nab, nba, errors.Join(eab, eba)
 }
 
 type dirError struct {
@@ -72,26 +82,70 @@ func dirErr(dir string, err error) error {
 	return &dirError{dir: dir, err: err}
 }
 
-// copyHalf copies src to dst with a pooled buffer, then half-closes dst.
+// copyHalf copies src to dst, then half-closes dst.
 func copyHalf(dst, src net.Conn, on func(int)) (int64, error) {
-	bp := getBuf()
-	defer putBuf(bp)
-	buf := *bp
+	n, err := pump(src, func(b []byte) error {
+		w, err := dst.Write(b)
+		if on != nil && w > 0 {
+			on(w)
+		}
+		return err
+	})
+	if err != nil {
+		return n, err
+	}
+	return n, CloseWrite(dst)
+}
+
+// pump reads src until EOF and hands every chunk read to write, which must
+// consume it before returning. It returns the bytes read and the first
+// error other than EOF. A pooled BufferSize buffer is held only while data
+// flows: for a socket, pump waits for readability holding no buffer at all;
+// for other sources it waits with a small buffer, and moves to the large
+// one while reads fill the small one.
+func pump(src io.Reader, write func([]byte) error) (int64, error) {
+	if sc, ok := src.(syscall.Conn); ok {
+		if rc, err := sc.SyscallConn(); err == nil && rawReadSupported {
+			return pumpRaw(rc, write)
+		}
+	}
+	return pumpAdaptive(src, write)
+}
+
+// pumpAdaptive is pump for sources without readiness notification.
+func pumpAdaptive(src io.Reader, write func([]byte) error) (int64, error) {
+	sp := smallPool.Get().(*[]byte)
+	defer smallPool.Put(sp)
+	var big *[]byte
+	defer func() {
+		if big != nil {
+			putBuf(big)
+		}
+	}()
 	var total int64
 	for {
+		buf := *sp
+		if big != nil {
+			buf = *big
+		}
 		n, rerr := src.Read(buf)
 		if n > 0 {
-			w, werr := dst.Write(buf[:n])
-			total += int64(w)
-			if on != nil {
-				on(w)
-			}
-			if werr != nil {
+			total += int64(n)
+			if werr := write(buf[:n]); werr != nil {
 				return total, werr
 			}
 		}
+		switch {
+		case big == nil && n == len(buf):
+			// The small buffer filled: more is probably waiting.
+			big = getBuf()
+		case big != nil && n < len(buf):
+			// The source is drained: wait for more with the small buffer.
+			putBuf(big)
+			big = nil
+		}
 		if rerr == io.EOF {
-			return total, CloseWrite(dst)
+			return total, nil
 		}
 		if rerr != nil {
 			return total, rerr

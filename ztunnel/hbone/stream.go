@@ -29,10 +29,34 @@ type Stream struct {
 var _ net.Conn = (*Stream)(nil)
 
 // Read reads bytes sent by the server side.
-func (s *Stream) Read(b []byte) (int, error) { return s.body.Read(b) }
+func (s *Stream) Read(b []byte) (int, error) {
+	n, err := s.body.Read(b)
+	return n, wrapStreamErr(err)
+}
 
 // Write sends bytes to the server side.
-func (s *Stream) Write(b []byte) (int, error) { return s.pw.Write(b) }
+func (s *Stream) Write(b []byte) (int, error) {
+	n, err := s.pw.Write(b)
+	return n, wrapStreamErr(err)
+}
+
+// StreamError is the error a Stream returns when its HTTP/2 stream fails;
+// Unwrap gives the HTTP/2 error. Errors are wrapped so that no
+// http2.StreamError value escapes a Stream: an HTTP/2 connection running
+// over a Stream (double HBONE) would take such a value, returned by its
+// own underlying reader, for an error of one of its streams and retry the
+// read forever.
+type StreamError struct{ Err error }
+
+func (e *StreamError) Error() string { return "hbone stream: " + e.Err.Error() }
+func (e *StreamError) Unwrap() error { return e.Err }
+
+func wrapStreamErr(err error) error {
+	if err == nil || err == io.EOF {
+		return err
+	}
+	return &StreamError{Err: err}
+}
 
 // CloseWrite ends the client->server direction.
 func (s *Stream) CloseWrite() error { return s.pw.Close() }

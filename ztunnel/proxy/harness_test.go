@@ -79,6 +79,46 @@ func (r *recordingDialer) dialedHost(a netip.Addr) bool {
 	return false
 }
 
+// sinkMagic, sent first on a connection to the echo app, turns it into a
+// sink: it reads to EOF, then answers the number of bytes it read after the
+// magic as a big-endian uint64 and closes (used by upload benchmarks).
+const sinkMagic = "\xffSINK\x00\x00\x01"
+
+// serveEcho echoes c until EOF and half-closes, or acts as a sink when the
+// first read starts with sinkMagic.
+func serveEcho(c *net.TCPConn) {
+	buf := make([]byte, 512) // idle echo connections stay cheap
+	n, err := c.Read(buf)
+	if n >= len(sinkMagic) && string(buf[:len(sinkMagic)]) == sinkMagic {
+		sink(c, uint64(n-len(sinkMagic)))
+		return
+	}
+	if n > 0 {
+		if _, werr := c.Write(buf[:n]); werr != nil {
+			return
+		}
+	}
+	if err == nil {
+		_, _ = io.Copy(c, c)
+	}
+	_ = c.CloseWrite()
+	_, _ = io.Copy(io.Discard, c)
+}
+
+// sink reads c to EOF in 64 KiB reads (like iperf; io.Discard would read
+// 8 KiB at a time), then answers got plus the bytes read and half-closes.
+func sink(c *net.TCPConn, got uint64) {
+	buf := make([]byte, 64<<10)
+	var err error
+	for err == nil {
+		var n int
+		n, err = c.Read(buf)
+		got += uint64(n)
+	}
+	_, _ = c.Write(binary.BigEndian.AppendUint64(nil, got))
+	_ = c.CloseWrite()
+}
+
 // startEcho serves an echo app on addr:appPort that half-closes after echoing.
 func startEcho(t testing.TB, addr netip.Addr) {
 	ln, err := net.Listen("tcp", netip.AddrPortFrom(addr, appPort).String())
@@ -97,9 +137,7 @@ func startEcho(t testing.TB, addr netip.Addr) {
 			mu.Unlock()
 			wg.Go(func() {
 				defer c.Close()
-				_, _ = io.Copy(c, c)
-				_ = c.(*net.TCPConn).CloseWrite()
-				_, _ = io.Copy(io.Discard, c)
+				serveEcho(c.(*net.TCPConn))
 			})
 		}
 	})

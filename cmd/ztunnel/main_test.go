@@ -1,0 +1,82 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/isthmus-mesh/isthmus/ztunnel/node"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// capture runs the command with args and returns the config it would run.
+func capture(t *testing.T, args ...string) (node.Config, node.Deps, error) {
+	t.Helper()
+	var (
+		got  node.Config
+		deps node.Deps
+	)
+	cmd := newCommand(&bytes.Buffer{}, func(_ context.Context, cfg node.Config, d node.Deps) error {
+		got, deps = cfg, d
+		return nil
+	})
+	cmd.SetArgs(args)
+	err := cmd.ExecuteContext(context.Background())
+	return got, deps, err
+}
+
+// TestFlagsToConfig proves the flags the Helm charts pass land in the
+// node.Config fields they name, and that unset flags keep node's defaults.
+func TestFlagsToConfig(t *testing.T) {
+	t.Setenv("NODE_NAME", "env-node")
+	t.Setenv("POD_NAMESPACE", "mesh")
+	cfg, deps, err := capture(t,
+		"--mode=gateway", "--cluster-id=c1", "--network=n1", "--trust-domain=example.org",
+		"--xds-address=isthmusd.mesh.svc:15012", "--ca-address=isthmusd.mesh.svc:15012",
+		"--ca-token=/tok", "--root-cert=/root.pem", "--hbone-port=15009",
+		"--outbound-addr=:15001", "--inbound-plaintext-addr=:15006", "--socks5-addr=:15080",
+		"--readiness-addr=:15021", "--metrics-addr=:15020", "--admin-addr=127.0.0.1:15000",
+		"--cert-ttl=1h", "--log-level=debug", "--log-format=text",
+	)
+	require.NoError(t, err)
+	require.NotNil(t, deps.Log)
+	require.Equal(t, node.Config{
+		NodeName: "env-node", ClusterID: "c1", Network: "n1", Mode: node.ModeGateway, TrustDomain: "example.org",
+		Namespace: "mesh", ServiceAccount: "ztunnel",
+		XDSAddress: "isthmusd.mesh.svc:15012", CAAddress: "isthmusd.mesh.svc:15012",
+		TokenFile: "/tok", RootCertFile: "/root.pem", CertTTL: time.Hour, HBONEPort: 15009,
+		OutboundListen: ":15001", SOCKS5Listen: ":15080", AdminListen: "127.0.0.1:15000",
+		ReadinessListen: ":15021", MetricsListen: ":15020", ShutdownTimeout: node.DefaultConfig.ShutdownTimeout,
+	}, cfg)
+}
+
+// TestBadFlags proves invalid log settings and positional arguments are
+// refused before anything runs, and that the run error is returned.
+func TestBadFlags(t *testing.T) {
+	for _, args := range [][]string{
+		{"--log-level=loud"},
+		{"--log-format=xml"},
+		{"extra"},
+	} {
+		_, _, err := capture(t, args...)
+		require.Error(t, err, "%v", args)
+	}
+	boom := errors.New("boom")
+	cmd := newCommand(&bytes.Buffer{}, func(context.Context, node.Config, node.Deps) error { return boom })
+	cmd.SetArgs(nil)
+	require.ErrorIs(t, cmd.ExecuteContext(context.Background()), boom)
+}
+
+// TestRunNodeRejectsBadConfig proves the real run path reports an invalid
+// configuration (missing node, unknown mode) instead of starting.
+func TestRunNodeRejectsBadConfig(t *testing.T) {
+	err := runNode(context.Background(), node.Config{Mode: "sidecar", XDSAddress: "127.0.0.1:1", CAAddress: "127.0.0.1:1"}, node.Deps{})
+	require.ErrorContains(t, err, "NodeName is required")
+	require.ErrorContains(t, err, `mode "sidecar"`)
+}

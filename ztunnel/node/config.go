@@ -1,0 +1,180 @@
+package node
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc/credentials"
+
+	"github.com/isthmus-mesh/isthmus/ztunnel/caclient"
+	"github.com/isthmus-mesh/isthmus/ztunnel/proxy"
+)
+
+// Mode is what a ztunnel process does.
+type Mode string
+
+const (
+	// ModeNode is the node proxy: inbound HBONE for the node's workloads,
+	// outbound capture (15001) and SOCKS5 (15080).
+	ModeNode Mode = "node"
+	// ModeGateway is the east-west gateway of a network: it terminates
+	// outer HBONE from other networks on GatewayListen.
+	ModeGateway Mode = "gateway"
+)
+
+// Disabled as a listen address turns that listener off.
+const Disabled = "none"
+
+// Config is one ztunnel process. Zero fields take the defaults of
+// DefaultConfig; withDefaults is the only place defaults are decided.
+type Config struct {
+	// NodeName is the Kubernetes node (node mode: its workloads are local).
+	NodeName string
+	// ClusterID and Network place this ztunnel (xDS metadata, CA clusterid).
+	ClusterID string
+	Network   string
+	// Mode is node or gateway.
+	Mode Mode
+	// TrustDomain is the mesh trust domain.
+	TrustDomain string
+	// Namespace and ServiceAccount are the ztunnel's own account; they form
+	// its identity (the gateway's identity in gateway mode).
+	Namespace      string
+	ServiceAccount string
+	// NodeID is the xDS node id; default "ztunnel~<NodeName>.<Namespace>".
+	NodeID string
+
+	// XDSAddress is pilot's xDS address. XDSPlaintext selects plaintext
+	// (15010, development only) instead of mTLS with the node's certificate
+	// (15012). XDSServerName defaults to the host of XDSAddress.
+	XDSAddress    string
+	XDSPlaintext  bool
+	XDSServerName string
+	// CAAddress is pilot's CA address (15012); CAServerName defaults to its host.
+	CAAddress    string
+	CAServerName string
+	// TokenFile is the projected ServiceAccount token, re-read for each
+	// certificate request (unless Deps.Token is set).
+	TokenFile string
+	// RootCertFile is the mesh root bundle (unless Deps.RootsPEM is set).
+	RootCertFile string
+	// CertTTL is the certificate lifetime asked for; zero lets the CA choose.
+	CertTTL time.Duration
+
+	// HBONEPort is where inbound listens on each local workload address
+	// (<pod address>:15008).
+	HBONEPort uint16
+	// OutboundListen (15001), SOCKS5Listen (15080), AdminListen (15000),
+	// ReadinessListen (15021) and MetricsListen (15020) are listen addresses;
+	// Disabled turns one off. Node mode only: OutboundListen, SOCKS5Listen.
+	OutboundListen  string
+	SOCKS5Listen    string
+	AdminListen     string
+	ReadinessListen string
+	MetricsListen   string
+	// GatewayListen is where a gateway serves HBONE (gateway mode); default
+	// 0.0.0.0:<HBONEPort>.
+	GatewayListen string
+	// ShutdownTimeout bounds the graceful stop of the HTTP servers.
+	ShutdownTimeout time.Duration
+}
+
+// DefaultConfig holds the defaults.
+var DefaultConfig = Config{
+	Mode:            ModeNode,
+	TrustDomain:     "cluster.local",
+	Namespace:       "isthmus-system",
+	ServiceAccount:  "ztunnel",
+	TokenFile:       "/var/run/secrets/tokens/isthmus-token",
+	RootCertFile:    "/var/run/secrets/isthmus/root-cert.pem",
+	HBONEPort:       15008,
+	OutboundListen:  "127.0.0.1:15001",
+	SOCKS5Listen:    "127.0.0.1:15080",
+	AdminListen:     "127.0.0.1:15000",
+	ReadinessListen: "0.0.0.0:15021",
+	MetricsListen:   "0.0.0.0:15020",
+	ShutdownTimeout: 5 * time.Second,
+}
+
+func (c Config) withDefaults() Config {
+	d := DefaultConfig
+	or := func(v *string, def string) {
+		if *v == "" {
+			*v = def
+		}
+	}
+	if c.Mode == "" {
+		c.Mode = d.Mode
+	}
+	or(&c.TrustDomain, d.TrustDomain)
+	or(&c.Namespace, d.Namespace)
+	or(&c.ServiceAccount, d.ServiceAccount)
+	or(&c.NodeID, "ztunnel~"+c.NodeName+"."+c.Namespace)
+	or(&c.XDSServerName, hostOf(c.XDSAddress))
+	or(&c.CAServerName, hostOf(c.CAAddress))
+	or(&c.TokenFile, d.TokenFile)
+	or(&c.RootCertFile, d.RootCertFile)
+	or(&c.OutboundListen, d.OutboundListen)
+	or(&c.SOCKS5Listen, d.SOCKS5Listen)
+	or(&c.AdminListen, d.AdminListen)
+	or(&c.ReadinessListen, d.ReadinessListen)
+	or(&c.MetricsListen, d.MetricsListen)
+	if c.HBONEPort == 0 {
+		c.HBONEPort = d.HBONEPort
+	}
+	or(&c.GatewayListen, fmt.Sprintf("0.0.0.0:%d", c.HBONEPort))
+	if c.ShutdownTimeout <= 0 {
+		c.ShutdownTimeout = d.ShutdownTimeout
+	}
+	return c
+}
+
+func (c Config) validate() error {
+	var errs []error
+	if c.NodeName == "" {
+		errs = append(errs, errors.New("NodeName is required"))
+	}
+	if c.ClusterID == "" {
+		errs = append(errs, errors.New("ClusterID is required"))
+	}
+	if c.XDSAddress == "" || c.CAAddress == "" {
+		errs = append(errs, errors.New("XDSAddress and CAAddress are required"))
+	}
+	if c.Mode != ModeNode && c.Mode != ModeGateway {
+		errs = append(errs, fmt.Errorf("mode %q: want %q or %q", c.Mode, ModeNode, ModeGateway))
+	}
+	if c.Mode == ModeGateway && c.Network == "" {
+		errs = append(errs, errors.New("a gateway needs its Network"))
+	}
+	return errors.Join(errs...)
+}
+
+func hostOf(addr string) string {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return ""
+	}
+	return host
+}
+
+// Deps are optional collaborators; each replaces a Config-driven default.
+type Deps struct {
+	// Log defaults to a discarding logger.
+	Log *slog.Logger
+	// Token replaces Config.TokenFile.
+	Token caclient.TokenSource
+	// RootsPEM replaces Config.RootCertFile.
+	RootsPEM []byte
+	// XDSCredentials replace the xDS transport credentials chosen by
+	// Config.XDSPlaintext.
+	XDSCredentials credentials.TransportCredentials
+	// Registry receives the metrics and serves /metrics; a fresh registry
+	// by default.
+	Registry *prometheus.Registry
+	// Listen opens every listener; net.Listen by default.
+	Listen proxy.ListenFunc
+}

@@ -1,0 +1,325 @@
+// Package node wires one ztunnel process: the delta xDS client feeds a
+// state store; the CA client keeps the certificates of the node's workloads
+// (and of the ztunnel itself) following that store; and the proxies serve
+// from both — in node mode the inbound HBONE listeners on <pod
+// address>:15008 of each local workload (opened as workloads arrive and
+// closed as they leave), outbound capture (15001) and SOCKS5 (15080); in
+// gateway mode the east-west gateway — plus the admin (15000), readiness
+// (15021) and metrics (15020) endpoints. Run starts everything and stops it
+// gracefully when its context ends.
+package node
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/isthmus-mesh/isthmus/ztunnel/admin"
+	"github.com/isthmus-mesh/isthmus/ztunnel/caclient"
+	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
+	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
+	"github.com/isthmus-mesh/isthmus/ztunnel/proxy"
+	"github.com/isthmus-mesh/isthmus/ztunnel/state"
+	"github.com/isthmus-mesh/isthmus/ztunnel/xdsclient"
+)
+
+// Node is one ztunnel process. Build it with New and drive it with Run;
+// Ready, Store and Certs are safe for concurrent use.
+type Node struct {
+	cfg   Config
+	deps  Deps
+	log   *slog.Logger
+	id    identity.Identity
+	store *state.Store
+	xds   *xdsclient.Client
+	certs *caclient.Manager
+	admin http.Handler
+
+	in  *proxy.Inbound  // node mode
+	out *proxy.Outbound // node mode
+	gw  *proxy.Gateway  // gateway mode
+
+	runMu   sync.Mutex
+	started bool
+	closed  bool
+	cancel  context.CancelFunc
+	done    chan struct{}
+}
+
+// New builds a ztunnel from cfg. It reads the root bundle file (unless
+// Deps.RootsPEM is set) and opens no connection or listener.
+func New(cfg Config, deps Deps) (*Node, error) {
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, fmt.Errorf("ztunnel config: %w", err)
+	}
+	if deps.Log == nil {
+		deps.Log = slog.New(slog.DiscardHandler)
+	}
+	if deps.Registry == nil {
+		deps.Registry = prometheus.NewRegistry()
+	}
+	if deps.Listen == nil {
+		deps.Listen = net.Listen
+	}
+	if deps.Token == nil {
+		deps.Token = caclient.TokenFile(cfg.TokenFile)
+	}
+	rootsPEM := deps.RootsPEM
+	if rootsPEM == nil {
+		b, err := os.ReadFile(cfg.RootCertFile)
+		if err != nil {
+			return nil, fmt.Errorf("ztunnel: read root bundle: %w", err)
+		}
+		rootsPEM = b
+	}
+	roots, err := caclient.RootsFromPEM(rootsPEM)
+	if err != nil {
+		return nil, fmt.Errorf("ztunnel: %w", err)
+	}
+	log := deps.Log.With("node", cfg.NodeName, "cluster", cfg.ClusterID, "network", cfg.Network, "mode", string(cfg.Mode))
+	n := &Node{
+		cfg: cfg, deps: deps, log: log, store: state.NewStore(),
+		id: identity.Identity{TrustDomain: cfg.TrustDomain, Namespace: cfg.Namespace, ServiceAccount: cfg.ServiceAccount},
+	}
+	n.certs, err = caclient.New(caclient.Config{
+		Address: cfg.CAAddress, ServerName: cfg.CAServerName, ClusterID: cfg.ClusterID,
+		Node: cfg.NodeName, NodeIdentity: n.id, TTL: cfg.CertTTL,
+	}, caclient.Deps{Token: deps.Token, Roots: roots, Store: n.store, Log: log})
+	if err != nil {
+		return nil, err
+	}
+	xdsCreds := deps.XDSCredentials
+	switch {
+	case xdsCreds != nil:
+	case cfg.XDSPlaintext:
+		xdsCreds = insecure.NewCredentials()
+	default:
+		xdsCreds = credentials.NewTLS(n.certs.ClientTLS(cfg.XDSServerName))
+	}
+	n.xds, err = xdsclient.New(xdsclient.Config{
+		Address: cfg.XDSAddress, NodeID: cfg.NodeID, NodeName: cfg.NodeName,
+		ClusterID: cfg.ClusterID, Network: cfg.Network, TrustDomain: cfg.TrustDomain,
+	}, xdsclient.Deps{Store: n.store, Credentials: xdsCreds, Log: log})
+	if err != nil {
+		n.certs.Close()
+		return nil, err
+	}
+	if err := n.buildProxies(); err != nil {
+		n.certs.Close()
+		return nil, err
+	}
+	n.admin = admin.New(admin.Deps{Store: n.store, Certs: n.certs.Dump, Gatherer: deps.Registry, Ready: n.Ready})
+	return n, nil
+}
+
+func (n *Node) buildProxies() error {
+	m, err := metrics.New(n.deps.Registry)
+	if err != nil {
+		return fmt.Errorf("ztunnel metrics: %w", err)
+	}
+	pcfg := proxy.Config{Node: n.cfg.NodeName, TrustDomain: n.cfg.TrustDomain, HBONEPort: n.cfg.HBONEPort}
+	pdeps := proxy.Deps{Store: n.store, Certs: n.certs, Metrics: m, Log: n.log, Listen: n.deps.Listen}
+	if n.cfg.Mode == ModeGateway {
+		n.gw, err = proxy.NewGateway(proxy.GatewayConfig{Config: pcfg, Network: n.cfg.Network, Cluster: n.cfg.ClusterID, Identity: n.id}, pdeps, state.Selector{})
+		return err
+	}
+	if n.in, err = proxy.NewInbound(pcfg, pdeps); err != nil {
+		return err
+	}
+	n.out, err = proxy.NewOutbound(pcfg, pdeps, state.Selector{})
+	return err
+}
+
+// Store returns the state store the xDS client feeds.
+func (n *Node) Store() *state.Store { return n.store }
+
+// Certs returns the certificate manager.
+func (n *Node) Certs() *caclient.Manager { return n.certs }
+
+// Identity returns the ztunnel's own identity.
+func (n *Node) Identity() identity.Identity { return n.id }
+
+// Ready reports whether the first xDS response has been applied and, in
+// node mode, the inbound listeners match the state.
+func (n *Node) Ready() bool {
+	if !n.xds.HasSynced() {
+		return false
+	}
+	return n.in == nil || n.in.Ready()
+}
+
+// listeners are the fixed listeners of a run.
+type listeners struct {
+	outbound, socks, gateway net.Listener
+	admin, ready, metrics    net.Listener
+}
+
+func (l *listeners) close() {
+	for _, ln := range []net.Listener{l.outbound, l.socks, l.gateway, l.admin, l.ready, l.metrics} {
+		if ln != nil {
+			ln.Close()
+		}
+	}
+}
+
+func (n *Node) listen() (*listeners, error) {
+	l := &listeners{}
+	open := func(dst *net.Listener, addr, what string) error {
+		if addr == Disabled {
+			return nil
+		}
+		ln, err := n.deps.Listen("tcp", addr)
+		if err != nil {
+			return fmt.Errorf("listen %s on %s: %w", what, addr, err)
+		}
+		*dst = ln
+		return nil
+	}
+	var errs []error
+	if n.cfg.Mode == ModeGateway {
+		errs = append(errs, open(&l.gateway, n.cfg.GatewayListen, "gateway"))
+	} else {
+		errs = append(errs, open(&l.outbound, n.cfg.OutboundListen, "outbound"), open(&l.socks, n.cfg.SOCKS5Listen, "socks5"))
+	}
+	errs = append(errs,
+		open(&l.admin, n.cfg.AdminListen, "admin"),
+		open(&l.ready, n.cfg.ReadinessListen, "readiness"),
+		open(&l.metrics, n.cfg.MetricsListen, "metrics"))
+	if err := errors.Join(errs...); err != nil {
+		l.close()
+		return nil, err
+	}
+	return l, nil
+}
+
+// only serves h for exactly one path.
+func only(path string, h http.Handler) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("GET "+path, h)
+	return mux
+}
+
+// Run binds the listeners, starts every component and blocks until ctx
+// ends, Close is called, or a component fails; it then stops accepting,
+// closes the proxies (ending their connections), stops the xDS and CA
+// clients and returns the first failure (nil for a requested stop). Run
+// may be called once.
+func (n *Node) Run(ctx context.Context) error {
+	n.runMu.Lock()
+	if n.closed {
+		n.runMu.Unlock()
+		return nil
+	}
+	if n.started {
+		n.runMu.Unlock()
+		return errors.New("ztunnel: Run called twice")
+	}
+	n.started = true
+	ctx, cancel := context.WithCancel(ctx)
+	n.cancel, n.done = cancel, make(chan struct{})
+	n.runMu.Unlock()
+	defer close(n.done)
+	defer cancel()
+	defer n.xds.Close()
+	defer n.certs.Close()
+
+	lns, err := n.listen()
+	if err != nil {
+		return err
+	}
+	g, gctx := errgroup.WithContext(ctx)
+	servers := []*http.Server{}
+	serveHTTP := func(ln net.Listener, h http.Handler) {
+		if ln == nil {
+			return
+		}
+		srv := &http.Server{Handler: h, ErrorLog: slog.NewLogLogger(n.log.Handler(), slog.LevelWarn)}
+		servers = append(servers, srv)
+		g.Go(func() error {
+			if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+				return fmt.Errorf("http on %s: %w", ln.Addr(), err)
+			}
+			return nil
+		})
+	}
+	serveHTTP(lns.admin, n.admin)
+	serveHTTP(lns.ready, only("/healthz/ready", n.admin))
+	serveHTTP(lns.metrics, only("/metrics", n.admin))
+	g.Go(func() error { return n.xds.Run(gctx) })
+	g.Go(func() error { return n.certs.Run(gctx) })
+	serve := func(ln net.Listener, fn func(net.Listener) error) {
+		if ln != nil {
+			g.Go(func() error { return ignoreClosed(fn(ln)) })
+		}
+	}
+	if n.gw != nil {
+		serve(lns.gateway, n.gw.Serve)
+	} else {
+		g.Go(func() error { return n.in.Run(gctx) })
+		serve(lns.socks, n.out.ServeSOCKS5)
+		serve(lns.outbound, n.out.ServeTransparent)
+	}
+	n.log.Info("ztunnel started", "identity", n.id.String(), "xds", n.cfg.XDSAddress, "ca", n.cfg.CAAddress)
+
+	g.Go(func() error {
+		<-gctx.Done()
+		n.log.Info("ztunnel stopping")
+		sctx, scancel := context.WithTimeout(context.WithoutCancel(ctx), n.cfg.ShutdownTimeout)
+		defer scancel()
+		var errs []error
+		for _, srv := range servers {
+			if err := srv.Shutdown(sctx); err != nil {
+				n.log.Warn("http server did not drain in time; closing it", "err", err)
+				errs = append(errs, srv.Close())
+			}
+		}
+		if n.out != nil {
+			errs = append(errs, n.out.Close())
+		}
+		if n.gw != nil {
+			errs = append(errs, n.gw.Close())
+		}
+		lns.close()
+		return errors.Join(errs...)
+	})
+	err = g.Wait()
+	if n.in != nil {
+		n.in.Close()
+	}
+	n.log.Info("ztunnel stopped", "err", err)
+	return err
+}
+
+func ignoreClosed(err error) error {
+	if errors.Is(err, net.ErrClosed) {
+		return nil
+	}
+	return err
+}
+
+// Close stops Run and waits for it to return; idempotent, and a no-op when
+// Run was never called.
+func (n *Node) Close() error {
+	n.runMu.Lock()
+	cancel, done := n.cancel, n.done
+	n.closed = true // a later Run returns at once
+	n.runMu.Unlock()
+	if cancel == nil {
+		n.certs.Close()
+		return nil
+	}
+	cancel()
+	<-done
+	return nil
+}

@@ -1,0 +1,329 @@
+package node_test
+
+import (
+	"context"
+	"crypto/x509"
+	"encoding/binary"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
+	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
+	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	workloadv1 "github.com/isthmus-mesh/isthmus/pilot/api/workload/v1"
+	"github.com/isthmus-mesh/isthmus/ztunnel/admin"
+	"github.com/isthmus-mesh/isthmus/ztunnel/caclient"
+	"github.com/isthmus-mesh/isthmus/ztunnel/internal/catest"
+	"github.com/isthmus-mesh/isthmus/ztunnel/node"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m, goleak.IgnoreTopFunction("k8s.io/klog/v2.(*flushDaemon).run.func1"))
+}
+
+const (
+	td       = "cluster.local"
+	appPort  = 18081
+	svcPort  = 80
+	echoHost = "echo.default.svc.cluster.local"
+	echoKey  = "default/" + echoHost
+	localKey = "default/local.default.svc.cluster.local"
+)
+
+// addrs hands out distinct 127.x.y.z addresses; random second and third
+// octets keep parallel test processes apart.
+var addrs = struct {
+	base [2]byte
+	n    atomic.Uint32
+}{base: [2]byte{byte(10 + rand.IntN(50)), byte(rand.IntN(250))}}
+
+func nextAddr() netip.Addr {
+	n := addrs.n.Add(1)
+	return netip.AddrFrom4([4]byte{127, addrs.base[0], addrs.base[1], byte(1 + n%250)})
+}
+
+func pod(uid, sa, nodeName, cluster string, ip netip.Addr, services map[string]*workloadv1.PortList) *workloadv1.Address {
+	return &workloadv1.Address{Type: &workloadv1.Address_Workload{Workload: &workloadv1.Workload{
+		Uid: uid, Name: uid, Namespace: "default", Addresses: [][]byte{ip.AsSlice()},
+		Network: "n1", ClusterId: cluster, Node: nodeName, TrustDomain: td, ServiceAccount: sa,
+		TunnelProtocol: workloadv1.TunnelProtocol_HBONE, Services: services,
+	}}}
+}
+
+func service(name string, vip netip.Addr) *workloadv1.Address {
+	return &workloadv1.Address{Type: &workloadv1.Address_Service{Service: &workloadv1.Service{
+		Name: name, Namespace: "default", Hostname: name + ".default.svc.cluster.local",
+		Addresses: []*workloadv1.NetworkAddress{{Network: "n1", Address: vip.AsSlice()}},
+		Ports:     []*workloadv1.ServicePort{{ServicePort: svcPort}},
+	}}}
+}
+
+func backs(key string) map[string]*workloadv1.PortList {
+	return map[string]*workloadv1.PortList{key: {Ports: []*workloadv1.Port{{ServicePort: svcPort, TargetPort: appPort}}}}
+}
+
+// startXDS serves c over delta ADS on addr (plaintext unless opts set
+// credentials); cb, if set, sees every stream.
+func startXDS(t *testing.T, c *cache.LinearCache, addr netip.Addr, cb serverv3.Callbacks, opts ...grpc.ServerOption) string {
+	lis, err := net.Listen("tcp", netip.AddrPortFrom(addr, 0).String())
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	srv := grpc.NewServer(opts...)
+	discovery.RegisterAggregatedDiscoveryServiceServer(srv, serverv3.NewServer(ctx, c, cb))
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = srv.Serve(lis)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		srv.Stop()
+		<-done
+	})
+	return lis.Addr().String()
+}
+
+// startEcho serves an echo app on addr:appPort.
+func startEcho(t *testing.T, addr netip.Addr) {
+	ln, err := net.Listen("tcp", netip.AddrPortFrom(addr, appPort).String())
+	require.NoError(t, err)
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	conns := map[net.Conn]bool{}
+	wg.Go(func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns[c] = true
+			mu.Unlock()
+			wg.Go(func() {
+				defer c.Close()
+				_, _ = io.Copy(c, c)
+				_ = c.(*net.TCPConn).CloseWrite()
+			})
+		}
+	})
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		for c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+}
+
+// ztunnel is one running node with its listen addresses.
+type ztunnel struct {
+	n                                  *node.Node
+	socks, admin, readyURL, metricsURL string
+}
+
+func startNode(t *testing.T, name, cluster, token, xdsAddr string, ca *catest.Server) *ztunnel {
+	t.Helper()
+	host := nextAddr()
+	at := func(port uint16) string { return netip.AddrPortFrom(host, port).String() }
+	z := &ztunnel{
+		socks: at(15080), admin: at(15000),
+		readyURL: "http://" + at(15021) + "/healthz/ready", metricsURL: "http://" + at(15020) + "/metrics",
+	}
+	n, err := node.New(node.Config{
+		NodeName: name, ClusterID: cluster, Network: "n1", TrustDomain: td,
+		XDSAddress: xdsAddr, CAAddress: ca.Addr,
+		OutboundListen: at(15001), SOCKS5Listen: z.socks, AdminListen: z.admin,
+		ReadinessListen: at(15021), MetricsListen: at(15020),
+	}, node.Deps{
+		Token: caclient.StaticToken(token), RootsPEM: ca.RootsPEM, XDSCredentials: insecure.NewCredentials(),
+		Log: slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug})).With("test_node", name),
+	})
+	require.NoError(t, err)
+	z.n = n
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- n.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+		require.NoError(t, n.Close())
+	})
+	return z
+}
+
+// socksEcho connects from src through socks to host:port, sends msg,
+// half-closes and returns the reply code and what came back.
+func socksEcho(t *testing.T, socks string, src netip.Addr, host string, port uint16, msg string) (byte, string) {
+	t.Helper()
+	d := net.Dialer{LocalAddr: net.TCPAddrFromAddrPort(netip.AddrPortFrom(src, 0)), Timeout: 5 * time.Second}
+	c, err := d.Dial("tcp", socks)
+	require.NoError(t, err)
+	defer c.Close()
+	tc := c.(*net.TCPConn)
+	require.NoError(t, tc.SetDeadline(time.Now().Add(10*time.Second)))
+	_, err = tc.Write([]byte{5, 1, 0})
+	require.NoError(t, err)
+	var sel [2]byte
+	_, err = io.ReadFull(tc, sel[:])
+	require.NoError(t, err)
+	require.Equal(t, [2]byte{5, 0}, sel)
+	req := []byte{5, 1, 0}
+	if a, err := netip.ParseAddr(host); err == nil {
+		b := a.As4()
+		req = append(append(req, 1), b[:]...)
+	} else {
+		req = append(append(req, 3, byte(len(host))), host...)
+	}
+	req = binary.BigEndian.AppendUint16(req, port)
+	_, err = tc.Write(req)
+	require.NoError(t, err)
+	var reply [10]byte
+	_, err = io.ReadFull(tc, reply[:])
+	require.NoError(t, err)
+	if reply[1] != 0 {
+		return reply[1], ""
+	}
+	_, err = tc.Write([]byte(msg))
+	require.NoError(t, err)
+	require.NoError(t, tc.CloseWrite())
+	got, err := io.ReadAll(tc)
+	require.NoError(t, err)
+	return 0, string(got)
+}
+
+var httpClient = &http.Client{Timeout: 5 * time.Second}
+
+func httpGet(t require.TestingT, url string) (int, string) {
+	resp, err := httpClient.Get(url)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return resp.StatusCode, string(b)
+}
+
+// TestTwoNodesEndToEnd runs pilot's pieces in-process (a go-control-plane
+// delta server with Address resources, the real pilot/ca CSR server) and
+// two ztunnels, node-a in cluster c1 and node-b in cluster c2 on the same
+// network. It proves: both become ready; a client pod on node-a reaches,
+// via SOCKS5 and by hostname and by VIP, a service whose only endpoint is
+// on node-b (HBONE across nodes) and a service on its own node, getting
+// its echo back; the mTLS identities on both ends are the pods'
+// identities from certificates issued by that CA (impersonation by each
+// node's ztunnel, with its token and cluster); and inbound listeners follow
+// the state (a pod leaving xDS closes its :15008 listener).
+func TestTwoNodesEndToEnd(t *testing.T) {
+	a1, a2, b1 := nextAddr(), nextAddr(), nextAddr()
+	echoVIP, localVIP := netip.MustParseAddr("10.96.0.10"), netip.MustParseAddr("10.96.0.11")
+	startEcho(t, a2)
+	startEcho(t, b1)
+
+	ca := catest.Start(t, catest.Options{ConfigCluster: "c1", Listen: netip.AddrPortFrom(nextAddr(), 0).String()})
+	ca.AddNode(t, "token-a", "c1", "node-a")
+	ca.AddNode(t, "token-b", "c2", "node-b")
+	ca.Place("c1", "node-a", "default", "client", true)
+	ca.Place("c1", "node-a", "default", "local", true)
+	ca.Place("c2", "node-b", "default", "echo", true)
+
+	xc := cache.NewLinearCache(workloadv1.TypeURL, cache.WithInitialResources(map[string]types.Resource{
+		"c1/default/a1": pod("c1/default/a1", "client", "node-a", "c1", a1, nil),
+		"c1/default/a2": pod("c1/default/a2", "local", "node-a", "c1", a2, backs(localKey)),
+		"c2/default/b1": pod("c2/default/b1", "echo", "node-b", "c2", b1, backs(echoKey)),
+		echoKey:         service("echo", echoVIP),
+		localKey:        service("local", localVIP),
+	}))
+	xdsAddr := startXDS(t, xc, nextAddr(), nil)
+
+	za := startNode(t, "node-a", "c1", "token-a", xdsAddr, ca)
+	zb := startNode(t, "node-b", "c2", "token-b", xdsAddr, ca)
+	for _, z := range []*ztunnel{za, zb} {
+		require.EventuallyWithT(t, func(c *assert.CollectT) {
+			code, _ := httpGet(c, z.readyURL)
+			require.Equal(c, http.StatusOK, code)
+		}, 15*time.Second, 20*time.Millisecond)
+	}
+
+	for _, target := range []string{echoHost, echoVIP.String(), "local.default.svc.cluster.local", localVIP.String()} {
+		code, got := socksEcho(t, za.socks, a1, target, svcPort, "hello "+target)
+		require.Equal(t, byte(0), code, target)
+		require.Equal(t, "hello "+target, got)
+	}
+
+	// Certificates came from the CA, requested by each node for its own pods.
+	imp := map[string]string{} // impersonated identity -> token
+	for _, r := range ca.Requests() {
+		require.NoError(t, r.Err)
+		if r.Impersonated != "" {
+			imp[r.Impersonated] = r.Token
+		}
+		require.Equal(t, map[string]string{"token-a": "c1", "token-b": "c2"}[r.Token], r.ClusterID)
+	}
+	require.Equal(t, "token-a", imp["spiffe://cluster.local/ns/default/sa/client"])
+	require.Equal(t, "token-a", imp["spiffe://cluster.local/ns/default/sa/local"])
+	require.Equal(t, "token-b", imp["spiffe://cluster.local/ns/default/sa/echo"])
+	caRoots, err := caclient.RootsFromPEM(ca.RootsPEM)
+	require.NoError(t, err)
+	echoCert, err := zb.n.Certs().Certificate(context.Background(), zb.n.Store().Load().LocalWorkloads("node-b")[0].Identity())
+	require.NoError(t, err)
+	inter := x509.NewCertPool()
+	for _, der := range echoCert.Certificate[1:] {
+		ic, err := x509.ParseCertificate(der)
+		require.NoError(t, err)
+		inter.AddCert(ic)
+	}
+	_, err = echoCert.Leaf.Verify(x509.VerifyOptions{Roots: caRoots, Intermediates: inter, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny}})
+	require.NoError(t, err, "node-b serves a certificate issued by the CA")
+
+	// The destination node saw the client's identity over mTLS.
+	_, body := httpGet(t, zb.metricsURL)
+	require.Contains(t, body, `destination_principal="spiffe://cluster.local/ns/default/sa/echo"`)
+	require.Contains(t, body, `reporter="destination",source_cluster="c1"`)
+	require.Contains(t, body, `source_principal="spiffe://cluster.local/ns/default/sa/client"`)
+
+	// config_dump lists node-b's certificates, without keys.
+	_, dumpJSON := httpGet(t, "http://"+zb.admin+"/config_dump")
+	var dump admin.ConfigDump
+	require.NoError(t, json.Unmarshal([]byte(dumpJSON), &dump))
+	require.Len(t, dump.Workloads, 3)
+	var ids []string
+	for _, c := range dump.Certificates {
+		ids = append(ids, c.Identity)
+	}
+	require.ElementsMatch(t, []string{"spiffe://cluster.local/ns/default/sa/echo", "spiffe://cluster.local/ns/isthmus-system/sa/ztunnel"}, ids)
+	require.NotContains(t, dumpJSON, "PRIVATE KEY")
+
+	// a2 leaves: node-a closes a2:15008 and drops the identity.
+	a2HBONE := netip.AddrPortFrom(a2, 15008).String()
+	c, err := net.DialTimeout("tcp", a2HBONE, time.Second)
+	require.NoError(t, err, "inbound listens on the local pod address")
+	c.Close()
+	require.NoError(t, xc.DeleteResource("c1/default/a2"))
+	require.EventuallyWithT(t, func(col *assert.CollectT) {
+		c, err := net.DialTimeout("tcp", a2HBONE, time.Second)
+		if err == nil {
+			c.Close()
+		}
+		require.Error(col, err)
+		for _, id := range za.n.Certs().Identities() {
+			require.NotEqual(col, "local", id.ServiceAccount)
+		}
+	}, 10*time.Second, 20*time.Millisecond)
+}

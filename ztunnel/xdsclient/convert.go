@@ -1,0 +1,241 @@
+package xdsclient
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/protobuf/proto"
+
+	workloadv1 "github.com/isthmus-mesh/isthmus/pilot/api/workload/v1"
+	"github.com/isthmus-mesh/isthmus/ztunnel/state"
+)
+
+// defaultHBONEPort is used for a gateway that names no HBONE port.
+const defaultHBONEPort = 15008
+
+// kind says which state key a resource name maps to.
+type kind uint8
+
+const (
+	kindWorkload kind = iota + 1
+	kindService
+)
+
+// resource is one decoded, validated and converted Address resource.
+type resource struct {
+	name    string
+	version string
+	kind    kind
+	// workload is set for kindWorkload, service for kindService.
+	workload *state.Workload
+	service  *state.Service
+}
+
+// converter turns Address protos into state values for one client.
+type converter struct {
+	// network is the client's network: service VIPs of other networks are
+	// meaningless to it and dropped.
+	network string
+	// trustDomain fills workloads that name none.
+	trustDomain string
+}
+
+// decode unmarshals, validates and converts one delta resource. Errors name
+// the resource and never include its bytes.
+func (cv converter) decode(r *discovery.Resource) (*resource, error) {
+	name := r.GetName()
+	if name == "" {
+		return nil, errors.New("resource without a name")
+	}
+	anyRes := r.GetResource()
+	if anyRes == nil {
+		return nil, fmt.Errorf("resource %q: no body", name)
+	}
+	if anyRes.GetTypeUrl() != workloadv1.TypeURL {
+		return nil, fmt.Errorf("resource %q: type %q, want %q", name, anyRes.GetTypeUrl(), workloadv1.TypeURL)
+	}
+	addr := &workloadv1.Address{}
+	if err := proto.Unmarshal(anyRes.GetValue(), addr); err != nil {
+		return nil, fmt.Errorf("resource %q: unmarshal: %w", name, err)
+	}
+	out := &resource{name: name, version: r.GetVersion()}
+	switch t := addr.GetType().(type) {
+	case *workloadv1.Address_Workload:
+		w, err := cv.workload(t.Workload)
+		if err != nil {
+			return nil, fmt.Errorf("resource %q: workload: %w", name, err)
+		}
+		if w.UID != name {
+			return nil, fmt.Errorf("resource %q: workload uid %q differs from the resource name", name, w.UID)
+		}
+		out.kind, out.workload = kindWorkload, w
+	case *workloadv1.Address_Service:
+		svc, err := cv.service(t.Service)
+		if err != nil {
+			return nil, fmt.Errorf("resource %q: service: %w", name, err)
+		}
+		if svc.Key() != name {
+			return nil, fmt.Errorf("resource %q: service key %q differs from the resource name", name, svc.Key())
+		}
+		out.kind, out.service = kindService, svc
+	default:
+		return nil, fmt.Errorf("resource %q: Address holds neither a workload nor a service", name)
+	}
+	return out, nil
+}
+
+func (cv converter) workload(p *workloadv1.Workload) (*state.Workload, error) {
+	if p.GetUid() == "" {
+		return nil, errors.New("empty uid")
+	}
+	w := &state.Workload{
+		UID:            p.GetUid(),
+		Name:           p.GetName(),
+		Namespace:      p.GetNamespace(),
+		Network:        p.GetNetwork(),
+		Cluster:        p.GetClusterId(),
+		Node:           p.GetNode(),
+		TrustDomain:    p.GetTrustDomain(),
+		ServiceAccount: p.GetServiceAccount(),
+		Locality: state.Locality{
+			Region:  p.GetLocality().GetRegion(),
+			Zone:    p.GetLocality().GetZone(),
+			Subzone: p.GetLocality().GetSubzone(),
+		},
+		Capacity: p.GetCapacity(),
+	}
+	if w.TrustDomain == "" {
+		w.TrustDomain = cv.trustDomain
+	}
+	if w.ServiceAccount != "" && w.Namespace == "" {
+		return nil, errors.New("service account without a namespace")
+	}
+	for i, b := range p.GetAddresses() {
+		a, err := addrOf(b)
+		if err != nil {
+			return nil, fmt.Errorf("address %d: %w", i, err)
+		}
+		w.Addresses = append(w.Addresses, a)
+	}
+	switch p.GetTunnelProtocol() {
+	case workloadv1.TunnelProtocol_NONE:
+		w.Protocol = state.TunnelNone
+	case workloadv1.TunnelProtocol_HBONE:
+		w.Protocol = state.TunnelHBONE
+	default:
+		return nil, fmt.Errorf("unknown tunnel protocol %d", p.GetTunnelProtocol())
+	}
+	switch p.GetStatus() {
+	case workloadv1.WorkloadStatus_HEALTHY:
+		w.Status = state.StatusReady
+	default:
+		w.Status = state.StatusNotReady
+	}
+	if gw := p.GetNetworkGateway(); gw != nil {
+		g, err := gateway(w.Network, gw)
+		if err != nil {
+			return nil, fmt.Errorf("network gateway: %w", err)
+		}
+		w.Gateway = g
+	}
+	if len(w.Addresses) == 0 && p.GetNetworkGateway() == nil {
+		return nil, errors.New("neither an address nor a network gateway")
+	}
+	if len(p.GetServices()) > 0 {
+		w.Services = make(map[string]state.PortMap, len(p.GetServices()))
+		for key, pl := range p.GetServices() {
+			pm := make(state.PortMap, len(pl.GetPorts()))
+			for _, port := range pl.GetPorts() {
+				sp, err := port16(port.GetServicePort())
+				if err != nil || sp == 0 {
+					return nil, fmt.Errorf("service %q: bad service port %d", key, port.GetServicePort())
+				}
+				tp, err := port16(port.GetTargetPort())
+				if err != nil {
+					return nil, fmt.Errorf("service %q: bad target port %d", key, port.GetTargetPort())
+				}
+				pm[sp] = tp
+			}
+			w.Services[key] = pm
+		}
+	}
+	return w, nil
+}
+
+// gateway converts a GatewayAddress. A gateway known only by hostname has
+// no address ztunnel can dial without DNS; it converts to nil and the
+// workload stays unreachable from other networks.
+func gateway(network string, p *workloadv1.GatewayAddress) (*state.NetworkGateway, error) {
+	port, err := port16(p.GetHboneMtlsPort())
+	if err != nil {
+		return nil, err
+	}
+	if port == 0 {
+		port = defaultHBONEPort
+	}
+	switch d := p.GetDestination().(type) {
+	case *workloadv1.GatewayAddress_Address:
+		a, err := addrOf(d.Address)
+		if err != nil {
+			return nil, err
+		}
+		if network == "" {
+			return nil, errors.New("gateway of a workload without a network")
+		}
+		return &state.NetworkGateway{Network: network, Address: a, HBONEPort: port}, nil
+	case *workloadv1.GatewayAddress_Hostname:
+		if d.Hostname == "" {
+			return nil, errors.New("empty hostname")
+		}
+		return nil, nil
+	default:
+		return nil, errors.New("no destination")
+	}
+}
+
+func (cv converter) service(p *workloadv1.Service) (*state.Service, error) {
+	if p.GetName() == "" || p.GetNamespace() == "" {
+		return nil, errors.New("name and namespace are required")
+	}
+	svc := &state.Service{Name: p.GetName(), Namespace: p.GetNamespace(), Hostname: p.GetHostname()}
+	if svc.Hostname == "" {
+		svc.Hostname = state.Hostname(svc.Name, svc.Namespace)
+	}
+	for i, na := range p.GetAddresses() {
+		a, err := addrOf(na.GetAddress())
+		if err != nil {
+			return nil, fmt.Errorf("address %d: %w", i, err)
+		}
+		if na.GetNetwork() == "" || na.GetNetwork() == cv.network {
+			svc.VIPs = append(svc.VIPs, a)
+		}
+	}
+	for _, sp := range p.GetPorts() {
+		port, err := port16(sp.GetServicePort())
+		if err != nil || port == 0 {
+			return nil, fmt.Errorf("bad service port %d", sp.GetServicePort())
+		}
+		if _, err := port16(sp.GetTargetPort()); err != nil {
+			return nil, fmt.Errorf("port %d: bad target port %d", port, sp.GetTargetPort())
+		}
+		svc.Ports = append(svc.Ports, port)
+	}
+	return svc, nil
+}
+
+func addrOf(b []byte) (netip.Addr, error) {
+	a, ok := netip.AddrFromSlice(b)
+	if !ok {
+		return netip.Addr{}, fmt.Errorf("IP of %d bytes, want 4 or 16", len(b))
+	}
+	return a.Unmap(), nil
+}
+
+func port16(p uint32) (uint16, error) {
+	if p > 0xffff {
+		return 0, fmt.Errorf("port %d out of range", p)
+	}
+	return uint16(p), nil
+}

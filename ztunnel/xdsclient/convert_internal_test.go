@@ -1,0 +1,115 @@
+package xdsclient
+
+import (
+	"net/netip"
+	"testing"
+	"time"
+
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/anypb"
+
+	workloadv1 "github.com/isthmus-mesh/isthmus/pilot/api/workload/v1"
+	"github.com/isthmus-mesh/isthmus/ztunnel/state"
+)
+
+func res(t *testing.T, name string, a proto.Message) *discovery.Resource {
+	t.Helper()
+	b, err := proto.Marshal(a)
+	require.NoError(t, err)
+	return &discovery.Resource{Name: name, Version: "v1", Resource: &anypb.Any{TypeUrl: workloadv1.TypeURL, Value: b}}
+}
+
+func pod(mut func(*workloadv1.Workload)) *workloadv1.Address {
+	w := &workloadv1.Workload{
+		Uid: "c1/ns/p", Name: "p", Namespace: "ns", Addresses: [][]byte{{10, 0, 0, 1}},
+		Network: "n1", ServiceAccount: "sa", TunnelProtocol: workloadv1.TunnelProtocol_HBONE,
+		Services: map[string]*workloadv1.PortList{"ns/s.ns.svc.cluster.local": {Ports: []*workloadv1.Port{{ServicePort: 80, TargetPort: 8080}}}},
+	}
+	if mut != nil {
+		mut(w)
+	}
+	return &workloadv1.Address{Type: &workloadv1.Address_Workload{Workload: w}}
+}
+
+// TestDecodeRejects proves each validation rule refuses a resource, with an
+// error naming the resource.
+func TestDecodeRejects(t *testing.T) {
+	cv := converter{network: "n1", trustDomain: "cluster.local"}
+	for _, tc := range []struct {
+		name string
+		r    *discovery.Resource
+		want string
+	}{
+		{"empty name", res(t, "", pod(nil)), "without a name"},
+		{"wrong type", &discovery.Resource{Name: "x", Resource: &anypb.Any{TypeUrl: "type.googleapis.com/other"}}, "type"},
+		{"garbage", &discovery.Resource{Name: "x", Resource: &anypb.Any{TypeUrl: workloadv1.TypeURL, Value: []byte{0x0a, 0x05, 0xff}}}, "unmarshal"},
+		{"empty address", res(t, "x", &workloadv1.Address{}), "neither a workload nor a service"},
+		{"uid mismatch", res(t, "c1/ns/q", pod(nil)), "differs from the resource name"},
+		{"3-byte ip", res(t, "c1/ns/p", pod(func(w *workloadv1.Workload) { w.Addresses = [][]byte{{1, 2, 3}} })), "IP of 3 bytes"},
+		{"no address no gateway", res(t, "c1/ns/p", pod(func(w *workloadv1.Workload) { w.Addresses = nil })), "neither an address"},
+		{"port out of range", res(t, "c1/ns/p", pod(func(w *workloadv1.Workload) {
+			w.Services["ns/s.ns.svc.cluster.local"].Ports[0].TargetPort = 70000
+		})), "bad target port"},
+		{"service key mismatch", res(t, "ns/other", &workloadv1.Address{Type: &workloadv1.Address_Service{Service: &workloadv1.Service{Name: "s", Namespace: "ns"}}}), "differs from the resource name"},
+		{"service without namespace", res(t, "x", &workloadv1.Address{Type: &workloadv1.Address_Service{Service: &workloadv1.Service{Name: "s"}}}), "name and namespace"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := cv.decode(tc.r)
+			require.ErrorContains(t, err, tc.want)
+		})
+	}
+}
+
+// TestDecodeService proves a service converts with its default hostname,
+// the VIPs of the client's network (or of no network) and its ports.
+func TestDecodeService(t *testing.T) {
+	cv := converter{network: "n1", trustDomain: "cluster.local"}
+	r, err := cv.decode(res(t, "ns/s.ns.svc.cluster.local", &workloadv1.Address{Type: &workloadv1.Address_Service{Service: &workloadv1.Service{
+		Name: "s", Namespace: "ns",
+		Addresses: []*workloadv1.NetworkAddress{
+			{Network: "n1", Address: []byte{10, 96, 0, 1}},
+			{Network: "n2", Address: []byte{10, 97, 0, 1}},
+			{Address: netip.MustParseAddr("fd00::1").AsSlice()},
+		},
+		Ports: []*workloadv1.ServicePort{{ServicePort: 80}, {ServicePort: 443, TargetPort: 8443}},
+	}}}))
+	require.NoError(t, err)
+	require.Equal(t, kindService, r.kind)
+	require.Equal(t, &state.Service{
+		Name: "s", Namespace: "ns", Hostname: "s.ns.svc.cluster.local",
+		VIPs:  []netip.Addr{netip.MustParseAddr("10.96.0.1"), netip.MustParseAddr("fd00::1")},
+		Ports: []uint16{80, 443},
+	}, r.service)
+}
+
+// TestDecodeWorkloadDefaults proves the trust domain default, the status
+// mapping and that a hostname-only gateway leaves the workload without a
+// gateway rather than rejecting it.
+func TestDecodeWorkloadDefaults(t *testing.T) {
+	cv := converter{network: "n1", trustDomain: "example.org"}
+	r, err := cv.decode(res(t, "c1/ns/p", pod(func(w *workloadv1.Workload) {
+		w.Status = workloadv1.WorkloadStatus_UNHEALTHY
+		w.NetworkGateway = &workloadv1.GatewayAddress{Destination: &workloadv1.GatewayAddress_Hostname{Hostname: "gw.example"}}
+	})))
+	require.NoError(t, err)
+	require.Equal(t, "spiffe://example.org/ns/ns/sa/sa", r.workload.Identity().String())
+	require.Equal(t, state.StatusNotReady, r.workload.Status)
+	require.Nil(t, r.workload.Gateway)
+	require.Equal(t, "v1", r.version)
+}
+
+// TestBackoff proves the reconnect delay doubles from the initial value,
+// is capped, and is jittered within [base/2, base].
+func TestBackoff(t *testing.T) {
+	lo := func(int64) int64 { return 0 }
+	hi := func(n int64) int64 { return n - 1 }
+	initial, maxD := 100*time.Millisecond, 2*time.Second
+	for n, base := range []time.Duration{100, 200, 400, 800, 1600, 2000, 2000} {
+		base *= time.Millisecond
+		require.Equal(t, base/2, backoff(n, initial, maxD, lo), "attempt %d low", n)
+		require.Equal(t, base, backoff(n, initial, maxD, hi), "attempt %d high", n)
+	}
+	require.Equal(t, maxD, backoff(200, initial, maxD, hi), "no overflow on many attempts")
+}
