@@ -32,6 +32,7 @@ import (
 	"github.com/isthmus-mesh/isthmus/pilot/ca"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 	"github.com/isthmus-mesh/isthmus/pilot/registry"
+	"github.com/isthmus-mesh/isthmus/pilot/xds"
 )
 
 // Config configures pilot. Zero values take the defaults of each part.
@@ -47,6 +48,9 @@ type Config struct {
 	Multicluster multicluster.Config
 	Discovery    controller.Config
 	Registry     registry.Config
+	// XDS configures the xDS server (its trust domain and default network
+	// are copied from CA and Network).
+	XDS xds.Config
 	// CA configures the mesh CA (its ClusterID and Namespace are copied
 	// from above).
 	CA ca.Config
@@ -108,6 +112,7 @@ func (c *Config) defaults() {
 		c.Registry.Logger = c.Logger
 	}
 	c.CA.ClusterID, c.CA.Namespace = string(c.ClusterID), c.Namespace
+	c.XDS.TrustDomain, c.XDS.DefaultNetwork = c.CA.TrustDomain, c.Network
 	if c.Registry.ExportMode {
 		c.Discovery.WatchServiceExports = true
 	}
@@ -121,10 +126,12 @@ type Server struct {
 	Multicluster *multicluster.Controller
 	Registry     *registry.Registry
 	CA           *ca.CA
+	XDS          *xds.Server
 	local        *multicluster.Client
 
 	mu        sync.Mutex
 	grpcLn    net.Listener
+	plainLn   net.Listener
 	debugLn   net.Listener
 	monitorLn net.Listener
 	ready     chan struct{}
@@ -161,10 +168,15 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 	if err != nil {
 		return nil, fmt.Errorf("ca: %w", err)
 	}
+	cfg.XDS.Metrics = reg
+	xs, err := xds.New(cfg.XDS, r, cfg.Logger.With("component", "xds"))
+	if err != nil {
+		return nil, fmt.Errorf("xds: %w", err)
+	}
 	mc.AddComponent("ca-root-publisher", func(ctx context.Context, c *multicluster.Cluster) (multicluster.Component, error) {
 		return authority.PublishRoots(ctx, string(c.ID), c.Client.Kube)
 	})
-	return &Server{cfg: cfg, log: cfg.Logger, Metrics: reg, Multicluster: mc, Registry: r, CA: authority, local: local, ready: make(chan struct{})}, nil
+	return &Server{cfg: cfg, log: cfg.Logger, Metrics: reg, Multicluster: mc, Registry: r, CA: authority, XDS: xs, local: local, ready: make(chan struct{})}, nil
 }
 
 // kubeClients adapts the multicluster controller to the CA's Clusters.
@@ -177,6 +189,10 @@ func (k kubeClients) KubeClient(id string) (kubernetes.Interface, bool) {
 	}
 	return c.Kube, true
 }
+
+// XDSPlaintextAddr returns the bound plaintext xDS address once Run
+// listens ("" before or when disabled).
+func (s *Server) XDSPlaintextAddr() string { return addrOf(&s.mu, &s.plainLn) }
 
 // GRPCAddr returns the bound address of the TLS gRPC listener once Run
 // listens ("" before).
@@ -193,6 +209,9 @@ func (s *Server) DebugMux() *http.ServeMux {
 	mux.Handle("/debug/registryz", s.Registry.RegistryzHandler())
 	mux.Handle("/debug/endpointz", s.Registry.EndpointzHandler())
 	mux.Handle("/debug/workloadz", s.Registry.WorkloadzHandler())
+	xdsDebug := s.XDS.DebugHandler()
+	mux.Handle("/debug/syncz", xdsDebug)
+	mux.Handle("/debug/config_dump", xdsDebug)
 	return mux
 }
 
@@ -279,8 +298,24 @@ func (s *Server) Run(ctx context.Context) error {
 		s.mu.Unlock()
 		srv := grpc.NewServer(grpc.Creds(credentials.NewTLS(s.CA.ServerTLSConfig())))
 		s.CA.Register(srv)
+		s.XDS.Register(srv)
 		run("grpc", func(ctx context.Context) error { return serveGRPC(ctx, srv, ln, s.cfg.ShutdownTimeout) })
 	}
+	if s.cfg.XDSPlaintextAddr != "-" {
+		ln, err := net.Listen("tcp", s.cfg.XDSPlaintextAddr)
+		if err != nil {
+			cancel()
+			wg.Wait()
+			return fmt.Errorf("plaintext xds listener: %w", err)
+		}
+		s.mu.Lock()
+		s.plainLn = ln
+		s.mu.Unlock()
+		srv := grpc.NewServer()
+		s.XDS.Register(srv)
+		run("xds-plaintext", func(ctx context.Context) error { return serveGRPC(ctx, srv, ln, s.cfg.ShutdownTimeout) })
+	}
+	run("xds", s.XDS.Run)
 	run("registry", s.Registry.Run)
 	run("multicluster", s.Multicluster.Run)
 	if s.cfg.Registry.ExportMode {

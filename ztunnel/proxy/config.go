@@ -22,7 +22,8 @@ const (
 	// HeaderForwardedNetwork names the source network on inner requests.
 	HeaderForwardedNetwork = "X-Forwarded-Network"
 	// HeaderEndpoint is set by a gateway on its 200 response: the address
-	// of the endpoint it chose, used as the inner CONNECT host.
+	// and target port (ip:port) of the endpoint it chose, the inner CONNECT
+	// authority.
 	HeaderEndpoint = "X-Isthmus-Endpoint"
 )
 

@@ -107,7 +107,7 @@ func (g *Gateway) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstre
 	bg := parseBaggage(req.Header.Get(HeaderBaggage))
 	return hbone.Upstream{
 		Conn:   c,
-		Header: http.Header{HeaderEndpoint: {w.Addresses[0].String()}},
+		Header: http.Header{HeaderEndpoint: {netip.AddrPortFrom(w.Addresses[0], ep.TargetPort).String()}},
 		Labels: metrics.ConnLabels{
 			Reporter:             metrics.ReporterGateway,
 			SourcePrincipal:      req.Peer.String(),

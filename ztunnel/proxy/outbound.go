@@ -216,20 +216,21 @@ func (o *Outbound) dialDouble(ctx context.Context, src, dst *state.Workload, gw 
 		if err != nil {
 			return nil, "", fmt.Errorf("outer hbone to gateway %s: %w", gw.AddrPort(), err)
 		}
-		ep, err := netip.ParseAddr(s.ResponseHeader().Get(HeaderEndpoint))
+		// The gateway names the endpoint it chose and its target port: only
+		// the remote network knows the port behind the service port.
+		ep, err := netip.ParseAddrPort(s.ResponseHeader().Get(HeaderEndpoint))
 		if err != nil {
 			s.Close()
 			return nil, "", fmt.Errorf("gateway %s named no valid endpoint: %w", gw.AddrPort(), err)
 		}
 		return s, ep.String(), nil
 	}
-	targetPort := strconv.Itoa(int(r.targetPort))
 	return o.client.Dial(ctx, hbone.DialRequest{
 		Source:       srcID,
 		Peer:         innerPeer(dst),
 		Underlay:     underlay,
 		UnderlayKey:  "via " + gw.AddrPort().String() + " " + outerAuthority,
-		AuthorityFor: func(ep string) string { return net.JoinHostPort(ep, targetPort) },
+		AuthorityFor: func(ep string) string { return ep },
 		Header: http.Header{
 			HeaderForwarded:        {forwarded(srcAddr, t.String())},
 			HeaderBaggage:          {bg},
@@ -247,7 +248,7 @@ func innerPeer(dst *state.Workload) identity.Identity { return dst.Identity() }
 func (o *Outbound) handle(ctx context.Context, c net.Conn, src *state.Workload, t Target, onConnected func(error) error) {
 	up, labels, err := o.Dial(ctx, src, t)
 	if rerr := onConnected(err); rerr != nil || err != nil {
-		if up != nil {
+		if err == nil {
 			up.Close()
 		}
 		if err != nil {

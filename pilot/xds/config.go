@@ -1,0 +1,49 @@
+package xds
+
+import (
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/isthmus-mesh/isthmus/pilot/model"
+)
+
+// Config configures a Server. The zero value is valid: withDefaults fills in
+// every unset field.
+type Config struct {
+	// TrustDomain is the SPIFFE trust domain of workload identities
+	// (default model.DefaultDomain).
+	TrustDomain string
+	// DefaultNetwork is the network of clients whose node metadata has no
+	// NETWORK (default "", the unnamed network).
+	DefaultNetwork model.Network
+	// ConnectTimeout is the connect timeout of generated Envoy clusters
+	// (default 10s).
+	ConnectTimeout time.Duration
+	// VersionPrefix starts every version the caches hand out, so that a client
+	// reconnecting to another pilot instance never mistakes a reused version
+	// (default: "p<start time in ns, base 36>-").
+	VersionPrefix string
+	// Metrics registers the server's Prometheus metrics; nil keeps them in a
+	// private registry.
+	Metrics prometheus.Registerer
+}
+
+// withDefaults returns cfg with every unset field set to its default. It is
+// the only place defaults live.
+func (cfg Config) withDefaults() Config {
+	if cfg.TrustDomain == "" {
+		cfg.TrustDomain = model.DefaultDomain
+	}
+	if cfg.ConnectTimeout <= 0 {
+		cfg.ConnectTimeout = 10 * time.Second
+	}
+	if cfg.VersionPrefix == "" {
+		cfg.VersionPrefix = "p" + strconv.FormatInt(time.Now().UnixNano(), 36) + "-"
+	}
+	if cfg.Metrics == nil {
+		cfg.Metrics = prometheus.NewRegistry()
+	}
+	return cfg
+}

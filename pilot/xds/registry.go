@@ -1,0 +1,42 @@
+// Package xds turns the federated registry into xDS resources and serves them
+// with go-control-plane: workload discovery (Address resources, delta ADS) for
+// ztunnels, and CDS/EDS/LDS/RDS for Envoy and proxyless gRPC clients.
+//
+// Clients are grouped into classes by the network and cluster in their node
+// metadata (NETWORK, CLUSTER_ID, as Istio names them). Each class has one
+// go-control-plane LinearCache per type URL, created when the first client of
+// the class connects. A batch of registry changes rebuilds only the resources
+// owned by the changed keys and hands them to every class's caches with
+// UpdateResources(updated, deleted); the caches push to each subscriber only
+// what it does not have yet.
+package xds
+
+import "github.com/isthmus-mesh/isthmus/pilot/model"
+
+// Registry is the federated registry as pilot/xds consumes it.
+//
+// Every method is safe for concurrent use. Returned values are immutable: a
+// change replaces a value, it never mutates one already returned.
+//
+// Change feed contract: a change of a service's definition or of any of its
+// endpoint shards is a ServiceChange keyed by its hostname; a change of a
+// workload (including its Services port mappings) is a WorkloadChange keyed by
+// its uid; a change of any gateway of a network is a GatewayChange keyed by
+// the network.
+type Registry interface {
+	// Services returns every federated service.
+	Services() []*model.Service
+	// Service returns the service with hostname, or nil if absent.
+	Service(hostname string) *model.Service
+	// Workloads returns every workload.
+	Workloads() []*model.Workload
+	// Workload returns the workload with uid, or nil if absent.
+	Workload(uid string) *model.Workload
+	// Gateways returns the east-west gateways of every network.
+	Gateways() []model.NetworkGateway
+	// Subscribe calls fn, serially from one goroutine, with each debounced
+	// batch of changes (model.ChangeSet; Key = hostname for ServiceChange, uid
+	// for WorkloadChange, network for GatewayChange). cancel stops the calls
+	// and returns once no call is running.
+	Subscribe(fn func(model.ChangeSet)) (cancel func())
+}

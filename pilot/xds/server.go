@@ -1,0 +1,371 @@
+package xds
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"maps"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	clusterservice "github.com/envoyproxy/go-control-plane/envoy/service/cluster/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	endpointservice "github.com/envoyproxy/go-control-plane/envoy/service/endpoint/v3"
+	listenerservice "github.com/envoyproxy/go-control-plane/envoy/service/listener/v3"
+	routeservice "github.com/envoyproxy/go-control-plane/envoy/service/route/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/server/sotw/v3"
+	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/isthmus-mesh/isthmus/pilot/model"
+)
+
+// Node metadata keys that place a client in a class, as Istio names them.
+const (
+	MetadataNetwork   = "NETWORK"
+	MetadataClusterID = "CLUSTER_ID"
+)
+
+// Server serves the federated registry over xDS. Create it with New, expose
+// it with Register, and drive it with Run. All methods are safe for
+// concurrent use.
+type Server struct {
+	cfg   Config
+	reg   Registry
+	log   *slog.Logger
+	envoy *envoyBuilder
+	xds   serverv3.Server
+	stats *tracker
+
+	// ctx bounds every xDS stream; cancel ends them when Run returns.
+	ctx    context.Context
+	cancel context.CancelFunc
+
+	// buildMu serialises every build: view creation and change batches.
+	buildMu sync.Mutex
+	viewsMu sync.RWMutex
+	views   map[class]*view
+
+	pendingMu sync.Mutex
+	pending   pendingChanges
+	kick      chan struct{}
+	running   atomic.Bool
+}
+
+// pendingChanges are the keys changed since the last applied batch.
+type pendingChanges struct {
+	services, workloads, networks map[string]struct{}
+}
+
+func (p *pendingChanges) add(kind model.ChangeKind, key string) {
+	var m *map[string]struct{}
+	switch kind {
+	case model.ServiceChange:
+		m = &p.services
+	case model.WorkloadChange:
+		m = &p.workloads
+	case model.GatewayChange:
+		m = &p.networks
+	default:
+		return
+	}
+	if *m == nil {
+		*m = map[string]struct{}{}
+	}
+	(*m)[key] = struct{}{}
+}
+
+// New returns a Server for reg. logger may be nil (no logging).
+func New(cfg Config, reg Registry, logger *slog.Logger) (*Server, error) {
+	if reg == nil {
+		return nil, errors.New("xds: nil registry")
+	}
+	cfg = cfg.withDefaults()
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	envoy, err := newEnvoyBuilder(cfg.ConnectTimeout)
+	if err != nil {
+		return nil, err
+	}
+	m, err := newMetrics(cfg.Metrics)
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	s := &Server{
+		cfg:    cfg,
+		reg:    reg,
+		log:    logger,
+		envoy:  envoy,
+		ctx:    ctx,
+		cancel: cancel,
+		views:  map[class]*view{},
+		kick:   make(chan struct{}, 1),
+	}
+	s.stats = newTracker(m, logger, s.classOf)
+	s.xds = serverv3.NewServer(ctx, routerCache{s}, s.stats, sotw.WithLogger(slogAdapter{logger}))
+	return s, nil
+}
+
+// Register registers the aggregated (ADS, SotW and delta) and the per-type
+// CDS, EDS, LDS and RDS discovery services on gs. Transport security is the
+// caller's: gs carries whatever credentials it was built with.
+func (s *Server) Register(gs *grpc.Server) {
+	discovery.RegisterAggregatedDiscoveryServiceServer(gs, s.xds)
+	clusterservice.RegisterClusterDiscoveryServiceServer(gs, s.xds)
+	endpointservice.RegisterEndpointDiscoveryServiceServer(gs, s.xds)
+	listenerservice.RegisterListenerDiscoveryServiceServer(gs, s.xds)
+	routeservice.RegisterRouteDiscoveryServiceServer(gs, s.xds)
+}
+
+// Run follows the registry's change feed and pushes every batch until ctx
+// ends; then it ends every open xDS stream and returns nil. It may be called
+// once.
+func (s *Server) Run(ctx context.Context) error {
+	if !s.running.CompareAndSwap(false, true) {
+		return errors.New("xds: Run called twice")
+	}
+	defer s.cancel()
+	stop := s.reg.Subscribe(s.enqueue)
+	defer stop()
+	// Views built before the subscription may have missed changes.
+	if err := s.resyncAll(); err != nil {
+		s.log.Error("xds resync failed", "err", err)
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-s.kick:
+			if err := s.applyPending(); err != nil {
+				s.log.Error("xds push failed", "err", err)
+			}
+		}
+	}
+}
+
+// enqueue records a batch of changes for Run; it never waits for a build.
+func (s *Server) enqueue(cs model.ChangeSet) {
+	s.pendingMu.Lock()
+	for _, c := range cs.Changes {
+		s.pending.add(c.Kind, c.Key)
+	}
+	s.pendingMu.Unlock()
+	select {
+	case s.kick <- struct{}{}:
+	default:
+	}
+}
+
+// builder is what building needs for one batch.
+type builder struct {
+	reg         Registry
+	gws         gatewayIndex
+	envoy       *envoyBuilder
+	trustDomain string
+}
+
+func (s *Server) newBuilder() *builder {
+	return &builder{reg: s.reg, gws: newGatewayIndex(s.reg.Gateways()), envoy: s.envoy, trustDomain: s.cfg.TrustDomain}
+}
+
+func (s *Server) snapshotViews() []*view {
+	s.viewsMu.RLock()
+	defer s.viewsMu.RUnlock()
+	return slices.Collect(maps.Values(s.views))
+}
+
+// applyPending rebuilds the resources owned by the keys changed since the
+// last batch, in every view, and hands them to the caches.
+func (s *Server) applyPending() error {
+	s.pendingMu.Lock()
+	p := s.pending
+	s.pending = pendingChanges{}
+	s.pendingMu.Unlock()
+
+	hosts := p.services
+	if len(p.networks) > 0 {
+		// A gateway change touches every service with endpoints on its network.
+		if hosts == nil {
+			hosts = map[string]struct{}{}
+		}
+		for _, svc := range s.reg.Services() {
+			if hasNetwork(svc, p.networks) {
+				hosts[svc.Hostname] = struct{}{}
+			}
+		}
+	}
+	start := time.Now()
+	s.buildMu.Lock()
+	defer s.buildMu.Unlock()
+	bd := s.newBuilder()
+	var errs []error
+	changed := 0
+	for _, v := range s.snapshotViews() {
+		b := v.newBatch(false)
+		for uid := range p.workloads {
+			b.workload(bd, uid)
+		}
+		for h := range hosts {
+			if err := b.service(bd, h); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		n, err := b.flush()
+		changed += n
+		errs = append(errs, err)
+	}
+	s.stats.metrics.buildSeconds.Observe(time.Since(start).Seconds())
+	s.stats.metrics.resourcesChanged.Add(float64(changed))
+	return errors.Join(errs...)
+}
+
+func hasNetwork(s *model.Service, networks map[string]struct{}) bool {
+	for _, shard := range s.Shards {
+		for i := range shard {
+			if _, ok := networks[string(shard[i].Network)]; ok {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// resyncAll rebuilds every view from the registry.
+func (s *Server) resyncAll() error {
+	s.buildMu.Lock()
+	defer s.buildMu.Unlock()
+	bd := s.newBuilder()
+	var errs []error
+	for _, v := range s.snapshotViews() {
+		errs = append(errs, s.resync(bd, v))
+	}
+	return errors.Join(errs...)
+}
+
+// resync rebuilds everything v holds and deletes what the registry no longer
+// has. The caller holds buildMu.
+func (s *Server) resync(bd *builder, v *view) error {
+	b := v.newBatch(true)
+	for _, w := range s.reg.Workloads() {
+		b.workload(bd, w.UID)
+	}
+	hosts := map[string]struct{}{}
+	for _, svc := range s.reg.Services() {
+		hosts[svc.Hostname] = struct{}{}
+	}
+	for h := range v.owned {
+		hosts[h] = struct{}{}
+	}
+	var errs []error
+	for h := range hosts {
+		if err := b.service(bd, h); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	b.sweep()
+	_, err := b.flush()
+	return errors.Join(append(errs, err)...)
+}
+
+// classOf places a node in its class.
+func (s *Server) classOf(node *corev3.Node) class {
+	f := node.GetMetadata().GetFields()
+	c := class{
+		Network: model.Network(f[MetadataNetwork].GetStringValue()),
+		Cluster: model.ClusterID(f[MetadataClusterID].GetStringValue()),
+	}
+	if c.Network == "" {
+		c.Network = s.cfg.DefaultNetwork
+	}
+	return c
+}
+
+// viewFor returns the view of node's class, building it on first use.
+func (s *Server) viewFor(node *corev3.Node) (*view, error) {
+	c := s.classOf(node)
+	s.viewsMu.RLock()
+	v := s.views[c]
+	s.viewsMu.RUnlock()
+	if v != nil {
+		return v, nil
+	}
+	s.buildMu.Lock()
+	defer s.buildMu.Unlock()
+	s.viewsMu.RLock()
+	v = s.views[c]
+	s.viewsMu.RUnlock()
+	if v != nil {
+		return v, nil
+	}
+	start := time.Now()
+	v = newView(c, s.cfg.VersionPrefix, slogAdapter{s.log})
+	if err := s.resync(s.newBuilder(), v); err != nil {
+		return nil, status.Errorf(codes.Internal, "build resources of class %s: %v", c, err)
+	}
+	s.viewsMu.Lock()
+	s.views[c] = v
+	s.viewsMu.Unlock()
+	s.log.Info("xds class created", "network", c.Network, "cluster", c.Cluster, "took", time.Since(start))
+	return v, nil
+}
+
+// view returns the existing view of class c, or nil.
+func (s *Server) view(c class) *view {
+	s.viewsMu.RLock()
+	defer s.viewsMu.RUnlock()
+	return s.views[c]
+}
+
+// routerCache is the cache.Cache given to go-control-plane's server: it
+// routes each watch to the view of the requesting node's class, whose
+// MuxCache routes it by type URL to a LinearCache.
+type routerCache struct{ s *Server }
+
+var _ cache.Cache = routerCache{}
+
+func checkType(t string) error {
+	if !slices.Contains(allTypes, t) {
+		return status.Errorf(codes.InvalidArgument, "unsupported type URL %q", t)
+	}
+	return nil
+}
+
+// CreateWatch opens a SotW watch on the view of the request's node.
+func (r routerCache) CreateWatch(req *cache.Request, sub cache.Subscription, ch chan cache.Response) (func(), error) {
+	if err := checkType(req.GetTypeUrl()); err != nil {
+		return nil, err
+	}
+	v, err := r.s.viewFor(req.GetNode())
+	if err != nil {
+		return nil, err
+	}
+	return v.mux.CreateWatch(req, sub, ch)
+}
+
+// CreateDeltaWatch opens a delta watch on the view of the request's node.
+func (r routerCache) CreateDeltaWatch(req *cache.DeltaRequest, sub cache.Subscription, ch chan cache.DeltaResponse) (func(), error) {
+	if err := checkType(req.GetTypeUrl()); err != nil {
+		return nil, err
+	}
+	v, err := r.s.viewFor(req.GetNode())
+	if err != nil {
+		return nil, err
+	}
+	return v.mux.CreateDeltaWatch(req, sub, ch)
+}
+
+// Fetch is not served: xDS over REST is not supported.
+func (routerCache) Fetch(context.Context, *cache.Request) (cache.Response, error) {
+	return nil, status.Error(codes.Unimplemented, "xDS over REST is not supported")
+}
+
+// errNoView is returned by debug lookups of a class nobody connected from.
+var errNoView = errors.New("no client of this class is connected")

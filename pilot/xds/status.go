@@ -1,0 +1,257 @@
+package xds
+
+import (
+	"context"
+	"log/slog"
+	"sync"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/protobuf/proto"
+)
+
+// metrics are the server's Prometheus metrics.
+type metrics struct {
+	pushes           *prometheus.CounterVec
+	pushBytes        *prometheus.CounterVec
+	nacks            *prometheus.CounterVec
+	clients          *prometheus.GaugeVec
+	buildSeconds     prometheus.Histogram
+	resourcesChanged prometheus.Counter
+}
+
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	m := &metrics{
+		pushes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "isthmus_xds_pushes_total", Help: "xDS responses sent, by type URL.",
+		}, []string{"type"}),
+		pushBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "isthmus_xds_push_bytes_total", Help: "Bytes of xDS responses sent, by type URL.",
+		}, []string{"type"}),
+		nacks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "isthmus_xds_nacks_total", Help: "xDS responses rejected by clients, by type URL.",
+		}, []string{"type"}),
+		clients: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "isthmus_xds_connected_clients", Help: "Open xDS streams, by protocol (sotw, delta).",
+		}, []string{"protocol"}),
+		buildSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "isthmus_xds_build_seconds", Help: "Time to rebuild and hand one change batch to the caches.",
+			Buckets: prometheus.ExponentialBuckets(0.0001, 4, 10),
+		}),
+		resourcesChanged: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "isthmus_xds_resources_changed_total", Help: "Resources updated or deleted in the caches.",
+		}),
+	}
+	for _, c := range []prometheus.Collector{m.pushes, m.pushBytes, m.nacks, m.clients, m.buildSeconds, m.resourcesChanged} {
+		if err := reg.Register(c); err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}
+
+// TypeStatus is what a client has been sent and has answered for one type URL.
+type TypeStatus struct {
+	// SentVersion and SentNonce are those of the last response sent.
+	SentVersion string `json:"sent_version"`
+	SentNonce   string `json:"sent_nonce"`
+	// SentResources is the number of resources in the last response.
+	SentResources int `json:"sent_resources"`
+	// AckedVersion and AckedNonce are those of the last accepted response:
+	// after a NACK the client still runs this version.
+	AckedVersion string `json:"acked_version,omitempty"`
+	AckedNonce   string `json:"acked_nonce,omitempty"`
+	// LastNack is the last rejection, if any.
+	LastNack *Nack `json:"last_nack,omitempty"`
+	// Pushes counts the responses sent.
+	Pushes int `json:"pushes"`
+	// Pending is true while the last response is neither ACKed nor NACKed.
+	Pending bool `json:"pending"`
+}
+
+// Nack is a rejected response.
+type Nack struct {
+	// Nonce is the nonce of the rejected response.
+	Nonce string `json:"nonce"`
+	// Message is the client's error_detail message.
+	Message string `json:"message"`
+	// At is when the rejection arrived.
+	At time.Time `json:"at"`
+}
+
+// ClientStatus is the state of one xDS stream, as /debug/syncz shows it.
+type ClientStatus struct {
+	// StreamID is go-control-plane's id of the stream.
+	StreamID int64 `json:"stream_id"`
+	// NodeID is the node id of the client.
+	NodeID string `json:"node_id"`
+	// Cluster and Network are the client's class, from its node metadata.
+	Cluster string `json:"cluster"`
+	Network string `json:"network"`
+	// Protocol is "sotw" or "delta".
+	Protocol string `json:"protocol"`
+	// Connected is when the stream opened.
+	Connected time.Time `json:"connected"`
+	// Types is the status per type URL.
+	Types map[string]*TypeStatus `json:"types"`
+
+	node *corev3.Node
+}
+
+// tracker implements go-control-plane's server callbacks: it keeps the state
+// of every stream and the metrics. Callbacks run on stream goroutines.
+type tracker struct {
+	metrics *metrics
+	log     *slog.Logger
+	classOf func(*corev3.Node) class
+
+	mu      sync.Mutex
+	streams map[int64]*ClientStatus
+}
+
+var _ serverv3.Callbacks = (*tracker)(nil)
+
+func newTracker(m *metrics, log *slog.Logger, classOf func(*corev3.Node) class) *tracker {
+	return &tracker{metrics: m, log: log, classOf: classOf, streams: map[int64]*ClientStatus{}}
+}
+
+func (t *tracker) open(id int64, protocol string) {
+	t.mu.Lock()
+	t.streams[id] = &ClientStatus{StreamID: id, Protocol: protocol, Connected: time.Now(), Types: map[string]*TypeStatus{}}
+	t.mu.Unlock()
+	t.metrics.clients.WithLabelValues(protocol).Inc()
+}
+
+func (t *tracker) closed(id int64) {
+	t.mu.Lock()
+	cs := t.streams[id]
+	delete(t.streams, id)
+	t.mu.Unlock()
+	if cs != nil {
+		t.metrics.clients.WithLabelValues(cs.Protocol).Dec()
+	}
+}
+
+// request records the node and the ACK or NACK a request carries.
+func (t *tracker) request(id int64, node *corev3.Node, typeURL, nonce string, nack *Nack) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	cs := t.streams[id]
+	if cs == nil {
+		return
+	}
+	if node != nil && cs.node == nil {
+		c := t.classOf(node)
+		cs.node, cs.NodeID, cs.Cluster, cs.Network = node, node.GetId(), string(c.Cluster), string(c.Network)
+	}
+	ts := cs.typeStatus(typeURL)
+	if nonce == "" || nonce != ts.SentNonce {
+		return
+	}
+	ts.Pending = false
+	if nack != nil {
+		ts.LastNack = nack
+		t.metrics.nacks.WithLabelValues(typeURL).Inc()
+		t.log.Warn("xds NACK", "node", cs.NodeID, "type", typeURL, "nonce", nonce, "error", nack.Message)
+		return
+	}
+	ts.AckedNonce, ts.AckedVersion = nonce, ts.SentVersion
+}
+
+func (cs *ClientStatus) typeStatus(typeURL string) *TypeStatus {
+	ts := cs.Types[typeURL]
+	if ts == nil {
+		ts = &TypeStatus{}
+		cs.Types[typeURL] = ts
+	}
+	return ts
+}
+
+func (t *tracker) response(id int64, typeURL, version, nonce string, n int, size int) {
+	t.metrics.pushes.WithLabelValues(typeURL).Inc()
+	t.metrics.pushBytes.WithLabelValues(typeURL).Add(float64(size))
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	cs := t.streams[id]
+	if cs == nil {
+		return
+	}
+	ts := cs.typeStatus(typeURL)
+	ts.SentVersion, ts.SentNonce, ts.SentResources, ts.Pending = version, nonce, n, true
+	ts.Pushes++
+}
+
+func nackOf(d interface{ GetMessage() string }, nonce string, present bool) *Nack {
+	if !present {
+		return nil
+	}
+	return &Nack{Nonce: nonce, Message: d.GetMessage(), At: time.Now()}
+}
+
+// OnStreamOpen records a new SotW stream.
+func (t *tracker) OnStreamOpen(_ context.Context, id int64, _ string) error {
+	t.open(id, "sotw")
+	return nil
+}
+
+// OnStreamClosed forgets a SotW stream.
+func (t *tracker) OnStreamClosed(id int64, _ *corev3.Node) { t.closed(id) }
+
+// OnDeltaStreamOpen records a new delta stream.
+func (t *tracker) OnDeltaStreamOpen(_ context.Context, id int64, _ string) error {
+	t.open(id, "delta")
+	return nil
+}
+
+// OnDeltaStreamClosed forgets a delta stream.
+func (t *tracker) OnDeltaStreamClosed(id int64, _ *corev3.Node) { t.closed(id) }
+
+// OnStreamRequest records the ACK or NACK of a SotW request.
+func (t *tracker) OnStreamRequest(id int64, req *discovery.DiscoveryRequest) error {
+	t.request(id, req.GetNode(), req.GetTypeUrl(), req.GetResponseNonce(),
+		nackOf(req.GetErrorDetail(), req.GetResponseNonce(), req.GetErrorDetail() != nil))
+	return nil
+}
+
+// OnStreamResponse records a SotW response.
+func (t *tracker) OnStreamResponse(_ context.Context, id int64, req *discovery.DiscoveryRequest, resp *discovery.DiscoveryResponse) {
+	t.response(id, req.GetTypeUrl(), resp.GetVersionInfo(), resp.GetNonce(), len(resp.GetResources()), proto.Size(resp))
+}
+
+// OnStreamDeltaRequest records the ACK or NACK of a delta request.
+func (t *tracker) OnStreamDeltaRequest(id int64, req *discovery.DeltaDiscoveryRequest) error {
+	t.request(id, req.GetNode(), req.GetTypeUrl(), req.GetResponseNonce(),
+		nackOf(req.GetErrorDetail(), req.GetResponseNonce(), req.GetErrorDetail() != nil))
+	return nil
+}
+
+// OnStreamDeltaResponse records a delta response.
+func (t *tracker) OnStreamDeltaResponse(id int64, req *discovery.DeltaDiscoveryRequest, resp *discovery.DeltaDiscoveryResponse) {
+	t.response(id, req.GetTypeUrl(), resp.GetSystemVersionInfo(), resp.GetNonce(), len(resp.GetResources())+len(resp.GetRemovedResources()), proto.Size(resp))
+}
+
+// OnFetchRequest accepts REST fetches (the cache refuses them).
+func (t *tracker) OnFetchRequest(context.Context, *discovery.DiscoveryRequest) error { return nil }
+
+// OnFetchResponse does nothing.
+func (t *tracker) OnFetchResponse(*discovery.DiscoveryRequest, *discovery.DiscoveryResponse) {}
+
+// snapshot returns deep copies of every stream's status.
+func (t *tracker) snapshot() []ClientStatus {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := make([]ClientStatus, 0, len(t.streams))
+	for _, cs := range t.streams {
+		c := *cs
+		c.Types = make(map[string]*TypeStatus, len(cs.Types))
+		for k, v := range cs.Types {
+			tv := *v
+			c.Types[k] = &tv
+		}
+		out = append(out, c)
+	}
+	return out
+}

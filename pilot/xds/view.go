@@ -1,0 +1,205 @@
+package xds
+
+import (
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+
+	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
+	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
+	"google.golang.org/protobuf/proto"
+
+	workloadv1 "github.com/isthmus-mesh/isthmus/pilot/api/workload/v1"
+)
+
+// allTypes are the type URLs every view serves.
+var allTypes = append([]string{WorkloadType}, envoyTypes...)
+
+// view holds what one class of clients sees: one LinearCache per type URL,
+// combined by a MuxCache keyed by type URL.
+//
+// The caches are safe for concurrent use. current and owned are touched only
+// by the builder, which holds Server.buildMu.
+type view struct {
+	class  class
+	caches map[string]*cache.LinearCache
+	// workloads fronts the workload LinearCache for wildcard delta clients.
+	workloads *wildcardDelta
+	mux       *cache.MuxCache
+
+	// current are the resources in the caches, per type URL and name.
+	current map[string]map[string]types.Resource
+	// owned are the names each service hostname owns, per type URL.
+	owned map[string]map[string][]string
+}
+
+func newView(c class, versionPrefix string, logger slogAdapter) *view {
+	v := &view{
+		class:   c,
+		caches:  make(map[string]*cache.LinearCache, len(allTypes)),
+		current: make(map[string]map[string]types.Resource, len(allTypes)),
+		owned:   make(map[string]map[string][]string),
+	}
+	muxed := make(map[string]cache.Cache, len(allTypes))
+	for _, t := range allTypes {
+		lc := cache.NewLinearCache(t, cache.WithVersionPrefix(versionPrefix), cache.WithLogger(logger))
+		v.caches[t] = lc
+		muxed[t] = lc
+		v.current[t] = make(map[string]types.Resource)
+	}
+	v.workloads = newWildcardDelta(WorkloadType, versionPrefix, v.caches[WorkloadType])
+	muxed[WorkloadType] = v.workloads
+	byType := func(t string) string { return t }
+	v.mux = &cache.MuxCache{
+		Classify:      func(r *cache.Request) string { return byType(r.GetTypeUrl()) },
+		ClassifyDelta: func(r *cache.DeltaRequest) string { return byType(r.GetTypeUrl()) },
+		Caches:        muxed,
+	}
+	return v
+}
+
+// batch collects one view's updates and deletions per type URL before they
+// are handed to the caches, one UpdateResources call per type.
+type batch struct {
+	v       *view
+	updated map[string]map[string]types.Resource
+	deleted map[string]map[string]struct{}
+	// touched, when not nil, records every name put (for a full resync).
+	touched map[string]map[string]struct{}
+}
+
+func (v *view) newBatch(full bool) *batch {
+	b := &batch{v: v, updated: map[string]map[string]types.Resource{}, deleted: map[string]map[string]struct{}{}}
+	if full {
+		b.touched = map[string]map[string]struct{}{}
+	}
+	return b
+}
+
+// put sets resource name of type t unless an equal one is already there.
+func (b *batch) put(t, name string, r types.Resource) {
+	if b.touched != nil {
+		if b.touched[t] == nil {
+			b.touched[t] = map[string]struct{}{}
+		}
+		b.touched[t][name] = struct{}{}
+	}
+	if cur, ok := b.v.current[t][name]; ok && proto.Equal(cur, r) {
+		return
+	}
+	b.v.current[t][name] = r
+	delete(b.deleted[t], name)
+	if b.updated[t] == nil {
+		b.updated[t] = map[string]types.Resource{}
+	}
+	b.updated[t][name] = r
+}
+
+// del removes resource name of type t if it is there.
+func (b *batch) del(t, name string) {
+	if _, ok := b.v.current[t][name]; !ok {
+		return
+	}
+	delete(b.v.current[t], name)
+	delete(b.updated[t], name)
+	if b.deleted[t] == nil {
+		b.deleted[t] = map[string]struct{}{}
+	}
+	b.deleted[t][name] = struct{}{}
+}
+
+// workload rebuilds the Address of workload uid.
+func (b *batch) workload(bd *builder, uid string) {
+	if a := buildWorkload(b.v.class, bd.reg.Workload(uid), bd.trustDomain); a != nil {
+		b.put(WorkloadType, uid, a)
+		return
+	}
+	if !b.ownedByService(uid) {
+		b.del(WorkloadType, uid)
+	}
+}
+
+// ownedByService reports whether a workload-type name belongs to a service
+// (a split-horizon workload), so a workload change must not delete it.
+func (b *batch) ownedByService(name string) bool {
+	if !strings.HasPrefix(name, workloadv1.SplitHorizonUIDPrefix) {
+		return false
+	}
+	for _, names := range b.v.owned {
+		for _, n := range names[WorkloadType] {
+			if n == name {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// service rebuilds every resource the service with hostname owns, and
+// deletes those it no longer owns.
+func (b *batch) service(bd *builder, hostname string) error {
+	fresh := make(map[string]map[string]types.Resource, len(allTypes))
+	for _, t := range allTypes {
+		fresh[t] = map[string]types.Resource{}
+	}
+	s := bd.reg.Service(hostname)
+	buildServiceAddresses(b.v.class, s, bd.gws, bd.trustDomain, fresh[WorkloadType])
+	if err := bd.envoy.build(b.v.class, s, bd.gws, fresh); err != nil {
+		return fmt.Errorf("service %s: %w", hostname, err)
+	}
+	old := b.v.owned[hostname]
+	names := make(map[string][]string, len(allTypes))
+	for _, t := range allTypes {
+		for _, n := range old[t] {
+			if _, keep := fresh[t][n]; !keep {
+				b.del(t, n)
+			}
+		}
+		for n, r := range fresh[t] {
+			b.put(t, n, r)
+			names[t] = append(names[t], n)
+		}
+	}
+	if len(fresh[WorkloadType]) == 0 && len(fresh[resource.ClusterType]) == 0 {
+		delete(b.v.owned, hostname)
+	} else {
+		b.v.owned[hostname] = names
+	}
+	return nil
+}
+
+// sweep deletes every resource a full resync did not put.
+func (b *batch) sweep() {
+	for t, cur := range b.v.current {
+		for name := range maps.Keys(cur) {
+			if _, ok := b.touched[t][name]; !ok {
+				b.del(t, name)
+			}
+		}
+	}
+}
+
+// flush hands the batch to the caches and returns the number of resources
+// updated and deleted.
+func (b *batch) flush() (int, error) {
+	n := 0
+	for _, t := range allTypes {
+		up, del := b.updated[t], b.deleted[t]
+		if len(up) == 0 && len(del) == 0 {
+			continue
+		}
+		n += len(up) + len(del)
+		var u interface {
+			UpdateResources(map[string]types.Resource, []string) error
+		} = b.v.caches[t]
+		if t == WorkloadType {
+			u = b.v.workloads
+		}
+		if err := u.UpdateResources(up, slices.Collect(maps.Keys(del))); err != nil {
+			return n, fmt.Errorf("update %s cache of class %s: %w", t, b.v.class, err)
+		}
+	}
+	return n, nil
+}

@@ -1,0 +1,220 @@
+package xds
+
+import (
+	"cmp"
+	"net/netip"
+	"slices"
+	"strings"
+
+	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
+
+	workloadv1 "github.com/isthmus-mesh/isthmus/pilot/api/workload/v1"
+	"github.com/isthmus-mesh/isthmus/pilot/model"
+)
+
+// WorkloadType is the type URL of workload discovery resources.
+const WorkloadType = workloadv1.TypeURL
+
+// class is a set of clients that see exactly the same resources: those on one
+// network in one cluster (the cluster matters only for cluster-local services).
+type class struct {
+	Network model.Network
+	Cluster model.ClusterID
+}
+
+// String renders the class as network|cluster.
+func (c class) String() string { return string(c.Network) + "|" + string(c.Cluster) }
+
+// sees reports whether clients of c see service s at all.
+func (c class) sees(s *model.Service) bool {
+	return s.Scope != model.ScopeClusterLocal || slices.Contains(s.Clusters, c.Cluster) || s.Shards[c.Cluster] != nil
+}
+
+// seesShard reports whether clients of c see the endpoints s has in cluster.
+func (c class) seesShard(s *model.Service, cluster model.ClusterID) bool {
+	return s.Scope != model.ScopeClusterLocal || cluster == c.Cluster
+}
+
+// gatewayIndex is the gateway through which each network is reached. When a
+// network has several, the one with the smallest Key is used, so every build
+// picks the same one.
+type gatewayIndex map[model.Network]model.NetworkGateway
+
+func newGatewayIndex(gws []model.NetworkGateway) gatewayIndex {
+	idx := make(gatewayIndex, len(gws))
+	for _, g := range gws {
+		if cur, ok := idx[g.Network]; !ok || g.Key() < cur.Key() {
+			idx[g.Network] = g
+		}
+	}
+	return idx
+}
+
+// ServiceResourceName is the workload discovery resource name of the service
+// with hostname in namespace ns.
+func ServiceResourceName(ns, hostname string) string { return ns + "/" + hostname }
+
+// SplitHorizonUID is the uid of the synthetic workload that stands for the
+// endpoints of service hostname (in namespace ns) on network.
+func SplitHorizonUID(network model.Network, ns, hostname string) string {
+	return workloadv1.SplitHorizonUIDPrefix + string(network) + "/" + ns + "/" + hostname
+}
+
+// namespaceOf returns the namespace label of a Kubernetes service hostname
+// (<name>.<ns>.svc.<domain>), or "" when hostname has no such label.
+func namespaceOf(hostname string) string {
+	_, rest, ok := strings.Cut(hostname, ".")
+	if !ok {
+		return ""
+	}
+	ns, _, _ := strings.Cut(rest, ".")
+	return ns
+}
+
+func addrBytes(a netip.Addr) []byte { return a.Unmap().AsSlice() }
+
+func healthy(ready, terminating bool) bool { return ready && !terminating }
+
+// buildWorkload returns the Address clients of c get for w, or nil when they
+// do not see it: a workload on another network is seen only through the
+// split-horizon workloads of its services.
+func buildWorkload(c class, w *model.Workload, trustDomain string) *workloadv1.Address {
+	if w == nil || w.Network != c.Network {
+		return nil
+	}
+	out := &workloadv1.Workload{
+		Uid:            w.UID,
+		Name:           w.Name,
+		Namespace:      w.Namespace,
+		Network:        string(w.Network),
+		ClusterId:      string(w.Cluster),
+		Node:           w.Node,
+		TrustDomain:    trustDomain,
+		ServiceAccount: cmp.Or(w.ServiceAccount, "default"),
+		TunnelProtocol: workloadv1.TunnelProtocol_HBONE,
+		Status:         workloadv1.WorkloadStatus_HEALTHY,
+	}
+	if !healthy(w.Ready, w.Terminating) {
+		out.Status = workloadv1.WorkloadStatus_UNHEALTHY
+	}
+	if w.Locality != (model.Locality{}) {
+		out.Locality = &workloadv1.Locality{Region: w.Locality.Region, Zone: w.Locality.Zone, Subzone: w.Locality.Subzone}
+	}
+	for _, a := range w.Addresses {
+		out.Addresses = append(out.Addresses, addrBytes(a))
+	}
+	if len(w.Services) > 0 {
+		out.Services = make(map[string]*workloadv1.PortList, len(w.Services))
+		for host, maps := range w.Services {
+			pl := &workloadv1.PortList{Ports: make([]*workloadv1.Port, 0, len(maps))}
+			for _, m := range maps {
+				pl.Ports = append(pl.Ports, &workloadv1.Port{ServicePort: uint32(m.ServicePort), TargetPort: uint32(m.TargetPort)})
+			}
+			out.Services[ServiceResourceName(namespaceOf(host), host)] = pl
+		}
+	}
+	return &workloadv1.Address{Type: &workloadv1.Address_Workload{Workload: out}}
+}
+
+// clusterNetwork guesses the network of a cluster's VIPs from the endpoints
+// of its shard, falling back to the client's network.
+func clusterNetwork(s *model.Service, cluster model.ClusterID, fallback model.Network) model.Network {
+	for _, e := range s.Shards[cluster] {
+		return e.Network
+	}
+	return fallback
+}
+
+// buildServiceAddresses adds to out the Address resources service s owns for
+// clients of c: the Service itself and one split-horizon workload per other
+// network that has ready endpoints of s and a gateway.
+func buildServiceAddresses(c class, s *model.Service, gws gatewayIndex, trustDomain string, out map[string]types.Resource) {
+	if s == nil || !c.sees(s) {
+		return
+	}
+	svc := &workloadv1.Service{
+		Name:      s.Name,
+		Namespace: s.Namespace,
+		Hostname:  s.Hostname,
+		Scope:     workloadv1.ServiceScope_GLOBAL,
+	}
+	if s.Scope == model.ScopeClusterLocal {
+		svc.Scope = workloadv1.ServiceScope_CLUSTER_LOCAL
+	}
+	clusters := make([]model.ClusterID, 0, len(s.VIPs))
+	for cl := range s.VIPs {
+		if c.seesShard(s, cl) {
+			clusters = append(clusters, cl)
+		}
+	}
+	slices.Sort(clusters)
+	for _, cl := range clusters {
+		nw := clusterNetwork(s, cl, c.Network)
+		for _, vip := range s.VIPs[cl] {
+			svc.Addresses = append(svc.Addresses, &workloadv1.NetworkAddress{Network: string(nw), Address: addrBytes(vip)})
+		}
+	}
+	for _, p := range s.Ports {
+		svc.Ports = append(svc.Ports, &workloadv1.ServicePort{
+			ServicePort: uint32(p.Port), TargetPort: uint32(p.TargetPort), Name: p.Name, AppProtocol: p.AppProtocol,
+		})
+	}
+	out[ServiceResourceName(s.Namespace, s.Hostname)] = &workloadv1.Address{Type: &workloadv1.Address_Service{Service: svc}}
+
+	for nw, n := range remoteReady(c, s) {
+		gw, ok := gws[nw]
+		if !ok {
+			continue
+		}
+		out[SplitHorizonUID(nw, s.Namespace, s.Hostname)] = splitWorkload(s, nw, gw, n, trustDomain)
+	}
+}
+
+// remoteReady counts the ready endpoints of s per network other than c's.
+func remoteReady(c class, s *model.Service) map[model.Network]uint32 {
+	var out map[model.Network]uint32
+	for cl, shard := range s.Shards {
+		if !c.seesShard(s, cl) {
+			continue
+		}
+		for i := range shard {
+			e := &shard[i]
+			if e.Network == c.Network || !healthy(e.Ready, e.Terminating) {
+				continue
+			}
+			if out == nil {
+				out = make(map[model.Network]uint32)
+			}
+			out[e.Network]++
+		}
+	}
+	return out
+}
+
+// splitWorkload is the synthetic workload standing for the n ready endpoints
+// of s on network nw, reached through gw. Its ports map every service port to
+// itself: the gateway is asked for <hostname>:<service port>.
+func splitWorkload(s *model.Service, nw model.Network, gw model.NetworkGateway, n uint32, trustDomain string) *workloadv1.Address {
+	ga := &workloadv1.GatewayAddress{HboneMtlsPort: uint32(cmp.Or(gw.HBONEPort, model.HBONEPort))}
+	if gw.Address.IsValid() {
+		ga.Destination = &workloadv1.GatewayAddress_Address{Address: addrBytes(gw.Address)}
+	} else {
+		ga.Destination = &workloadv1.GatewayAddress_Hostname{Hostname: gw.Hostname}
+	}
+	pl := &workloadv1.PortList{Ports: make([]*workloadv1.Port, 0, len(s.Ports))}
+	for _, p := range s.Ports {
+		pl.Ports = append(pl.Ports, &workloadv1.Port{ServicePort: uint32(p.Port), TargetPort: uint32(p.Port)})
+	}
+	return &workloadv1.Address{Type: &workloadv1.Address_Workload{Workload: &workloadv1.Workload{
+		Uid:            SplitHorizonUID(nw, s.Namespace, s.Hostname),
+		Name:           s.Hostname,
+		Namespace:      s.Namespace,
+		Network:        string(nw),
+		TrustDomain:    trustDomain,
+		TunnelProtocol: workloadv1.TunnelProtocol_HBONE,
+		NetworkGateway: ga,
+		Services:       map[string]*workloadv1.PortList{ServiceResourceName(s.Namespace, s.Hostname): pl},
+		Status:         workloadv1.WorkloadStatus_HEALTHY,
+		Capacity:       n,
+	}}}
+}

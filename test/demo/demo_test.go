@@ -1,0 +1,59 @@
+package demo_test
+
+import (
+	"context"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/isthmus-mesh/isthmus/test/demo"
+)
+
+// TestDemoTopology runs the make demo topology with the real binaries (as
+// processes): the request from sleep in cluster-1 reaches echo, which runs
+// only in cluster-2 on network-2, through network-2's east-west gateway.
+func TestDemoTopology(t *testing.T) {
+	bin := t.TempDir()
+	build := exec.Command("go", "build", "-o", bin+"/", "./cmd/pilot", "./cmd/ztunnel", "./cmd/isthmusctl")
+	build.Dir = "../.."
+	out, err := build.CombinedOutput()
+	require.NoError(t, err, string(out))
+
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	var narration strings.Builder
+	d, err := demo.Start(ctx, demo.Config{BinDir: bin, Out: &narration})
+	require.NoError(t, err, narration.String())
+	stopped := false
+	defer func() {
+		if !stopped {
+			d.Stop()
+		}
+	}()
+
+	rc, err := d.RemoteClusters(ctx)
+	require.NoError(t, err, rc)
+	require.Regexp(t, `cluster-2\s+synced\s+Synced`, rc)
+
+	before, err := d.Path(ctx)
+	require.NoError(t, err)
+	var reply string
+	require.Eventually(t, func() bool {
+		reply, err = d.Request(ctx, "hello")
+		return err == nil
+	}, time.Minute, 200*time.Millisecond, "last error: %v", err)
+	require.Equal(t, `echo-0 (cluster-2, network-2, 127.20.0.10) got "hello"`, reply[:strings.Index(reply, " from ")])
+	after, err := d.Path(ctx)
+	require.NoError(t, err)
+	require.Greater(t, after.Gateway, before.Gateway, "the network-2 gateway carried the connection")
+	require.Greater(t, after.ClientZtunnel, before.ClientZtunnel)
+	require.Greater(t, after.ServerZtunnel, before.ServerZtunnel)
+
+	d.Stop()
+	stopped = true
+	ps, _ := exec.Command("pgrep", "-f", bin).Output()
+	require.Empty(t, strings.TrimSpace(string(ps)), "demo processes left behind")
+}
