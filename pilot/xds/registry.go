@@ -36,7 +36,7 @@ type Registry interface {
 	Gateways() []model.NetworkGateway
 	// Subscribe calls fn, serially from one goroutine, with each debounced
 	// batch of changes (model.ChangeSet; Key = hostname for ServiceChange, uid
-	// for WorkloadChange, network for GatewayChange). cancel stops the calls
-	// and returns once no call is running.
+	// for WorkloadChange, network for GatewayChange). cancel stops the calls;
+	// the Server tolerates a call that races with cancel.
 	Subscribe(fn func(model.ChangeSet)) (cancel func())
 }
