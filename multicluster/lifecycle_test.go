@@ -166,9 +166,12 @@ func TestBadInput(t *testing.T) {
 		require.Equal(t, 1, e.sink.builds("good"))
 		// When the first secret goes, the second one takes the ID over.
 		e.deleteSecret("good")
-		e.waitState("good", multicluster.StateSynced, "")
-		s, _ := e.ctl.Status("good")
-		require.Equal(t, e.ns+"/dup", s.Secret)
+		require.EventuallyWithT(t, func(c *assert.CollectT) {
+			s, ok := e.ctl.Status("good")
+			require.True(c, ok)
+			require.Equal(c, e.ns+"/dup", s.Secret)
+			require.Equal(c, multicluster.StateSynced, s.State)
+		}, 30*time.Second, 20*time.Millisecond)
 	})
 	require.NotContains(t, e.logs.String(), token, "a token reached the logs")
 	_, err := osStat("/tmp/pwned")

@@ -50,15 +50,16 @@ type Config struct {
 // Addresses of the topology (every pod, node proxy and gateway has its own
 // loopback address).
 const (
-	pilotIP    = "127.0.50.1"
-	node1IP    = "127.10.0.1"   // ztunnel of node-1a (cluster-1, network-1)
-	sleepIP    = "127.10.0.10"  // the sleep pod on node-1a
-	gateway1IP = "127.10.255.1" // east-west gateway of network-1
-	node2IP    = "127.20.0.1"   // ztunnel of node-2a (cluster-2, network-2)
-	echoIP     = "127.20.0.10"  // the echo pod on node-2a
-	gateway2IP = "127.20.255.1" // east-west gateway of network-2
-	EchoHost   = "echo.demo.svc.cluster.local"
-	ns         = "isthmus-system"
+	pilotIP     = "127.0.50.1"
+	node1IP     = "127.10.0.1"   // ztunnel of node-1a (cluster-1, network-1)
+	sleepIP     = "127.10.0.10"  // the sleep pod on node-1a
+	gateway1IP  = "127.10.255.1" // east-west gateway of network-1
+	node2IP     = "127.20.0.1"   // ztunnel of node-2a (cluster-2, network-2)
+	echoIP      = "127.20.0.10"  // the echo pod on node-2a
+	localEchoIP = "127.10.0.20"  // a second echo pod, on node-1a (AddLocalEcho)
+	gateway2IP  = "127.20.255.1" // east-west gateway of network-2
+	EchoHost    = "echo.demo.svc.cluster.local"
+	ns          = "isthmus-system"
 )
 
 // Demo is a running federation.
@@ -70,6 +71,8 @@ type Demo struct {
 	clusters *framework.ClusterSet
 	procs    []*proc
 	echoLn   net.Listener
+	localLn  net.Listener
+	kc1      string
 	wg       sync.WaitGroup
 }
 
@@ -121,13 +124,9 @@ func Start(ctx context.Context, cfg Config) (d *Demo, err error) {
 	}
 
 	d.say("starting pilot on %s (config cluster: cluster-1, network-1)", pilotIP)
-	if err := d.spawn(ctx, "pilot", "pilot", "--kubeconfig", kc1, "--cluster-id", "cluster-1", "--network", "network-1",
-		"--xds-addr", pilotIP+":15012", "--monitoring-addr", pilotIP+":15014", "--debug-addr", pilotIP+":8080",
-		"--serving-san", pilotIP, "--sync-timeout", "30s", "--no-leader-election"); err != nil {
+	d.kc1 = kc1
+	if err := d.StartPilot(ctx); err != nil {
 		return d, err
-	}
-	if err := waitHTTP(ctx, "http://"+pilotIP+":15014/readyz", time.Minute); err != nil {
-		return d, fmt.Errorf("pilot not ready: %w (log: %s)", err, d.logOf("pilot"))
 	}
 
 	d.say("registering cluster-2 (network-2) with isthmusctl create-remote-secret --apply")
@@ -179,19 +178,86 @@ func Start(ctx context.Context, cfg Config) (d *Demo, err error) {
 	return d, nil
 }
 
+// StartPilot starts the pilot process (again, after StopPilot) and waits
+// until it is ready.
+func (d *Demo) StartPilot(ctx context.Context) error {
+	if err := d.spawn(ctx, "pilot", "pilot", "--kubeconfig", d.kc1, "--cluster-id", "cluster-1", "--network", "network-1",
+		"--xds-addr", pilotIP+":15012", "--monitoring-addr", pilotIP+":15014", "--debug-addr", pilotIP+":8080",
+		"--serving-san", pilotIP, "--sync-timeout", "30s", "--no-leader-election"); err != nil {
+		return err
+	}
+	if err := waitHTTP(ctx, "http://"+pilotIP+":15014/readyz", time.Minute); err != nil {
+		return fmt.Errorf("pilot not ready: %w (log: %s)", err, d.logOf("pilot"))
+	}
+	return nil
+}
+
+// StopPilot stops the pilot process (SIGTERM) and waits for it to exit.
+func (d *Demo) StopPilot() {
+	for i, p := range d.procs {
+		if p.name == "pilot" {
+			stopProc(p)
+			d.procs = append(d.procs[:i], d.procs[i+1:]...)
+			return
+		}
+	}
+}
+
+// AddLocalEcho runs a second echo instance in cluster-1 (network-1), on
+// node-1a at 127.10.0.20, behind the same federated service.
+func (d *Demo) AddLocalEcho(ctx context.Context) error {
+	c1 := d.clusters.Cluster("cluster-1")
+	if _, err := c1.CreateService(ctx, "demo", "echo", map[string]string{"app": "echo"}, framework.ServicePort{Name: "tcp-echo", Port: 80, TargetPort: 8080}); err != nil {
+		return err
+	}
+	if _, err := c1.CreatePod(ctx, framework.PodOptions{Namespace: "demo", Name: "echo-local", Labels: map[string]string{"app": "echo"},
+		ServiceAccount: "echo", Node: "node-1a", IP: mustAddr(localEchoIP), Ready: true}); err != nil {
+		return err
+	}
+	ln, err := d.serveEcho(localEchoIP+":8080", "echo-local (cluster-1, network-1, "+localEchoIP+")")
+	d.localLn = ln
+	return err
+}
+
+// SetLocalEchoReady flips the Ready condition of cluster-1's echo pod.
+func (d *Demo) SetLocalEchoReady(ctx context.Context, ready bool) error {
+	c1 := d.clusters.Cluster("cluster-1")
+	pod, err := c1.Client.CoreV1().Pods("demo").Get(ctx, "echo-local", metav1.GetOptions{})
+	if err != nil {
+		return err
+	}
+	_, err = c1.SetPodStatus(ctx, pod, mustAddr(localEchoIP), ready)
+	return err
+}
+
 // Request sends msg from the sleep pod (cluster-1) to echo.demo:80 through
 // its node's ztunnel (SOCKS5) and returns the reply.
 func (d *Demo) Request(ctx context.Context, msg string) (string, error) {
-	src := &net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(sleepIP)}, Timeout: 5 * time.Second}
-	socks, err := proxy.SOCKS5("tcp", node1IP+":15080", nil, src)
+	conn, err := d.Dial(ctx)
 	if err != nil {
 		return "", err
 	}
+	defer conn.Close()
+	return Exchange(conn, msg)
+}
+
+// Dial opens a connection from the sleep pod to echo.demo:80 through its
+// node's ztunnel (SOCKS5).
+func (d *Demo) Dial(ctx context.Context) (net.Conn, error) {
+	src := &net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(sleepIP)}, Timeout: 5 * time.Second}
+	socks, err := proxy.SOCKS5("tcp", node1IP+":15080", nil, src)
+	if err != nil {
+		return nil, err
+	}
 	conn, err := socks.(proxy.ContextDialer).DialContext(ctx, "tcp", EchoHost+":80")
 	if err != nil {
-		return "", fmt.Errorf("dial %s through the ztunnel of node-1a: %w", EchoHost, err)
+		return nil, fmt.Errorf("dial %s through the ztunnel of node-1a: %w", EchoHost, err)
 	}
-	defer conn.Close()
+	return conn, nil
+}
+
+// Exchange sends one line on conn and reads one line back.
+func Exchange(conn net.Conn, msg string) (string, error) {
 	_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
 	if _, err := io.WriteString(conn, msg+"\n"); err != nil {
 		return "", err
@@ -203,9 +269,12 @@ func (d *Demo) Request(ctx context.Context, msg string) (string, error) {
 	return strings.TrimSpace(reply), nil
 }
 
-// Path counts the connections each hop's proxy reported.
+// Path counts what each hop's proxy reported: connections opened by the
+// client's and the server's ztunnel, and bytes received by network-2's
+// gateway (inner tunnels through it are pooled, so a new connection need
+// not open a new gateway stream).
 type Path struct {
-	ClientZtunnel, Gateway, ServerZtunnel float64
+	ClientZtunnel, Gateway, GatewayBytes, ServerZtunnel float64
 }
 
 // Path reads the connection counters of the client's ztunnel, network-2's
@@ -217,6 +286,9 @@ func (d *Demo) Path(ctx context.Context) (Path, error) {
 		return p, err
 	}
 	if p.Gateway, err = opened(ctx, gateway2IP); err != nil {
+		return p, err
+	}
+	if p.GatewayBytes, err = metricSum(ctx, gateway2IP, "isthmus_tcp_received_bytes_total"); err != nil {
 		return p, err
 	}
 	p.ServerZtunnel, err = opened(ctx, node2IP)
@@ -243,20 +315,16 @@ func (d *Demo) Instructions() string {
 Ctrl-C stops everything.`, ctl, pilotIP, EchoHost, gateway2IP, d.work)
 }
 
-// Stop stops every process, the echo server and the clusters.
+// Stop stops every process, the echo servers and the clusters.
 func (d *Demo) Stop() {
 	for i := len(d.procs) - 1; i >= 0; i-- {
-		p := d.procs[i]
-		_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGTERM)
-		select {
-		case <-p.done:
-		case <-time.After(10 * time.Second):
-			_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
-			<-p.done
-		}
+		stopProc(d.procs[i])
 	}
-	if d.echoLn != nil {
-		_ = d.echoLn.Close()
+	d.procs = nil
+	for _, ln := range []net.Listener{d.echoLn, d.localLn} {
+		if ln != nil {
+			_ = ln.Close()
+		}
 	}
 	d.wg.Wait()
 	if d.clusters != nil {
@@ -267,6 +335,16 @@ func (d *Demo) Stop() {
 	}
 }
 
+func stopProc(p *proc) {
+	_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(10 * time.Second):
+		_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
+		<-p.done
+	}
+}
+
 func (d *Demo) say(format string, args ...any) {
 	fmt.Fprintf(d.out, "==> "+format+"\n", args...)
 }
@@ -274,7 +352,7 @@ func (d *Demo) say(format string, args ...any) {
 func (d *Demo) logOf(name string) string { return filepath.Join(d.work, name+".log") }
 
 func (d *Demo) spawn(ctx context.Context, name, bin string, args ...string) error {
-	f, err := os.Create(d.logOf(name))
+	f, err := os.OpenFile(d.logOf(name), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return err
 	}
@@ -341,13 +419,19 @@ func (d *Demo) workloads(ctx context.Context, c1, c2 *framework.Cluster) error {
 	return nil
 }
 
-// startEcho runs echo's "container": it answers each line with where it ran.
+// startEcho runs echo's "container" on its pod address.
 func (d *Demo) startEcho() error {
-	ln, err := net.Listen("tcp", echoIP+":8080")
-	if err != nil {
-		return fmt.Errorf("echo listener: %w", err)
-	}
+	ln, err := d.serveEcho(echoIP+":8080", "echo-0 (cluster-2, network-2, "+echoIP+")")
 	d.echoLn = ln
+	return err
+}
+
+// serveEcho answers each line with who answered it.
+func (d *Demo) serveEcho(addr, who string) (net.Listener, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("echo listener: %w", err)
+	}
 	d.wg.Go(func() {
 		for {
 			conn, err := ln.Accept()
@@ -362,12 +446,12 @@ func (d *Demo) startEcho() error {
 					if err != nil {
 						return
 					}
-					fmt.Fprintf(conn, "echo-0 (cluster-2, network-2, %s) got %q from %s\n", echoIP, strings.TrimSpace(line), conn.RemoteAddr())
+					fmt.Fprintf(conn, "%s got %q from %s\n", who, strings.TrimSpace(line), conn.RemoteAddr())
 				}
 			})
 		}
 	})
-	return nil
+	return ln, nil
 }
 
 // ztunnelCredentials makes the pod object of a ztunnel (so its token is
@@ -437,6 +521,11 @@ func waitHTTP(ctx context.Context, url string, timeout time.Duration) error {
 
 // opened sums isthmus_tcp_connections_opened_total on the proxy at ip.
 func opened(ctx context.Context, ip string) (float64, error) {
+	return metricSum(ctx, ip, "isthmus_tcp_connections_opened_total")
+}
+
+// metricSum sums a metric's series on the proxy at ip.
+func metricSum(ctx context.Context, ip, name string) (float64, error) {
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+ip+":15020/metrics", nil)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
@@ -448,7 +537,7 @@ func opened(ctx context.Context, ip string) (float64, error) {
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
 	for sc.Scan() {
 		line := sc.Text()
-		if strings.HasPrefix(line, "isthmus_tcp_connections_opened_total") {
+		if strings.HasPrefix(line, name+"{") || strings.HasPrefix(line, name+" ") {
 			f := strings.Fields(line)
 			v, err := strconv.ParseFloat(f[len(f)-1], 64)
 			if err == nil {

@@ -52,6 +52,49 @@ func TestDemoTopology(t *testing.T) {
 	require.Greater(t, after.ClientZtunnel, before.ClientZtunnel)
 	require.Greater(t, after.ServerZtunnel, before.ServerZtunnel)
 
+	t.Run("pilot outage", func(t *testing.T) {
+		// An open connection and new ones keep working from the last state.
+		conn, err := d.Dial(ctx)
+		require.NoError(t, err)
+		defer conn.Close()
+		_, err = demo.Exchange(conn, "before")
+		require.NoError(t, err)
+		d.StopPilot()
+		got, err := demo.Exchange(conn, "during")
+		require.NoError(t, err)
+		require.Contains(t, got, `got "during"`)
+		got, err = d.Request(ctx, "new connection during the outage")
+		require.NoError(t, err)
+		require.Contains(t, got, "echo-0 (cluster-2")
+		// Pilot back: the ztunnels resync and see changes again (checked by
+		// the failover below, which needs a new endpoint to arrive).
+		require.NoError(t, d.StartPilot(ctx))
+	})
+	t.Run("prefer same network, fail over through the gateway", func(t *testing.T) {
+		require.NoError(t, d.AddLocalEcho(ctx))
+		require.Eventually(t, func() bool {
+			got, err := d.Request(ctx, "local?")
+			return err == nil && strings.HasPrefix(got, "echo-local (cluster-1")
+		}, time.Minute, 100*time.Millisecond, "the same-network endpoint is preferred once known")
+		for range 5 {
+			got, err := d.Request(ctx, "still local?")
+			require.NoError(t, err)
+			require.True(t, strings.HasPrefix(got, "echo-local (cluster-1"), got)
+		}
+		gw, err := d.Path(ctx)
+		require.NoError(t, err)
+		start := time.Now()
+		require.NoError(t, d.SetLocalEchoReady(ctx, false))
+		require.Eventually(t, func() bool {
+			got, err := d.Request(ctx, "failover?")
+			return err == nil && strings.HasPrefix(got, "echo-0 (cluster-2")
+		}, 10*time.Second, 20*time.Millisecond)
+		t.Logf("failover to the remote network took %v after the pod went unready", time.Since(start).Round(time.Millisecond))
+		after, err := d.Path(ctx)
+		require.NoError(t, err)
+		require.Greater(t, after.GatewayBytes, gw.GatewayBytes, "failover traffic crossed the gateway")
+	})
+
 	d.Stop()
 	stopped = true
 	ps, _ := exec.Command("pgrep", "-f", bin).Output()

@@ -65,8 +65,8 @@ func run(ctx context.Context, bin, work string, once bool) error {
 		return err
 	}
 	fmt.Printf("==> sleep (cluster-1, network-1) -> %s:80\n    reply: %s\n", demo.EchoHost, reply)
-	fmt.Printf("    path: client ztunnel (node-1a, +%.0f conn) -> network-2 east-west gateway (+%.0f conn) -> echo's ztunnel (node-2a, +%.0f conn) -> echo-0\n",
-		after.ClientZtunnel-before.ClientZtunnel, after.Gateway-before.Gateway, after.ServerZtunnel-before.ServerZtunnel)
+	fmt.Printf("    path: client ztunnel (node-1a, +%.0f conn) -> network-2 east-west gateway (+%.0f conn, +%.0f bytes) -> echo's ztunnel (node-2a, +%.0f conn) -> echo-0\n",
+		after.ClientZtunnel-before.ClientZtunnel, after.Gateway-before.Gateway, after.GatewayBytes-before.GatewayBytes, after.ServerZtunnel-before.ServerZtunnel)
 	fmt.Printf("==> reply reached %v after start\n", time.Since(start).Round(100*time.Millisecond))
 	if once {
 		return nil
