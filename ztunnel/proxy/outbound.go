@@ -247,18 +247,19 @@ func innerPeer(dst *state.Workload) identity.Identity { return dst.Identity() }
 // handle proxies one captured client connection to t.
 func (o *Outbound) handle(ctx context.Context, c net.Conn, src *state.Workload, t Target, onConnected func(error) error) {
 	up, labels, err := o.Dial(ctx, src, t)
-	if rerr := onConnected(err); rerr != nil || err != nil {
-		if err == nil {
-			up.Close()
+	if err != nil {
+		// Counted before the client hears of it.
+		reason := ReasonUpstreamUnavailble
+		if errors.Is(err, ErrNoRoute) || errors.Is(err, state.ErrNoEndpoint) {
+			reason = ReasonNoRoute
 		}
-		if err != nil {
-			reason := ReasonUpstreamUnavailble
-			if errors.Is(err, ErrNoRoute) || errors.Is(err, state.ErrNoEndpoint) {
-				reason = ReasonNoRoute
-			}
-			o.deps.Metrics.Refused(metrics.ReporterSource, reason)
-			o.deps.Log.Debug("outbound dial failed", "src", src.UID, "dst", t.String(), "err", err)
-		}
+		o.deps.Metrics.Refused(metrics.ReporterSource, reason)
+		o.deps.Log.Debug("outbound dial failed", "src", src.UID, "dst", t.String(), "err", err)
+		_ = onConnected(err)
+		return
+	}
+	if rerr := onConnected(nil); rerr != nil {
+		up.Close()
 		return
 	}
 	defer up.Close()
