@@ -58,7 +58,6 @@ type namedPort struct {
 	port uint16
 }
 
-func (p *podInfo) key() string { return p.ns + "/" + p.name }
 
 func (p *podInfo) equal(o *podInfo) bool {
 	return o != nil && p.name == o.name && p.ns == o.ns && maps.Equal(p.labels, o.labels) && p.sa == o.sa && p.node == o.node &&

@@ -162,13 +162,13 @@ func TestFederatedService(t *testing.T) {
 	}, 30*time.Second, 10*time.Millisecond)
 	s := f.reg.Service(host)
 	e1, e2 := s.Shards["cluster-1"][0], s.Shards["cluster-2"][0]
-	require.Equal(t, model.Network("network-1"), e1.Network)
-	require.Equal(t, model.Network("network-2"), e2.Network)
-	require.Equal(t, model.Locality{Region: "eu", Zone: "eu-1", Subzone: "rack1"}, e1.Locality)
-	require.Equal(t, model.Locality{Region: "us", Zone: "us-2"}, e2.Locality)
-	require.Equal(t, netip.MustParseAddr("127.10.1.1"), e1.Address)
+	require.Equal(t, model.Network("network-1"), e1.Network())
+	require.Equal(t, model.Network("network-2"), e2.Network())
+	require.Equal(t, model.Locality{Region: "eu", Zone: "eu-1", Subzone: "rack1"}, e1.Locality())
+	require.Equal(t, model.Locality{Region: "us", Zone: "us-2"}, e2.Locality())
+	require.Equal(t, netip.MustParseAddr("127.10.1.1"), e1.Address())
 	require.Equal(t, []model.PortMapping{{ServicePort: 80, TargetPort: 8080}}, e1.Ports)
-	require.Equal(t, "echo", e1.ServiceAccount)
+	require.Equal(t, "echo", e1.ServiceAccount())
 	w := f.reg.Workload("cluster-2/demo/echo-0")
 	require.NotNil(t, w)
 	require.Equal(t, model.Network("network-2"), w.Network)
@@ -208,8 +208,8 @@ func TestFederatedService(t *testing.T) {
 	require.NoError(t, err)
 	require.Eventually(t, func() bool {
 		for _, e := range f.reg.Service(host).Shards["cluster-2"] {
-			if e.Address == netip.MustParseAddr("127.10.2.3") {
-				return !e.Ready
+			if e.Address() == netip.MustParseAddr("127.10.2.3") {
+				return !e.Ready()
 			}
 		}
 		return false

@@ -60,9 +60,9 @@ func TestGatewaysAndSelectorlessServices(t *testing.T) {
 		require.NotNil(c, s)
 		sh := s.Shards["cluster-2"]
 		require.Len(c, sh, 2)
-		require.Equal(c, netip.MustParseAddr("10.200.0.1"), sh[0].Address)
+		require.Equal(c, netip.MustParseAddr("10.200.0.1"), sh[0].Address())
 		require.Equal(c, []model.PortMapping{{ServicePort: 5432, TargetPort: 5432}}, sh[0].Ports)
-		require.Equal(c, model.Network("network-7"), sh[0].Network, "the control-plane namespace's label wins over the secret's default")
+		require.Equal(c, model.Network("network-7"), sh[0].Network(), "the control-plane namespace's label wins over the secret's default")
 	}, 10*time.Second, 5*time.Millisecond)
 	require.NoError(t, c2.Client.DiscoveryV1().EndpointSlices("gw").Delete(ctx, "external-db-1", metav1.DeleteOptions{}))
 	require.Eventually(t, func() bool {

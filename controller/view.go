@@ -37,27 +37,25 @@ type view struct {
 	sink           Sink
 	active         bool
 
-	pods       map[string]*podInfo            // ns/name
-	podsByNS   map[string]map[string]*podInfo // ns -> name
-	podsByNode map[string]map[string]*podInfo // node -> ns/name
-	services   map[model.ServiceKey]*svcInfo
-	svcsByNS   map[string]map[string]*svcInfo
-	nodes      map[string]model.Locality
-	nsNetwork  model.Network                              // the control-plane namespace's network label
-	slices     map[string]*sliceInfo                      // ns/name
-	slicesBy   map[model.ServiceKey]map[string]*sliceInfo // service -> slice name
-	exported   map[model.ServiceKey]bool
+	podsByNS  map[string]map[string]*podInfo // ns -> name
+	services  map[model.ServiceKey]*svcInfo
+	svcsByNS  map[string]map[string]*svcInfo
+	nodes     map[string]model.Locality
+	nsNetwork model.Network                              // the control-plane namespace's network label
+	slices    map[string]*sliceInfo                      // ns/name
+	slicesBy  map[model.ServiceKey]map[string]*sliceInfo // service -> slice name
+	exported  map[model.ServiceKey]bool
 
 	// Derived state, as the sink has it.
 	workloads map[string]*model.Workload
-	members   map[model.ServiceKey]map[string]struct{}       // pods (by name) backing a selector service
-	sliceEPs  map[model.ServiceKey]map[string]model.Endpoint // endpoints of selector-less services, by address
-	sliceWLs  map[model.ServiceKey]map[string]bool           // uids of workloads made from slices
+	shards    map[model.ServiceKey]*shard          // endpoints per service, sorted by workload uid
+	sliceUIDs map[model.ServiceKey]map[string]bool // endpoints the slices of a selector-less service contributed (true: a workload made from the slice)
 
 	// Shared immutable values: identical label sets and service-port maps
 	// are stored once per view.
 	labelSets   map[string]map[string]string
 	serviceMaps map[string]map[string][]model.PortMapping
+	portLists   map[string][]model.PortMapping
 
 	delta model.ClusterDelta
 }
@@ -65,12 +63,12 @@ type view struct {
 func newView(cluster model.ClusterID, gen uint64, domain string, network model.Network, sink Sink) *view {
 	return &view{
 		cluster: cluster, gen: gen, domain: domain, defaultNetwork: network, sink: sink,
-		pods: map[string]*podInfo{}, podsByNS: map[string]map[string]*podInfo{}, podsByNode: map[string]map[string]*podInfo{},
+		podsByNS: map[string]map[string]*podInfo{},
 		services: map[model.ServiceKey]*svcInfo{}, svcsByNS: map[string]map[string]*svcInfo{},
 		nodes: map[string]model.Locality{}, slices: map[string]*sliceInfo{}, slicesBy: map[model.ServiceKey]map[string]*sliceInfo{},
 		exported:  map[model.ServiceKey]bool{},
-		workloads: map[string]*model.Workload{}, members: map[model.ServiceKey]map[string]struct{}{},
-		sliceEPs: map[model.ServiceKey]map[string]model.Endpoint{}, sliceWLs: map[model.ServiceKey]map[string]bool{},
+		workloads: map[string]*model.Workload{}, shards: map[model.ServiceKey]*shard{}, sliceUIDs: map[model.ServiceKey]map[string]bool{},
+		portLists: map[string][]model.PortMapping{},
 		labelSets: map[string]map[string]string{}, serviceMaps: map[string]map[string][]model.PortMapping{},
 	}
 }
@@ -95,19 +93,15 @@ func (v *view) activate() {
 	v.delta = model.ClusterDelta{}
 	st := &model.ClusterState{
 		Services:  make(map[model.ServiceKey]*model.ClusterService, len(v.services)),
-		Shards:    make(map[model.ServiceKey][]model.Endpoint, len(v.members)+len(v.sliceEPs)),
+		Shards:    make(map[model.ServiceKey][]model.Endpoint, len(v.shards)),
 		Workloads: maps.Clone(v.workloads),
 		Gateways:  v.gatewayList(),
 	}
 	for k, s := range v.services {
 		st.Services[k] = s.cs
 	}
-	for _, keys := range []map[model.ServiceKey]struct{}{setOf(v.members), setOf(v.sliceEPs)} {
-		for k := range keys {
-			if sh := v.shardSlice(k); len(sh) > 0 {
-				st.Shards[k] = sh
-			}
-		}
+	for k, sh := range v.shards {
+		st.Shards[k] = sh.publish()
 	}
 	v.sink.Activate(v.cluster, v.gen, st)
 }
@@ -235,20 +229,22 @@ func (v *view) internLabels(m map[string]string) map[string]string {
 	return shared
 }
 
-func setOf[V any](m map[model.ServiceKey]V) map[model.ServiceKey]struct{} {
-	out := make(map[model.ServiceKey]struct{}, len(m))
-	for k := range m {
-		out[k] = struct{}{}
-	}
-	return out
+// portsOf returns the view's shared copy of s's port mapping for p.
+func (v *view) portsOf(s *svcInfo, p *podInfo) []model.PortMapping {
+	return v.internPorts(portsFor(s, p))
 }
 
-func (v *view) endpointOf(w *model.Workload, s *svcInfo, p *podInfo) model.Endpoint {
-	return model.Endpoint{
-		WorkloadUID: w.UID, Address: w.Addresses[0], Cluster: v.cluster, Network: w.Network, Locality: w.Locality,
-		ServiceAccount: w.ServiceAccount, Namespace: w.Namespace, Node: w.Node, Ready: w.Ready, Terminating: w.Terminating,
-		Ports: portsFor(s, p),
+func (v *view) internPorts(pm []model.PortMapping) []model.PortMapping {
+	var b strings.Builder
+	for _, m := range pm {
+		fmt.Fprintf(&b, "%d:%d,", m.ServicePort, m.TargetPort)
 	}
+	key := b.String()
+	if shared, ok := v.portLists[key]; ok {
+		return shared
+	}
+	v.portLists[key] = pm
+	return pm
 }
 
 // setWorkload records uid's workload (nil: none) in the delta when it
@@ -261,7 +257,7 @@ func (v *view) setWorkload(uid string, w *model.Workload) bool {
 		}
 		delete(v.workloads, uid)
 	} else {
-		if had && workloadEqual(old, w) {
+		if had && old.Equal(w) {
 			return false
 		}
 		v.workloads[uid] = w
@@ -273,52 +269,61 @@ func (v *view) setWorkload(uid string, w *model.Workload) bool {
 	return true
 }
 
-// setSliceMember records one endpoint of selector-less service k (nil:
-// none) and marks the shard changed when it did.
-func (v *view) setSliceMember(k model.ServiceKey, member string, ep *model.Endpoint) {
-	sh := v.sliceEPs[k]
-	old, had := sh[member]
-	switch {
-	case ep == nil && !had:
-		return
-	case ep == nil:
-		delete(sh, member)
-		if len(sh) == 0 {
-			delete(v.sliceEPs, k)
-		}
-	case had && endpointEqual(&old, ep):
-		return
-	default:
-		if sh == nil {
-			sh = map[string]model.Endpoint{}
-			v.sliceEPs[k] = sh
-		}
-		sh[member] = *ep
-	}
-	v.markShard(k)
+// shard is one service's endpoints, sorted by workload uid. Once published
+// (handed to the sink) its slice is never written again: the next change
+// copies it first, so a burst of changes between two flushes costs one copy.
+type shard struct {
+	eps    []model.Endpoint
+	shared bool
 }
 
-// setPodMember adds or removes pod name as a member of service k; it
-// reports whether membership changed.
-func (v *view) setPodMember(k model.ServiceKey, name string, member bool) bool {
-	set := v.members[k]
-	_, had := set[name]
-	switch {
-	case member == had:
-		return false
-	case member:
-		if set == nil {
-			set = map[string]struct{}{}
-			v.members[k] = set
-		}
-		set[name] = struct{}{}
-	default:
-		delete(set, name)
-		if len(set) == 0 {
-			delete(v.members, k)
-		}
+func (sh *shard) publish() []model.Endpoint {
+	sh.shared = true
+	return sh.eps
+}
+
+func (sh *shard) own() {
+	if sh.shared {
+		sh.eps = slices.Clone(sh.eps)
+		sh.shared = false
 	}
-	return true
+}
+
+func (sh *shard) find(uid string) (int, bool) {
+	return slices.BinarySearchFunc(sh.eps, uid, func(e model.Endpoint, uid string) int { return strings.Compare(e.Workload.UID, uid) })
+}
+
+// setEndpoint records the endpoint of workload uid in service k's shard
+// (nil: none) and marks the shard changed when it did.
+func (v *view) setEndpoint(k model.ServiceKey, uid string, ep *model.Endpoint) {
+	sh := v.shards[k]
+	if sh == nil {
+		if ep == nil {
+			return
+		}
+		sh = &shard{}
+		v.shards[k] = sh
+	}
+	i, found := sh.find(uid)
+	switch {
+	case ep == nil && !found:
+		return
+	case ep == nil:
+		sh.own()
+		sh.eps = slices.Delete(sh.eps, i, i+1)
+		if len(sh.eps) == 0 {
+			delete(v.shards, k)
+		}
+	case found && sh.eps[i].Workload == ep.Workload && slices.Equal(sh.eps[i].Ports, ep.Ports):
+		return
+	case found:
+		sh.own()
+		sh.eps[i] = *ep
+	default:
+		sh.own()
+		sh.eps = slices.Insert(sh.eps, i, *ep)
+	}
+	v.markShard(k)
 }
 
 func (v *view) markShard(k model.ServiceKey) {
@@ -328,39 +333,13 @@ func (v *view) markShard(k model.ServiceKey) {
 	v.delta.Shards[k] = nil // filled at flush time
 }
 
-// shardSlice renders service k's shard, sorted by address: the endpoints of
-// its member pods (derived from their workloads, not stored) and of its
-// EndpointSlices.
-func (v *view) shardSlice(k model.ServiceKey) []model.Endpoint {
-	members, sliceEPs := v.members[k], v.sliceEPs[k]
-	s := v.services[k]
-	if len(members)+len(sliceEPs) == 0 || s == nil {
-		return nil
-	}
-	out := make([]model.Endpoint, 0, len(members)+len(sliceEPs))
-	for name := range members {
-		p := v.pods[k.Namespace+"/"+name]
-		if p == nil {
-			continue
-		}
-		if w := v.workloads[model.WorkloadUID(v.cluster, p.ns, p.name)]; w != nil {
-			out = append(out, v.endpointOf(w, s, p))
-		}
-	}
-	for _, ep := range sliceEPs {
-		out = append(out, ep)
-	}
-	slices.SortFunc(out, func(a, b model.Endpoint) int {
-		return cmp.Or(a.Address.Compare(b.Address), cmp.Compare(a.WorkloadUID, b.WorkloadUID))
-	})
-	return out
-}
-
 // finish renders the changed shards and flushes. Called with mu held after
 // every store callback.
 func (v *view) finish() {
 	for k := range v.delta.Shards {
-		v.delta.Shards[k] = v.shardSlice(k)
+		if sh := v.shards[k]; sh != nil {
+			v.delta.Shards[k] = sh.publish()
+		}
 	}
 	v.flush()
 }
@@ -369,21 +348,20 @@ func (v *view) finish() {
 // extra (services whose selection of p may have changed) and in those that
 // select it now.
 func (v *view) refreshPod(p *podInfo, extra []*svcInfo) {
-	w := v.workloadOf(p)
-	changed := v.setWorkload(model.WorkloadUID(v.cluster, p.ns, p.name), w)
+	uid := model.WorkloadUID(v.cluster, p.ns, p.name)
+	v.setWorkload(uid, v.workloadOf(p))
+	w := v.workloads[uid] // the stored (possibly unchanged) value
 	now := map[model.ServiceKey]bool{}
 	if w != nil {
 		for _, s := range v.servicesSelecting(p) {
 			k := s.cs.Key()
 			now[k] = true
-			if v.setPodMember(k, p.name, true) || changed {
-				v.markShard(k)
-			}
+			v.setEndpoint(k, uid, &model.Endpoint{Workload: w, Ports: v.portsOf(s, p)})
 		}
 	}
 	for _, s := range extra {
-		if k := s.cs.Key(); !now[k] && v.setPodMember(k, p.name, false) {
-			v.markShard(k)
+		if k := s.cs.Key(); !now[k] {
+			v.setEndpoint(k, uid, nil)
 		}
 	}
 }
@@ -392,8 +370,7 @@ func (v *view) refreshPod(p *podInfo, extra []*svcInfo) {
 
 func (v *view) putPod(p *podInfo) {
 	p.labels = v.internLabels(p.labels)
-	key := p.key()
-	old := v.pods[key]
+	old := v.podsByNS[p.ns][p.name]
 	if p.equal(old) {
 		return
 	}
@@ -402,34 +379,25 @@ func (v *view) putPod(p *podInfo) {
 		before = v.servicesSelecting(old)
 		v.unindexPod(old)
 	}
-	v.pods[key] = p
 	addIndex(v.podsByNS, p.ns, p.name, p)
-	if p.node != "" {
-		addIndex(v.podsByNode, p.node, key, p)
-	}
 	v.refreshPod(p, before)
 }
 
 func (v *view) removePod(key string) {
-	old := v.pods[key]
+	ns, name := splitKey(key)
+	old := v.podsByNS[ns][name]
 	if old == nil {
 		return
 	}
 	for _, s := range v.servicesSelecting(old) {
-		if v.setPodMember(s.cs.Key(), old.name, false) {
-			v.markShard(s.cs.Key())
-		}
+		v.setEndpoint(s.cs.Key(), model.WorkloadUID(v.cluster, old.ns, old.name), nil)
 	}
 	v.unindexPod(old)
-	delete(v.pods, key)
 	v.setWorkload(model.WorkloadUID(v.cluster, old.ns, old.name), nil)
 }
 
 func (v *view) unindexPod(p *podInfo) {
 	delIndex(v.podsByNS, p.ns, p.name)
-	if p.node != "" {
-		delIndex(v.podsByNode, p.node, p.key())
-	}
 }
 
 func (v *view) putService(s *svcInfo) {
@@ -507,9 +475,16 @@ func (v *view) removeNode(name string) {
 	v.refreshNode(name)
 }
 
+// refreshNode re-derives the pods on node name after its locality changed.
+// Localities rarely change, so this scans the pods rather than keep a
+// per-node index for every pod.
 func (v *view) refreshNode(name string) {
-	for _, p := range v.podsByNode[name] {
-		v.refreshPod(p, nil)
+	for _, byName := range v.podsByNS {
+		for _, p := range byName {
+			if p.node == name {
+				v.refreshPod(p, nil)
+			}
+		}
 	}
 }
 
@@ -520,8 +495,10 @@ func (v *view) setNamespaceNetwork(n model.Network) {
 		return
 	}
 	v.nsNetwork = n
-	for _, p := range v.pods {
-		v.refreshPod(p, nil)
+	for _, byName := range v.podsByNS {
+		for _, p := range byName {
+			v.refreshPod(p, nil)
+		}
 	}
 	for k := range v.slicesBy {
 		v.refreshSlices(k)
@@ -589,52 +566,51 @@ func (v *view) dropSlice(key string, old *sliceInfo) {
 // address that names no known pod becomes a workload of its own.
 func (v *view) refreshSlices(k model.ServiceKey) {
 	s := v.services[k]
-	want := map[string]model.Endpoint{}
-	wantWL := map[string]*model.Workload{}
+	want := map[string][]model.PortMapping{} // workload uid -> ports
+	wantWL := map[string]*model.Workload{}   // workloads made from addresses
 	if s != nil && s.selector == nil {
 		for _, sl := range v.slicesBy[k] {
-			ports := slicePorts(s, sl)
+			ports := v.internPorts(slicePorts(s, sl))
 			for _, se := range sl.endpoints {
-				ep := model.Endpoint{Address: se.addr, Cluster: v.cluster, Network: v.nsNetworkOr(), Namespace: k.Namespace,
-					Node: se.node, Locality: v.nodes[se.node], Ready: se.ready, Terminating: se.terminating, Ports: ports, ServiceAccount: "default"}
-				if p := v.pods[k.Namespace+"/"+se.pod]; se.pod != "" && p != nil {
-					ep.WorkloadUID = model.WorkloadUID(v.cluster, p.ns, p.name)
-					ep.ServiceAccount, ep.Network = p.sa, v.networkOf(p)
-				} else {
-					ep.WorkloadUID = model.WorkloadUID(v.cluster, k.Namespace, "endpointslice."+k.Name+"."+se.addr.String())
-					wantWL[ep.WorkloadUID] = &model.Workload{
-						UID: ep.WorkloadUID, Name: se.addr.String(), Namespace: k.Namespace, Addresses: []netip.Addr{se.addr},
-						ServiceAccount: ep.ServiceAccount, Node: se.node, Cluster: v.cluster, Network: ep.Network, Locality: ep.Locality,
-						Ready: se.ready, Terminating: se.terminating,
-						Services: v.internServices(map[string][]model.PortMapping{v.hostname(k): ports}),
+				if p := v.podsByNS[k.Namespace][se.pod]; se.pod != "" && p != nil {
+					if uid := model.WorkloadUID(v.cluster, p.ns, p.name); v.workloads[uid] != nil {
+						want[uid] = ports
+						continue
 					}
 				}
-				want[se.addr.String()] = ep
+				uid := model.WorkloadUID(v.cluster, k.Namespace, "endpointslice."+k.Name+"."+se.addr.String())
+				wantWL[uid] = &model.Workload{
+					UID: uid, Name: se.addr.String(), Namespace: k.Namespace, Addresses: []netip.Addr{se.addr},
+					ServiceAccount: "default", Node: se.node, Cluster: v.cluster, Network: v.nsNetworkOr(), Locality: v.nodes[se.node],
+					Ready: se.ready, Terminating: se.terminating,
+					Services: v.internServices(map[string][]model.PortMapping{v.hostname(k): ports}),
+				}
+				want[uid] = ports
 			}
 		}
 	}
-	for member := range v.sliceEPs[k] {
-		if _, ok := want[member]; !ok {
-			v.setSliceMember(k, member, nil)
+	// Withdraw what the slices contributed before and no longer do.
+	for uid, synthetic := range v.sliceUIDs[k] {
+		if _, ok := want[uid]; !ok {
+			v.setEndpoint(k, uid, nil)
+			if synthetic {
+				v.setWorkload(uid, nil)
+			}
 		}
 	}
-	for member, ep := range want {
-		v.setSliceMember(k, member, &ep)
+	if len(want) == 0 {
+		delete(v.sliceUIDs, k)
+		return
 	}
-	for uid := range v.sliceWLs[k] {
-		if wantWL[uid] == nil {
-			v.setWorkload(uid, nil)
-		}
+	contributed := make(map[string]bool, len(want))
+	for uid, w := range wantWL {
+		v.setWorkload(uid, w)
 	}
-	if len(wantWL) == 0 {
-		delete(v.sliceWLs, k)
-	} else {
-		v.sliceWLs[k] = map[string]bool{}
-		for uid, w := range wantWL {
-			v.sliceWLs[k][uid] = true
-			v.setWorkload(uid, w)
-		}
+	for uid, ports := range want {
+		contributed[uid] = wantWL[uid] != nil
+		v.setEndpoint(k, uid, &model.Endpoint{Workload: v.workloads[uid], Ports: ports})
 	}
+	v.sliceUIDs[k] = contributed
 }
 
 func (v *view) nsNetworkOr() model.Network {
@@ -692,24 +668,4 @@ func delIndex[T any](idx map[string]map[string]T, outer, inner string) {
 			delete(idx, outer)
 		}
 	}
-}
-
-func workloadEqual(a, b *model.Workload) bool {
-	if len(a.Services) != len(b.Services) {
-		return false
-	}
-	for h, pm := range a.Services {
-		if !slices.Equal(pm, b.Services[h]) {
-			return false
-		}
-	}
-	return a.UID == b.UID && a.Name == b.Name && a.Namespace == b.Namespace && slices.Equal(a.Addresses, b.Addresses) &&
-		a.ServiceAccount == b.ServiceAccount && a.Node == b.Node && a.Cluster == b.Cluster && a.Network == b.Network &&
-		a.Locality == b.Locality && maps.Equal(a.Labels, b.Labels) && a.Ready == b.Ready && a.Terminating == b.Terminating
-}
-
-func endpointEqual(a, b *model.Endpoint) bool {
-	return a.WorkloadUID == b.WorkloadUID && a.Address == b.Address && a.Cluster == b.Cluster && a.Network == b.Network &&
-		a.Locality == b.Locality && a.ServiceAccount == b.ServiceAccount && a.Namespace == b.Namespace && a.Node == b.Node &&
-		a.Ready == b.Ready && a.Terminating == b.Terminating && slices.Equal(a.Ports, b.Ports)
 }

@@ -7,7 +7,9 @@
 package model
 
 import (
+	"maps"
 	"net/netip"
+	"slices"
 	"strings"
 )
 
@@ -162,23 +164,47 @@ type Workload struct {
 	Services map[string][]PortMapping
 }
 
-// Endpoint is one workload behind one service, as the registry shards them.
+// Endpoint is one workload behind one service, as the registry shards
+// them. It points at the (immutable) workload instead of copying it, so an
+// endpoint costs a pointer and a port map, whatever the workload holds.
 type Endpoint struct {
-	// WorkloadUID is the uid of the workload ("" for an EndpointSlice address
-	// that names no pod).
-	WorkloadUID    string
-	Address        netip.Addr
-	Cluster        ClusterID
-	Network        Network
-	Locality       Locality
-	ServiceAccount string
-	Namespace      string
-	Node           string
-	Ready          bool
-	Terminating    bool
-	// Ports maps the service's ports to this endpoint's target ports.
+	// Workload is the pod, or the workload made from an EndpointSlice
+	// address, behind the endpoint. Never nil in a published shard.
+	Workload *Workload
+	// Ports maps the service's ports to this endpoint's target ports
+	// (shared between endpoints with equal mappings; never mutated).
 	Ports []PortMapping
 }
+
+// Address is the endpoint's IP.
+func (e *Endpoint) Address() netip.Addr { return e.Workload.Addresses[0] }
+
+// WorkloadUID is the uid of the endpoint's workload.
+func (e *Endpoint) WorkloadUID() string { return e.Workload.UID }
+
+// Cluster is the endpoint's cluster.
+func (e *Endpoint) Cluster() ClusterID { return e.Workload.Cluster }
+
+// Network is the endpoint's network.
+func (e *Endpoint) Network() Network { return e.Workload.Network }
+
+// Locality is the endpoint's locality.
+func (e *Endpoint) Locality() Locality { return e.Workload.Locality }
+
+// ServiceAccount is the endpoint's service account.
+func (e *Endpoint) ServiceAccount() string { return e.Workload.ServiceAccount }
+
+// Namespace is the endpoint's namespace.
+func (e *Endpoint) Namespace() string { return e.Workload.Namespace }
+
+// Node is the node the endpoint runs on.
+func (e *Endpoint) Node() string { return e.Workload.Node }
+
+// Ready reports whether the endpoint may take new traffic.
+func (e *Endpoint) Ready() bool { return e.Workload.Ready }
+
+// Terminating reports whether the endpoint's workload is shutting down.
+func (e *Endpoint) Terminating() bool { return e.Workload.Terminating }
 
 // TargetPort returns the target port for service port p, and whether the
 // endpoint serves it.
@@ -189,6 +215,29 @@ func (e *Endpoint) TargetPort(p uint16) (uint16, bool) {
 		}
 	}
 	return 0, false
+}
+
+// Equal reports whether two endpoints are the same in value.
+func (e *Endpoint) Equal(o *Endpoint) bool {
+	return slices.Equal(e.Ports, o.Ports) && e.Workload.Equal(o.Workload)
+}
+
+// Equal reports whether two workloads are the same in value.
+func (w *Workload) Equal(o *Workload) bool {
+	if w == o {
+		return true
+	}
+	if w == nil || o == nil || len(w.Services) != len(o.Services) {
+		return false
+	}
+	for h, pm := range w.Services {
+		if !slices.Equal(pm, o.Services[h]) {
+			return false
+		}
+	}
+	return w.UID == o.UID && w.Name == o.Name && w.Namespace == o.Namespace && slices.Equal(w.Addresses, o.Addresses) &&
+		w.ServiceAccount == o.ServiceAccount && w.Node == o.Node && w.Cluster == o.Cluster && w.Network == o.Network &&
+		w.Locality == o.Locality && maps.Equal(w.Labels, o.Labels) && w.Ready == o.Ready && w.Terminating == o.Terminating
 }
 
 // NetworkGateway is an east-west gateway through which other networks reach

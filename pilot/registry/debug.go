@@ -70,9 +70,9 @@ func (r *Registry) EndpointsOf(host string) ([]EndpointView, bool) {
 	out := []EndpointView{}
 	for _, c := range s.Clusters {
 		for _, e := range s.Shards[c] {
-			out = append(out, EndpointView{Address: e.Address.String(), Workload: e.WorkloadUID, Cluster: e.Cluster, Network: e.Network,
-				Locality: e.Locality.String(), Identity: e.Namespace + "/" + e.ServiceAccount, Node: e.Node, Ready: e.Ready,
-				Terminating: e.Terminating, Ports: e.Ports})
+			out = append(out, EndpointView{Address: e.Address().String(), Workload: e.WorkloadUID(), Cluster: e.Cluster(), Network: e.Network(),
+				Locality: e.Locality().String(), Identity: e.Namespace() + "/" + e.ServiceAccount(), Node: e.Node(), Ready: e.Ready(),
+				Terminating: e.Terminating(), Ports: e.Ports})
 		}
 	}
 	return out, true

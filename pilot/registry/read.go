@@ -47,14 +47,24 @@ func exportedAnywhere(s *model.Service) bool {
 func (r *Registry) Workloads() []*model.Workload {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
-	return slices.Collect(maps.Values(r.workloads))
+	var out []*model.Workload
+	for _, cs := range r.clusters {
+		for _, w := range cs.workloads {
+			out = append(out, w)
+		}
+	}
+	return out
 }
 
 // Workload returns the workload of uid (nil if none).
 func (r *Registry) Workload(uid string) *model.Workload {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
-	return r.workloads[uid]
+	cluster, _, _ := strings.Cut(uid, "/")
+	if cs := r.clusters[model.ClusterID(cluster)]; cs != nil {
+		return cs.workloads[uid]
+	}
+	return nil
 }
 
 // Gateways returns every network gateway, sorted.
@@ -80,12 +90,7 @@ func (r *Registry) GatewaysOf(n model.Network) []model.NetworkGateway {
 func (r *Registry) ServiceAccountOnNode(cluster, node, ns, sa string) bool {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
-	for _, w := range r.byNode[nodeKey{model.ClusterID(cluster), node}] {
-		if w.Namespace == ns && w.ServiceAccount == sa {
-			return true
-		}
-	}
-	return false
+	return r.saOnNode[saKey{model.ClusterID(cluster), node, ns, sa}] > 0
 }
 
 // StaleClusters returns the clusters marked unreachable, with the time.
@@ -124,9 +129,5 @@ func clusterServiceEqual(a, b *model.ClusterService) bool {
 }
 
 func shardEqual(a, b []model.Endpoint) bool {
-	return slices.EqualFunc(a, b, func(x, y model.Endpoint) bool {
-		return x.WorkloadUID == y.WorkloadUID && x.Address == y.Address && x.Cluster == y.Cluster && x.Network == y.Network &&
-			x.Locality == y.Locality && x.ServiceAccount == y.ServiceAccount && x.Namespace == y.Namespace && x.Node == y.Node &&
-			x.Ready == y.Ready && x.Terminating == y.Terminating && slices.Equal(x.Ports, y.Ports)
-	})
+	return slices.EqualFunc(a, b, func(x, y model.Endpoint) bool { return x.Equal(&y) })
 }

@@ -85,20 +85,19 @@ type Registry struct {
 	cfg Config
 	log *slog.Logger
 
-	mu        sync.RWMutex
-	clusters  map[model.ClusterID]*clusterState
-	services  map[string]*model.Service // by hostname
-	workloads map[string]*model.Workload
-	byNode    map[nodeKey]map[string]*model.Workload
-	gateways  []model.NetworkGateway
-	stale     map[model.ClusterID]time.Time
+	mu       sync.RWMutex
+	clusters map[model.ClusterID]*clusterState
+	services map[string]*model.Service // by hostname
+	saOnNode map[saKey]int             // workloads per (cluster, node, namespace, service account)
+	gateways []model.NetworkGateway
+	stale    map[model.ClusterID]time.Time
 
 	feed *feed
 }
 
-type nodeKey struct {
-	cluster model.ClusterID
-	node    string
+type saKey struct {
+	cluster      model.ClusterID
+	node, ns, sa string
 }
 
 // clusterState is what one cluster (one generation of it) contributes.
@@ -117,9 +116,9 @@ func New(cfg Config) *Registry {
 	return &Registry{
 		cfg: cfg, log: cfg.Logger.With("component", "registry"),
 		clusters: map[model.ClusterID]*clusterState{}, services: map[string]*model.Service{},
-		workloads: map[string]*model.Workload{}, byNode: map[nodeKey]map[string]*model.Workload{},
-		stale: map[model.ClusterID]time.Time{},
-		feed:  newFeed(cfg.QuietPeriod, cfg.MaxDelay),
+		saOnNode: map[saKey]int{},
+		stale:    map[model.ClusterID]time.Time{},
+		feed:     newFeed(cfg.QuietPeriod, cfg.MaxDelay),
 	}
 }
 
@@ -174,11 +173,11 @@ func (r *Registry) Activate(cluster model.ClusterID, gen uint64, st *model.Clust
 		}
 	}
 	for uid, w := range next.workloads {
-		changes = r.putWorkload(changes, uid, w)
+		changes = r.putWorkload(changes, uid, old.workloads[uid], w)
 	}
-	for uid := range old.workloads {
+	for uid, w := range old.workloads {
 		if next.workloads[uid] == nil {
-			changes = r.putWorkload(changes, uid, nil)
+			changes = r.putWorkload(changes, uid, w, nil)
 		}
 	}
 	for k := range svcKeys {
@@ -226,12 +225,13 @@ func (r *Registry) Update(cluster model.ClusterID, gen uint64, d *model.ClusterD
 		svcKeys[k] = true
 	}
 	for uid, w := range d.Workloads {
+		prev := cs.workloads[uid]
 		if w == nil {
 			delete(cs.workloads, uid)
 		} else {
 			cs.workloads[uid] = w
 		}
-		changes = r.putWorkload(changes, uid, w)
+		changes = r.putWorkload(changes, uid, prev, w)
 	}
 	for k := range svcKeys {
 		changes = r.rebuildService(changes, k)
@@ -262,8 +262,8 @@ func (r *Registry) removeClusterLocked(cluster model.ClusterID, cs *clusterState
 	delete(r.clusters, cluster)
 	delete(r.stale, cluster)
 	var changes []model.Change
-	for uid := range cs.workloads {
-		changes = r.putWorkload(changes, uid, nil)
+	for uid, w := range cs.workloads {
+		changes = r.putWorkload(changes, uid, w, nil)
 	}
 	keys := map[model.ServiceKey]bool{}
 	for k := range cs.services {
@@ -321,34 +321,28 @@ func (r *Registry) SetReachable(cluster model.ClusterID, reachable bool) {
 
 // ---- derived state (called with mu held) ----
 
-func (r *Registry) putWorkload(changes []model.Change, uid string, w *model.Workload) []model.Change {
-	old := r.workloads[uid]
+// putWorkload accounts for uid's workload changing from old to w (nil:
+// none) and reports the change, if any.
+func (r *Registry) putWorkload(changes []model.Change, uid string, old, w *model.Workload) []model.Change {
 	if old != nil {
-		nk := nodeKey{old.Cluster, old.Node}
-		delete(r.byNode[nk], uid)
-		if len(r.byNode[nk]) == 0 {
-			delete(r.byNode, nk)
+		k := saKey{old.Cluster, old.Node, old.Namespace, old.ServiceAccount}
+		if r.saOnNode[k]--; r.saOnNode[k] <= 0 {
+			delete(r.saOnNode, k)
 		}
 	}
-	if w == nil {
-		if old == nil {
-			return changes
-		}
-		delete(r.workloads, uid)
-		return append(changes, model.Change{Kind: model.WorkloadChange, Op: model.Removed, Key: uid})
+	if w != nil {
+		r.saOnNode[saKey{w.Cluster, w.Node, w.Namespace, w.ServiceAccount}]++
 	}
-	r.workloads[uid] = w
-	nk := nodeKey{w.Cluster, w.Node}
-	if r.byNode[nk] == nil {
-		r.byNode[nk] = map[string]*model.Workload{}
-	}
-	r.byNode[nk][uid] = w
-	if old == w {
+	op := model.Updated
+	switch {
+	case w == nil && old == nil:
 		return changes
-	}
-	op := model.Added
-	if old != nil {
-		op = model.Updated
+	case w == nil:
+		op = model.Removed
+	case old == nil:
+		op = model.Added
+	case old == w || old.Equal(w):
+		return changes
 	}
 	return append(changes, model.Change{Kind: model.WorkloadChange, Op: op, Key: uid})
 }

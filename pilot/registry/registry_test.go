@@ -59,8 +59,9 @@ func svc(cluster model.ClusterID, ns, name string, created time.Time, ports ...m
 }
 
 func ep(cluster model.ClusterID, net model.Network, addr string) model.Endpoint {
-	return model.Endpoint{WorkloadUID: string(cluster) + "/demo/" + addr, Address: netip.MustParseAddr(addr), Cluster: cluster, Network: net,
-		Namespace: "demo", ServiceAccount: "default", Ready: true, Ports: []model.PortMapping{{ServicePort: 80, TargetPort: 8080}}}
+	w := &model.Workload{UID: string(cluster) + "/demo/" + addr, Addresses: []netip.Addr{netip.MustParseAddr(addr)}, Cluster: cluster, Network: net,
+		Namespace: "demo", ServiceAccount: "default", Ready: true}
+	return model.Endpoint{Workload: w, Ports: []model.PortMapping{{ServicePort: 80, TargetPort: 8080}}}
 }
 
 func state(services []*model.ClusterService, shards map[model.ServiceKey][]model.Endpoint) *model.ClusterState {
@@ -192,7 +193,7 @@ func TestStaleClusterKeptThenRemovedAfterGrace(t *testing.T) {
 func TestDebounceLeadingEdgeBurstAndMaxDelay(t *testing.T) {
 	put := func(reg *Registry, i int) {
 		reg.Update("c1", 1, &model.ClusterDelta{Workloads: map[string]*model.Workload{
-			"w": {UID: "w", Cluster: "c1", Addresses: []netip.Addr{netip.AddrFrom4([4]byte{10, 0, byte(i >> 8), byte(i)})}},
+			"c1/default/w": {UID: "c1/default/w", Cluster: "c1", Addresses: []netip.Addr{netip.AddrFrom4([4]byte{10, 0, byte(i >> 8), byte(i)})}},
 		}})
 	}
 	t.Run("leading edge", func(t *testing.T) {
@@ -213,7 +214,7 @@ func TestDebounceLeadingEdgeBurstAndMaxDelay(t *testing.T) {
 		}
 		require.Eventually(t, func() bool {
 			sets := rec.all()
-			return len(sets) > 0 && sets[len(sets)-1].Changes[0].Key == "w" && reg.Workload("w").Addresses[0] == netip.AddrFrom4([4]byte{10, 0, 0, 199})
+			return len(sets) > 0 && sets[len(sets)-1].Changes[0].Key == "c1/default/w" && reg.Workload("c1/default/w").Addresses[0] == netip.AddrFrom4([4]byte{10, 0, 0, 199})
 		}, 10*time.Second, time.Millisecond)
 		time.Sleep(150 * time.Millisecond)
 		require.LessOrEqual(t, rec.count(), 2, "200 changes cost the leading push and one merged push")

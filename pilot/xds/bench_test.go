@@ -260,10 +260,10 @@ func runFleet(b *testing.B, endpoints int) {
 		p := &fleetPhase{lat: make([]time.Duration, benchSubscribers), bytes: make([]int, benchSubscribers)}
 		s := *svcs[k%len(svcs)]
 		shard := slices.Clone(s.Shards["c1"])
-		shard[0].Ready = !shard[0].Ready
+		w := *reg.Workload(shard[0].WorkloadUID())
+		w.Ready = !w.Ready
+		shard[0].Workload = &w
 		s.Shards = map[model.ClusterID][]model.Endpoint{"c1": shard}
-		w := *reg.Workload(shard[0].WorkloadUID)
-		w.Ready = shard[0].Ready
 		p.name = w.UID
 		p.wg.Add(benchSubscribers)
 		f.phase.Store(p)

@@ -166,24 +166,24 @@ func loadAssignment(c class, s *model.Service, port uint16, name string, gws gat
 		for i := range shard {
 			e := &shard[i]
 			target, ok := e.TargetPort(port)
-			if !ok || !e.Address.IsValid() {
+			if !ok || !e.Address().IsValid() {
 				continue
 			}
-			if e.Network != c.Network {
-				if healthy(e.Ready, e.Terminating) {
-					remote[remoteKey{e.Network, e.Locality}]++
+			if e.Network() != c.Network {
+				if healthy(e.Ready(), e.Terminating()) {
+					remote[remoteKey{e.Network(), e.Locality()}]++
 				}
 				continue
 			}
 			hs := corev3.HealthStatus_HEALTHY
 			switch {
-			case e.Terminating:
+			case e.Terminating():
 				hs = corev3.HealthStatus_DRAINING
-			case !e.Ready:
+			case !e.Ready():
 				hs = corev3.HealthStatus_UNHEALTHY
 			}
-			groups[e.Locality] = append(groups[e.Locality], &endpointv3.LbEndpoint{
-				HostIdentifier:      &endpointv3.LbEndpoint_Endpoint{Endpoint: &endpointv3.Endpoint{Address: socketAddress(e.Address, uint32(target))}},
+			groups[e.Locality()] = append(groups[e.Locality()], &endpointv3.LbEndpoint{
+				HostIdentifier:      &endpointv3.LbEndpoint_Endpoint{Endpoint: &endpointv3.Endpoint{Address: socketAddress(e.Address(), uint32(target))}},
 				HealthStatus:        hs,
 				LoadBalancingWeight: wrapperspb.UInt32(1),
 			})

@@ -230,7 +230,7 @@ func (s *Server) applyPending() error {
 func hasNetwork(s *model.Service, networks map[string]struct{}) bool {
 	for _, shard := range s.Shards {
 		for i := range shard {
-			if _, ok := networks[string(shard[i].Network)]; ok {
+			if _, ok := networks[string(shard[i].Network())]; ok {
 				return true
 			}
 		}

@@ -120,7 +120,7 @@ func buildWorkload(c class, w *model.Workload, trustDomain string) *workloadv1.A
 // of its shard, falling back to the client's network.
 func clusterNetwork(s *model.Service, cluster model.ClusterID, fallback model.Network) model.Network {
 	for _, e := range s.Shards[cluster] {
-		return e.Network
+		return e.Network()
 	}
 	return fallback
 }
@@ -179,13 +179,13 @@ func remoteReady(c class, s *model.Service) map[model.Network]uint32 {
 		}
 		for i := range shard {
 			e := &shard[i]
-			if e.Network == c.Network || !healthy(e.Ready, e.Terminating) {
+			if e.Network() == c.Network || !healthy(e.Ready(), e.Terminating()) {
 				continue
 			}
 			if out == nil {
 				out = make(map[model.Network]uint32)
 			}
-			out[e.Network]++
+			out[e.Network()]++
 		}
 	}
 	return out

@@ -266,12 +266,8 @@ func Backing(name, ns string, ports []model.Port, vips map[model.ClusterID][]net
 		}
 		c.Services[host] = mappings
 		out = append(out, &c)
-		for _, a := range w.Addresses {
-			svc.Shards[w.Cluster] = append(svc.Shards[w.Cluster], model.Endpoint{
-				WorkloadUID: w.UID, Address: a, Cluster: w.Cluster, Network: w.Network, Locality: w.Locality,
-				ServiceAccount: w.ServiceAccount, Namespace: w.Namespace, Node: w.Node,
-				Ready: w.Ready, Terminating: w.Terminating, Ports: mappings,
-			})
+		if len(w.Addresses) > 0 {
+			svc.Shards[w.Cluster] = append(svc.Shards[w.Cluster], model.Endpoint{Workload: &c, Ports: mappings})
 		}
 		if !slices.Contains(svc.Clusters, w.Cluster) {
 			svc.Clusters = append(svc.Clusters, w.Cluster)
