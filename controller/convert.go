@@ -58,7 +58,6 @@ type namedPort struct {
 	port uint16
 }
 
-
 func (p *podInfo) equal(o *podInfo) bool {
 	return o != nil && p.name == o.name && p.ns == o.ns && maps.Equal(p.labels, o.labels) && p.sa == o.sa && p.node == o.node &&
 		slices.Equal(p.ips, o.ips) && p.ready == o.ready && p.terminating == o.terminating && slices.Equal(p.ports, o.ports)
