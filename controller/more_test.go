@@ -53,7 +53,7 @@ func TestGatewaysAndSelectorlessServices(t *testing.T) {
 	// A selector-less service with an EndpointSlice (addresses used as data only).
 	_, err = c2.CreateService(ctx, "gw", "external-db", nil, framework.ServicePort{Name: "", Port: 5432, TargetPort: 5432})
 	require.NoError(t, err)
-	_, err = c2.CreateEndpointSlice(ctx, "gw", "external-db-1", "external-db", 5432, netip.MustParseAddr("10.200.0.1"), netip.MustParseAddr("10.200.0.2"))
+	_, err = c2.CreateEndpointSlice(ctx, "gw", "external-db-1", "external-db", "", 5432, netip.MustParseAddr("10.200.0.1"), netip.MustParseAddr("10.200.0.2"))
 	require.NoError(t, err)
 	require.EventuallyWithT(t, func(c *assert.CollectT) {
 		s := f.reg.Service("external-db.gw.svc.cluster.local")

@@ -214,3 +214,55 @@ func TestAPIServerRestart(t *testing.T) {
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return e.sink.count("remote-2") > n }, 20*time.Second, 20*time.Millisecond)
 }
+
+// TestSyncTimeoutNeverBlocksReadiness: a remote whose component never
+// syncs is reported timed out after the sync timeout, keeps being retried
+// (it goes synced when its component does), and never holds back the
+// controller's readiness or the other remotes.
+func TestSyncTimeoutNeverBlocksReadiness(t *testing.T) {
+	var stuck atomic.Bool
+	stuck.Store(true)
+	ctx := context.Background()
+	cfgCluster := clusters.Cluster("config")
+	require.NoError(t, cfgCluster.EnsureNamespace(ctx, "mc-timeout2", nil))
+	local, err := multicluster.NewClient(cfgCluster.Config)
+	require.NoError(t, err)
+	ctl, err := multicluster.New(multicluster.Config{Namespace: "mc-timeout2", ConfigClusterID: "config", SyncTimeout: 500 * time.Millisecond,
+		LivenessInterval: 200 * time.Millisecond}, local, nil)
+	require.NoError(t, err)
+	s := newSink()
+	ctl.AddComponent("pods", s.builder)
+	ctl.AddComponent("slow", func(ctx context.Context, c *multicluster.Cluster) (multicluster.Component, error) {
+		if c.ID == "remote-2" {
+			return slowComponent{&stuck}, nil
+		}
+		return readyComponent{}, nil
+	})
+	rctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- ctl.Run(rctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	require.Eventually(t, ctl.Ready, 20*time.Second, 10*time.Millisecond)
+	e2 := &env{t: t, ctl: ctl, sink: s, ns: "mc-timeout2"}
+	e2.applySecret("both", map[string][]byte{
+		"remote-1": kubeconfig(t, "remote-1", "remote-1"),
+		"remote-2": kubeconfig(t, "remote-2", "remote-2"),
+	})
+	e2.waitState("remote-2", multicluster.StateTimeout, multicluster.ReasonSyncTimeout)
+	e2.waitState("remote-1", multicluster.StateSynced, "")
+	require.True(t, ctl.Ready(), "a remote that never syncs does not hold back readiness")
+	require.Contains(t, eventReasons(t, "mc-timeout2", "both"), multicluster.ReasonSyncTimeout)
+	// Still trying: once its component syncs, it is synced.
+	stuck.Store(false)
+	e2.waitState("remote-2", multicluster.StateSynced, multicluster.ReasonSynced)
+}
+
+type slowComponent struct{ stuck *atomic.Bool }
+
+func (c slowComponent) HasSynced() bool { return !c.stuck.Load() }
+func (slowComponent) Close()            {}
+
+type readyComponent struct{}
+
+func (readyComponent) HasSynced() bool { return true }
+func (readyComponent) Close()          {}

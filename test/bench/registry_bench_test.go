@@ -17,6 +17,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/watch"
 
 	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
@@ -69,14 +70,18 @@ func (e *env) stop(b *testing.B) {
 
 // startPilot runs pilot on cluster-0 and registers the others; it returns
 // once every cluster is synced.
-func (e *env) startPilot(b *testing.B) {
+func (e *env) startPilot(b *testing.B) { e.startPilotWith(b, "-", false) }
+
+// startPilotWith also serves plaintext xDS on xdsAddr ("-": none); with
+// oneNetwork every cluster is on network-0 (else cluster-i on network-i).
+func (e *env) startPilotWith(b *testing.B, xdsAddr string, oneNetwork bool) {
 	b.Helper()
 	ctx := context.Background()
 	c0 := e.set.Cluster(clusterName(0))
 	require.NoError(b, c0.EnsureNamespace(ctx, e.ns, nil))
 	p, err := server.New(server.Config{
 		Namespace: e.ns, ClusterID: model.ClusterID(clusterName(0)), Network: "network-0",
-		DebugAddr: "-", MonitoringAddr: "-", GRPCAddr: "-", Logger: slog.New(slog.DiscardHandler),
+		DebugAddr: "-", MonitoringAddr: "-", GRPCAddr: "-", XDSPlaintextAddr: xdsAddr, Logger: slog.New(slog.DiscardHandler),
 	}, c0.Config, nil)
 	require.NoError(b, err)
 	p.Registry.Subscribe(e.onChange)
@@ -89,6 +94,9 @@ func (e *env) startPilot(b *testing.B) {
 		require.NoError(b, err)
 		sec := remotesecret.Secret(c.Name, e.ns, kc)
 		sec.Annotations[remotesecret.NetworkAnnotation] = fmt.Sprintf("network-%d", i)
+		if oneNetwork {
+			sec.Annotations[remotesecret.NetworkAnnotation] = "network-0"
+		}
 		_, err = c0.Client.CoreV1().Secrets(e.ns).Create(ctx, sec, metav1.CreateOptions{})
 		require.NoError(b, err)
 	}
@@ -122,22 +130,72 @@ func (e *env) onChange(cs model.ChangeSet) {
 }
 
 // measure runs change (a write to some cluster) and returns the time until
-// the registry publishes a change of key.
-func (e *env) measure(b *testing.B, key string, change func() error) time.Duration {
+// the registry publishes a change of key, and the time until a plain watch
+// of the written object (w, opened before the write) saw it: the API
+// server's own share, measured on the same write as the baseline.
+func (e *env) measure(b *testing.B, key string, open func() (watch.Interface, error), change func() error) (total, apiserver time.Duration) {
 	b.Helper()
+	w := openWatch(b, open)
+	defer w.Stop()
 	ch := make(chan time.Time, 1)
 	e.mu.Lock()
 	e.waiters[key] = ch
 	e.mu.Unlock()
 	start := time.Now()
 	require.NoError(b, change())
-	select {
-	case at := <-ch:
-		return at.Sub(start)
-	case <-time.After(30 * time.Second):
-		b.Fatalf("no change event for %s", key)
-		return 0
+	timeout := time.After(30 * time.Second)
+	for total == 0 || apiserver == 0 {
+		select {
+		case at := <-ch:
+			total = at.Sub(start)
+		case ev, ok := <-w.ResultChan():
+			if !ok {
+				b.Fatalf("baseline watch of %s closed", key)
+			}
+			if ev.Type == watch.Modified && apiserver == 0 {
+				apiserver = time.Since(start)
+			}
+		case <-timeout:
+			b.Fatalf("no change event for %s", key)
+		}
 	}
+	return total, apiserver
+}
+
+// openWatch opens the baseline watch and makes sure the API server kept it
+// (a watch from a resource version its cache has not reached yet is ended
+// at once): it retries until the watch stays open for 50 ms.
+func openWatch(b *testing.B, open func() (watch.Interface, error)) watch.Interface {
+	for range 20 {
+		w, err := open()
+		require.NoError(b, err)
+		select {
+		case <-w.ResultChan():
+			// Ended (or an error or bookmark event) before the write: open it again.
+			w.Stop()
+			time.Sleep(50 * time.Millisecond)
+		case <-time.After(50 * time.Millisecond):
+			return w
+		}
+	}
+	b.Fatal("baseline watch never stayed open")
+	return nil
+}
+
+// reportLatency reports p50/p99 of the registry's latency, of the API
+// server's (baseline) and of the registry's own share (total - baseline).
+func reportLatency(b *testing.B, total, api []time.Duration) {
+	own := make([]time.Duration, len(total))
+	for i := range total {
+		own[i] = total[i] - api[i]
+	}
+	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+	b.ReportMetric(ms(percentile(total, 0.5)), "p50-ms")
+	b.ReportMetric(ms(percentile(total, 0.99)), "p99-ms")
+	b.ReportMetric(ms(percentile(api, 0.5)), "apiserver-watch-p50-ms")
+	b.ReportMetric(ms(percentile(api, 0.99)), "apiserver-watch-p99-ms")
+	b.ReportMetric(ms(percentile(own, 0.5)), "registry-own-p50-ms")
+	b.ReportMetric(ms(percentile(own, 0.99)), "registry-own-p99-ms")
 }
 
 // populatePods creates, in every cluster, namespace ns with numServices
@@ -235,7 +293,7 @@ func BenchmarkRegistryPods(b *testing.B) {
 		heap := heapAfterGC()
 		name := fmt.Sprintf("endpoints=%d", total)
 		b.Run(name, func(b *testing.B) {
-			var lat []time.Duration
+			var lat, api []time.Duration
 			ctx := context.Background()
 			for i := range samples {
 				c := e.set.Clusters[1+i%(numClusters-1)]
@@ -249,13 +307,16 @@ func BenchmarkRegistryPods(b *testing.B) {
 					}
 				}
 				time.Sleep(150 * time.Millisecond) // isolated changes: longer than the quiet period
-				lat = append(lat, e.measure(b, model.WorkloadUID(model.ClusterID(c.Name), size.ns, pod), func() error {
+				open := func() (watch.Interface, error) {
+					return c.Client.CoreV1().Pods(size.ns).Watch(ctx, metav1.ListOptions{FieldSelector: "metadata.name=" + pod, ResourceVersion: p.ResourceVersion})
+				}
+				total, apiserver := e.measure(b, model.WorkloadUID(model.ClusterID(c.Name), size.ns, pod), open, func() error {
 					_, err := c.SetPodStatus(ctx, p, netip.Addr{}, !ready)
 					return err
-				}))
+				})
+				lat, api = append(lat, total), append(api, apiserver)
 			}
-			b.ReportMetric(float64(percentile(lat, 0.5).Microseconds())/1000, "p50-ms")
-			b.ReportMetric(float64(percentile(lat, 0.99).Microseconds())/1000, "p99-ms")
+			reportLatency(b, lat, api)
 			b.ReportMetric(float64(heap-heap0)/float64(total), "heap-B/endpoint")
 			if lastEPs > 0 {
 				b.ReportMetric(float64(heap-lastHeap)/float64(total-lastEPs), "marginal-heap-B/endpoint")
@@ -297,7 +358,7 @@ func BenchmarkRegistryEndpointSlices(b *testing.B) {
 						// Addresses are data only: nothing dials them.
 						addrs[j] = netip.AddrFrom4([4]byte{10, byte(100 + ci), byte(s), byte(j)})
 					}
-					if _, errs[ci] = c.CreateEndpointSlice(ctx, size.ns, svc+"-1", svc, 8080, addrs...); errs[ci] != nil {
+					if _, errs[ci] = c.CreateEndpointSlice(ctx, size.ns, svc+"-1", svc, "http", 8080, addrs...); errs[ci] != nil {
 						return
 					}
 				}
@@ -314,7 +375,7 @@ func BenchmarkRegistryEndpointSlices(b *testing.B) {
 		}, 10*time.Minute, 100*time.Millisecond)
 		heap := heapAfterGC()
 		b.Run(fmt.Sprintf("endpoints=%d", total), func(b *testing.B) {
-			var lat []time.Duration
+			var lat, api []time.Duration
 			for i := range samples {
 				c := e.set.Clusters[1+i%(numClusters-1)]
 				svc := fmt.Sprintf("svc-%d", (i*13)%numServices)
@@ -325,13 +386,16 @@ func BenchmarkRegistryEndpointSlices(b *testing.B) {
 				flipped := !ready
 				es.Endpoints[j].Conditions = discoveryv1.EndpointConditions{Ready: &flipped}
 				time.Sleep(150 * time.Millisecond)
-				lat = append(lat, e.measure(b, model.Hostname(svc, size.ns, ""), func() error {
+				open := func() (watch.Interface, error) {
+					return c.Client.DiscoveryV1().EndpointSlices(size.ns).Watch(ctx, metav1.ListOptions{FieldSelector: "metadata.name=" + svc + "-1", ResourceVersion: es.ResourceVersion})
+				}
+				total, apiserver := e.measure(b, model.Hostname(svc, size.ns, ""), open, func() error {
 					_, err := c.Client.DiscoveryV1().EndpointSlices(size.ns).Update(ctx, es, metav1.UpdateOptions{})
 					return err
-				}))
+				})
+				lat, api = append(lat, total), append(api, apiserver)
 			}
-			b.ReportMetric(float64(percentile(lat, 0.5).Microseconds())/1000, "p50-ms")
-			b.ReportMetric(float64(percentile(lat, 0.99).Microseconds())/1000, "p99-ms")
+			reportLatency(b, lat, api)
 			b.ReportMetric(float64(heap-heap0)/float64(total), "heap-B/endpoint")
 			if lastEPs > 0 {
 				b.ReportMetric(float64(heap-lastHeap)/float64(total-lastEPs), "marginal-heap-B/endpoint")

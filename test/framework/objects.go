@@ -113,15 +113,20 @@ func (c *Cluster) CreateNode(ctx context.Context, name string, labels map[string
 }
 
 // CreateEndpointSlice creates an EndpointSlice for service svc with one
-// ready endpoint per address (addresses must not be loopback: the API server
-// refuses them).
-func (c *Cluster) CreateEndpointSlice(ctx context.Context, ns, name, svc string, port int32, addrs ...netip.Addr) (*discoveryv1.EndpointSlice, error) {
+// ready endpoint per address and one port named portName (as the
+// EndpointSlice controller names it after the service port; "" for an
+// unnamed one). Addresses must not be loopback: the API server refuses them.
+func (c *Cluster) CreateEndpointSlice(ctx context.Context, ns, name, svc, portName string, port int32, addrs ...netip.Addr) (*discoveryv1.EndpointSlice, error) {
 	ready := true
 	proto := corev1.ProtocolTCP
+	ep := discoveryv1.EndpointPort{Port: &port, Protocol: &proto}
+	if portName != "" {
+		ep.Name = &portName
+	}
 	es := &discoveryv1.EndpointSlice{
 		ObjectMeta:  metav1.ObjectMeta{Name: name, Namespace: ns, Labels: map[string]string{discoveryv1.LabelServiceName: svc}},
 		AddressType: discoveryv1.AddressTypeIPv4,
-		Ports:       []discoveryv1.EndpointPort{{Port: &port, Protocol: &proto}},
+		Ports:       []discoveryv1.EndpointPort{ep},
 	}
 	for _, a := range addrs {
 		es.Endpoints = append(es.Endpoints, discoveryv1.Endpoint{Addresses: []string{a.String()}, Conditions: discoveryv1.EndpointConditions{Ready: &ready}})
