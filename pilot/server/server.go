@@ -248,10 +248,36 @@ func addrOf(mu *sync.Mutex, ln *net.Listener) string {
 // Run runs every part until ctx ends, then shuts down within
 // ShutdownTimeout and returns the first error of any part.
 func (s *Server) Run(ctx context.Context) error {
+	if err := s.CA.Init(ctx); err != nil {
+		return fmt.Errorf("ca: %w", err)
+	}
+	listeners := []struct {
+		name, addr string
+		into       *net.Listener
+	}{{"debug", s.cfg.DebugAddr, &s.debugLn}, {"monitoring", s.cfg.MonitoringAddr, &s.monitorLn},
+		{"grpc", s.cfg.GRPCAddr, &s.grpcLn}, {"xds-plaintext", s.cfg.XDSPlaintextAddr, &s.plainLn}}
+	for i, l := range listeners {
+		if l.addr == "-" {
+			continue
+		}
+		ln, err := net.Listen("tcp", l.addr)
+		if err != nil {
+			for _, prev := range listeners[:i] {
+				if *prev.into != nil {
+					_ = (*prev.into).Close()
+				}
+			}
+			return fmt.Errorf("%s listener: %w", l.name, err)
+		}
+		s.mu.Lock()
+		*l.into = ln
+		s.mu.Unlock()
+	}
+
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var wg sync.WaitGroup
-	errs := make(chan error, 8)
+	errs := make(chan error, 10)
 	run := func(name string, fn func(context.Context) error) {
 		wg.Go(func() {
 			if err := fn(ctx); err != nil {
@@ -260,61 +286,31 @@ func (s *Server) Run(ctx context.Context) error {
 			}
 		})
 	}
-	for _, h := range []struct {
-		name, addr string
-		mux        *http.ServeMux
-		ln         *net.Listener
-	}{{"debug", s.cfg.DebugAddr, s.DebugMux(), &s.debugLn}, {"monitoring", s.cfg.MonitoringAddr, s.MonitoringMux(), &s.monitorLn}} {
-		if h.addr == "-" {
-			continue
+	serve := func(name string, ln net.Listener, fn func(context.Context, net.Listener) error) {
+		if ln != nil {
+			run(name, func(ctx context.Context) error { return fn(ctx, ln) })
 		}
-		ln, err := net.Listen("tcp", h.addr)
-		if err != nil {
-			cancel()
-			wg.Wait()
-			return fmt.Errorf("%s listener: %w", h.name, err)
+	}
+	httpServe := func(mux *http.ServeMux) func(context.Context, net.Listener) error {
+		return func(ctx context.Context, ln net.Listener) error {
+			return serveHTTP(ctx, &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}, ln, s.cfg.ShutdownTimeout)
 		}
-		s.mu.Lock()
-		*h.ln = ln
-		s.mu.Unlock()
-		srv := &http.Server{Handler: h.mux, ReadHeaderTimeout: 10 * time.Second}
-		run(h.name, func(ctx context.Context) error { return serveHTTP(ctx, srv, ln, s.cfg.ShutdownTimeout) })
 	}
-	if err := s.CA.Init(ctx); err != nil {
-		cancel()
-		wg.Wait()
-		return fmt.Errorf("ca: %w", err)
+	grpcServe := func(srv *grpc.Server) func(context.Context, net.Listener) error {
+		return func(ctx context.Context, ln net.Listener) error {
+			return serveGRPC(ctx, srv, ln, s.cfg.ShutdownTimeout)
+		}
 	}
+	serve("debug", s.debugLn, httpServe(s.DebugMux()))
+	serve("monitoring", s.monitorLn, httpServe(s.MonitoringMux()))
+	tlsSrv := grpc.NewServer(grpc.Creds(credentials.NewTLS(s.CA.ServerTLSConfig())))
+	s.CA.Register(tlsSrv)
+	s.XDS.Register(tlsSrv)
+	serve("grpc", s.grpcLn, grpcServe(tlsSrv))
+	plainSrv := grpc.NewServer() // xDS only: certificates are never issued in plaintext
+	s.XDS.Register(plainSrv)
+	serve("xds-plaintext", s.plainLn, grpcServe(plainSrv))
 	run("ca", s.CA.Run)
-	if s.cfg.GRPCAddr != "-" {
-		ln, err := net.Listen("tcp", s.cfg.GRPCAddr)
-		if err != nil {
-			cancel()
-			wg.Wait()
-			return fmt.Errorf("grpc listener: %w", err)
-		}
-		s.mu.Lock()
-		s.grpcLn = ln
-		s.mu.Unlock()
-		srv := grpc.NewServer(grpc.Creds(credentials.NewTLS(s.CA.ServerTLSConfig())))
-		s.CA.Register(srv)
-		s.XDS.Register(srv)
-		run("grpc", func(ctx context.Context) error { return serveGRPC(ctx, srv, ln, s.cfg.ShutdownTimeout) })
-	}
-	if s.cfg.XDSPlaintextAddr != "-" {
-		ln, err := net.Listen("tcp", s.cfg.XDSPlaintextAddr)
-		if err != nil {
-			cancel()
-			wg.Wait()
-			return fmt.Errorf("plaintext xds listener: %w", err)
-		}
-		s.mu.Lock()
-		s.plainLn = ln
-		s.mu.Unlock()
-		srv := grpc.NewServer()
-		s.XDS.Register(srv)
-		run("xds-plaintext", func(ctx context.Context) error { return serveGRPC(ctx, srv, ln, s.cfg.ShutdownTimeout) })
-	}
 	run("xds", s.XDS.Run)
 	run("registry", s.Registry.Run)
 	run("multicluster", s.Multicluster.Run)
