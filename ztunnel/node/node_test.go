@@ -5,14 +5,13 @@ import (
 	"crypto/x509"
 	"encoding/binary"
 	"encoding/json"
+	"github.com/isthmus-mesh/isthmus/ztunnel/internal/testnet"
 	"io"
 	"log/slog"
-	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/netip"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -46,17 +45,8 @@ const (
 	localKey = "default/local.default.svc.cluster.local"
 )
 
-// addrs hands out distinct 127.x.y.z addresses; random second and third
-// octets keep parallel test processes apart.
-var addrs = struct {
-	base [2]byte
-	n    atomic.Uint32
-}{base: [2]byte{byte(10 + rand.IntN(50)), byte(rand.IntN(250))}}
-
-func nextAddr() netip.Addr {
-	n := addrs.n.Add(1)
-	return netip.AddrFrom4([4]byte{127, addrs.base[0], addrs.base[1], byte(1 + n%250)})
-}
+// nextAddr hands out a distinct loopback address (see testnet).
+var nextAddr = testnet.NextAddr
 
 func pod(uid, sa, nodeName, cluster string, ip netip.Addr, services map[string]*workloadv1.PortList) *workloadv1.Address {
 	return &workloadv1.Address{Type: &workloadv1.Address_Workload{Workload: &workloadv1.Workload{

@@ -4,14 +4,13 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"github.com/isthmus-mesh/isthmus/ztunnel/internal/testnet"
 	"io"
 	"log/slog"
-	"math/rand/v2"
 	"net"
 	"net/netip"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -37,17 +36,8 @@ const (
 	echoKey     = "default/" + echoHost
 )
 
-// addrs hands out distinct 127.x.y.z addresses; the random second and third
-// octets keep parallel test processes on this machine apart.
-var addrs = struct {
-	base [2]byte
-	n    atomic.Uint32
-}{base: [2]byte{byte(64 + rand.IntN(180)), byte(rand.IntN(250))}}
-
-func nextAddr() netip.Addr {
-	n := addrs.n.Add(1)
-	return netip.AddrFrom4([4]byte{127, addrs.base[0], addrs.base[1] + byte(n/250), byte(1 + n%250)})
-}
+// nextAddr hands out a distinct loopback address (see testnet).
+var nextAddr = testnet.NextAddr
 
 // recordingDialer dials TCP and remembers every address it dialled.
 type recordingDialer struct {
