@@ -146,6 +146,8 @@ func startController(t testing.TB, ns string, tweak func(*multicluster.Config)) 
 	t.Helper()
 	cfgCluster := clusters.Cluster("config")
 	require.NoError(t, cfgCluster.EnsureNamespace(context.Background(), ns, nil))
+	// Start from no remote secrets, so a test can run again in the same process.
+	require.NoError(t, cfgCluster.Client.CoreV1().Secrets(ns).DeleteCollection(context.Background(), metav1.DeleteOptions{}, metav1.ListOptions{}))
 	logs := &syncBuffer{}
 	cfg := multicluster.Config{
 		Namespace:        ns,

@@ -2,6 +2,7 @@ package multicluster_test
 
 import (
 	"context"
+	"fmt"
 	"net/http/httptest"
 	"runtime"
 	"strings"
@@ -207,10 +208,12 @@ func TestAPIServerRestart(t *testing.T) {
 	require.NoError(t, c.RestartAPIServer())
 	after := e.waitState("remote-2", multicluster.StateSynced, multicluster.ReasonSynced)
 	require.Equal(t, before.Generation, after.Generation, "recovered without rebuilding the client")
-	require.Contains(t, eventReasons(t, e.ns, "r2"), multicluster.ReasonUnreachable)
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		require.Contains(c, eventReasons(t, e.ns, "r2"), multicluster.ReasonUnreachable)
+	}, 10*time.Second, 20*time.Millisecond)
 
 	// The cluster works again: a new pod shows up.
-	_, err := c.CreatePod(context.Background(), podOpts("restart", "after-restart"))
+	_, err := c.CreatePod(context.Background(), podOpts("restart", fmt.Sprintf("after-restart-%d", time.Now().UnixNano())))
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return e.sink.count("remote-2") > n }, 20*time.Second, 20*time.Millisecond)
 }
@@ -251,7 +254,10 @@ func TestSyncTimeoutNeverBlocksReadiness(t *testing.T) {
 	e2.waitState("remote-2", multicluster.StateTimeout, multicluster.ReasonSyncTimeout)
 	e2.waitState("remote-1", multicluster.StateSynced, "")
 	require.True(t, ctl.Ready(), "a remote that never syncs does not hold back readiness")
-	require.Contains(t, eventReasons(t, "mc-timeout2", "both"), multicluster.ReasonSyncTimeout)
+	// Events are written asynchronously by the recorder.
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		require.Contains(c, eventReasons(t, "mc-timeout2", "both"), multicluster.ReasonSyncTimeout)
+	}, 10*time.Second, 20*time.Millisecond)
 	// Still trying: once its component syncs, it is synced.
 	stuck.Store(false)
 	e2.waitState("remote-2", multicluster.StateSynced, multicluster.ReasonSynced)

@@ -26,6 +26,7 @@ import (
 	"golang.org/x/net/proxy"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/tools/clientcmd"
@@ -459,7 +460,7 @@ func (d *Demo) serveEcho(addr, who string) (net.Listener, error) {
 // token for it with the CA's audience, and the mesh root from the
 // ConfigMap pilot publishes; it returns the two file paths.
 func (d *Demo) ztunnelCredentials(ctx context.Context, c *framework.Cluster, name, node, sa string) (token, roots string, err error) {
-	if _, err := c.Client.CoreV1().ServiceAccounts(ns).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: sa, Namespace: ns}}, metav1.CreateOptions{}); err != nil && !strings.Contains(err.Error(), "already exists") {
+	if _, err := c.Client.CoreV1().ServiceAccounts(ns).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: sa, Namespace: ns}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return "", "", err
 	}
 	pod, err := c.CreatePod(ctx, framework.PodOptions{Namespace: ns, Name: name, ServiceAccount: sa, Node: node, Ready: true})

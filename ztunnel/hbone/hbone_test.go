@@ -19,6 +19,7 @@ import (
 
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/isthmus-mesh/isthmus/ztunnel/internal/testca"
+	"github.com/isthmus-mesh/isthmus/ztunnel/internal/testnet"
 	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
 )
 
@@ -70,38 +71,7 @@ type env struct {
 }
 
 func startEchoTCP(t *testing.T) netip.AddrPort {
-	ln, err := net.Listen("tcp", netip.AddrPortFrom(loopback, 0).String())
-	require.NoError(t, err)
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	conns := map[net.Conn]bool{}
-	wg.Go(func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns[c] = true
-			mu.Unlock()
-			wg.Go(func() {
-				defer c.Close()
-				_, _ = io.Copy(c, c)
-				_ = c.(*net.TCPConn).CloseWrite()
-			})
-		}
-	})
-	t.Cleanup(func() {
-		ln.Close()
-		mu.Lock()
-		for c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
-	ap, _ := AddrPortOf(ln.Addr())
-	return ap
+	return testnet.Serve(t, netip.AddrPortFrom(loopback, 0).String(), testnet.Echo)
 }
 
 func newEnv(t *testing.T, ccfg ClientConfig) *env {

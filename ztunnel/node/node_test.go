@@ -11,7 +11,6 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
-	"sync"
 	"testing"
 	"time"
 
@@ -91,36 +90,7 @@ func startXDS(t *testing.T, c *cache.LinearCache, addr netip.Addr, cb serverv3.C
 
 // startEcho serves an echo app on addr:appPort.
 func startEcho(t *testing.T, addr netip.Addr) {
-	ln, err := net.Listen("tcp", netip.AddrPortFrom(addr, appPort).String())
-	require.NoError(t, err)
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	conns := map[net.Conn]bool{}
-	wg.Go(func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns[c] = true
-			mu.Unlock()
-			wg.Go(func() {
-				defer c.Close()
-				_, _ = io.Copy(c, c)
-				_ = c.(*net.TCPConn).CloseWrite()
-			})
-		}
-	})
-	t.Cleanup(func() {
-		ln.Close()
-		mu.Lock()
-		for c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
+	testnet.Serve(t, netip.AddrPortFrom(addr, appPort).String(), testnet.Echo)
 }
 
 // ztunnel is one running node with its listen addresses.

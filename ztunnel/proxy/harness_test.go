@@ -111,35 +111,7 @@ func sink(c *net.TCPConn, got uint64) {
 
 // startEcho serves an echo app on addr:appPort that half-closes after echoing.
 func startEcho(t testing.TB, addr netip.Addr) {
-	ln, err := net.Listen("tcp", netip.AddrPortFrom(addr, appPort).String())
-	require.NoError(t, err)
-	var wg sync.WaitGroup
-	conns := map[net.Conn]struct{}{}
-	var mu sync.Mutex
-	wg.Go(func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns[c] = struct{}{}
-			mu.Unlock()
-			wg.Go(func() {
-				defer c.Close()
-				serveEcho(c.(*net.TCPConn))
-			})
-		}
-	})
-	t.Cleanup(func() {
-		ln.Close()
-		mu.Lock()
-		for c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
+	testnet.Serve(t, netip.AddrPortFrom(addr, appPort).String(), serveEcho)
 }
 
 func testLog(t testing.TB) *slog.Logger {
