@@ -50,6 +50,7 @@ type podInfo struct {
 	ips         []netip.Addr
 	ready       bool
 	terminating bool
+	hostNetwork bool
 	ports       []namedPort // named container ports, for named target ports
 }
 
@@ -60,7 +61,7 @@ type namedPort struct {
 
 func (p *podInfo) equal(o *podInfo) bool {
 	return o != nil && p.name == o.name && p.ns == o.ns && maps.Equal(p.labels, o.labels) && p.sa == o.sa && p.node == o.node &&
-		slices.Equal(p.ips, o.ips) && p.ready == o.ready && p.terminating == o.terminating && slices.Equal(p.ports, o.ports)
+		slices.Equal(p.ips, o.ips) && p.ready == o.ready && p.terminating == o.terminating && p.hostNetwork == o.hostNetwork && slices.Equal(p.ports, o.ports)
 }
 
 func (p *podInfo) namedPort(name string) (uint16, bool) {
@@ -76,7 +77,7 @@ func convertPod(pod *corev1.Pod) *podInfo {
 	p := &podInfo{
 		name: pod.Name, ns: intern(pod.Namespace), labels: pod.Labels, // interned by the view
 		sa: intern(pod.Spec.ServiceAccountName), node: intern(pod.Spec.NodeName),
-		terminating: pod.DeletionTimestamp != nil,
+		terminating: pod.DeletionTimestamp != nil, hostNetwork: pod.Spec.HostNetwork,
 	}
 	if p.sa == "" {
 		p.sa = "default"

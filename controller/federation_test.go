@@ -201,6 +201,16 @@ func TestFederatedService(t *testing.T) {
 		}
 	}
 
+	// A hostNetwork pod (a ztunnel) is a workload marked HostNetwork, and
+	// the registry places its identity on its node and network.
+	_, err = c2.CreatePod(ctx, framework.PodOptions{Namespace: "demo", Name: "node-agent", ServiceAccount: "agent", Node: "node-x",
+		IP: netip.MustParseAddr("127.10.2.201"), HostNetwork: true, Ready: true})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return f.reg.Workload("cluster-2/demo/node-agent") != nil }, 10*time.Second, 5*time.Millisecond)
+	require.True(t, f.reg.Workload("cluster-2/demo/node-agent").HostNetwork)
+	require.False(t, f.reg.Workload("cluster-2/demo/marker").HostNetwork)
+	require.Equal(t, []model.Network{f.reg.Workload("cluster-2/demo/marker").Network}, f.reg.IdentityNetworks("cluster-2", "node-x", "demo", "agent"))
+
 	// A pod going unready updates its endpoint.
 	pod, err := c2.Client.CoreV1().Pods("demo").Get(ctx, "echo-2", metav1.GetOptions{})
 	require.NoError(t, err)
@@ -233,9 +243,10 @@ func TestFederatedService(t *testing.T) {
 			c2Workloads++
 		}
 	}
-	// 3 echo pods, kube-dns, the marker, and the API server's own endpoint
-	// of the selector-less kubernetes service (from its EndpointSlice).
-	require.Equal(t, 6, c2Workloads)
+	// 3 echo pods, kube-dns, the marker, the node agent, and the API
+	// server's own endpoint of the selector-less kubernetes service (from
+	// its EndpointSlice).
+	require.Equal(t, 7, c2Workloads)
 	require.NotNil(t, f.reg.Workload("cluster-2/default/endpointslice.kubernetes."+kubernetesEndpoint(t, c2)))
 	f.unregister(t, "cluster-2")
 	require.Eventually(t, func() bool { return f.reg.Workload("cluster-2/demo/echo-0") == nil }, 10*time.Second, 5*time.Millisecond)

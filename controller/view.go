@@ -173,7 +173,7 @@ func (v *view) workloadOf(p *podInfo) *model.Workload {
 	w := &model.Workload{
 		UID: model.WorkloadUID(v.cluster, p.ns, p.name), Name: p.name, Namespace: p.ns, Addresses: p.ips,
 		ServiceAccount: p.sa, Node: p.node, Cluster: v.cluster, Network: v.networkOf(p), Locality: v.nodes[p.node],
-		Labels: p.labels, Ready: p.ready && !p.terminating, Terminating: p.terminating,
+		Labels: p.labels, Ready: p.ready && !p.terminating, Terminating: p.terminating, HostNetwork: p.hostNetwork,
 	}
 	var svcs map[string][]model.PortMapping
 	for _, s := range v.servicesSelecting(p) {

@@ -159,6 +159,10 @@ type Workload struct {
 	Ready bool
 	// Terminating is set once the pod has a deletion timestamp.
 	Terminating bool
+	// HostNetwork is set for a pod sharing its node's network namespace (a
+	// ztunnel, a node agent): no ztunnel captures its traffic, so it is
+	// reached without HBONE.
+	HostNetwork bool
 	// Services the workload backs, keyed by service hostname, with the port
 	// mappings resolved for this workload. Set by the registry.
 	Services map[string][]PortMapping
@@ -237,7 +241,8 @@ func (w *Workload) Equal(o *Workload) bool {
 	}
 	return w.UID == o.UID && w.Name == o.Name && w.Namespace == o.Namespace && slices.Equal(w.Addresses, o.Addresses) &&
 		w.ServiceAccount == o.ServiceAccount && w.Node == o.Node && w.Cluster == o.Cluster && w.Network == o.Network &&
-		w.Locality == o.Locality && maps.Equal(w.Labels, o.Labels) && w.Ready == o.Ready && w.Terminating == o.Terminating
+		w.Locality == o.Locality && maps.Equal(w.Labels, o.Labels) && w.Ready == o.Ready && w.Terminating == o.Terminating &&
+		w.HostNetwork == o.HostNetwork
 }
 
 // NetworkGateway is an east-west gateway through which other networks reach

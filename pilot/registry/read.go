@@ -90,7 +90,16 @@ func (r *Registry) GatewaysOf(n model.Network) []model.NetworkGateway {
 func (r *Registry) ServiceAccountOnNode(cluster, node, ns, sa string) bool {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
-	return r.saOnNode[saKey{model.ClusterID(cluster), node, ns, sa}] > 0
+	return node != "" && len(r.placements[saKey{model.ClusterID(cluster), node, ns, sa}]) > 0
+}
+
+// IdentityNetworks returns, sorted, the networks of the workloads of service
+// account sa in namespace ns that run in cluster: on node, or anywhere in
+// the cluster when node is "". None: no such workload.
+func (r *Registry) IdentityNetworks(cluster, node, ns, sa string) []model.Network {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	return slices.Sorted(maps.Keys(r.placements[saKey{model.ClusterID(cluster), node, ns, sa}]))
 }
 
 // StaleClusters returns the clusters marked unreachable, with the time.

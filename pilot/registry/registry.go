@@ -88,9 +88,13 @@ type Registry struct {
 	mu       sync.RWMutex
 	clusters map[model.ClusterID]*clusterState
 	services map[string]*model.Service // by hostname
-	saOnNode map[saKey]int             // workloads per (cluster, node, namespace, service account)
-	gateways []model.NetworkGateway
-	stale    map[model.ClusterID]time.Time
+	// placements counts workloads per (cluster, node, namespace, service
+	// account) and network, and per (cluster, "", namespace, service
+	// account) and network: where an identity runs, for the CA's and
+	// xDS's authorization.
+	placements map[saKey]map[model.Network]int
+	gateways   []model.NetworkGateway
+	stale      map[model.ClusterID]time.Time
 
 	feed *feed
 }
@@ -116,9 +120,9 @@ func New(cfg Config) *Registry {
 	return &Registry{
 		cfg: cfg, log: cfg.Logger.With("component", "registry"),
 		clusters: map[model.ClusterID]*clusterState{}, services: map[string]*model.Service{},
-		saOnNode: map[saKey]int{},
-		stale:    map[model.ClusterID]time.Time{},
-		feed:     newFeed(cfg.QuietPeriod, cfg.MaxDelay),
+		placements: map[saKey]map[model.Network]int{},
+		stale:      map[model.ClusterID]time.Time{},
+		feed:       newFeed(cfg.QuietPeriod, cfg.MaxDelay),
 	}
 }
 
@@ -321,17 +325,32 @@ func (r *Registry) SetReachable(cluster model.ClusterID, reachable bool) {
 
 // ---- derived state (called with mu held) ----
 
+// place adds delta to the placement counts of w, on its node and in its
+// cluster as a whole.
+func (r *Registry) place(w *model.Workload, delta int) {
+	for _, k := range [2]saKey{{w.Cluster, w.Node, w.Namespace, w.ServiceAccount}, {w.Cluster, "", w.Namespace, w.ServiceAccount}} {
+		nets := r.placements[k]
+		if nets == nil {
+			nets = map[model.Network]int{}
+			r.placements[k] = nets
+		}
+		if nets[w.Network] += delta; nets[w.Network] <= 0 {
+			delete(nets, w.Network)
+		}
+		if len(nets) == 0 {
+			delete(r.placements, k)
+		}
+	}
+}
+
 // putWorkload accounts for uid's workload changing from old to w (nil:
 // none) and reports the change, if any.
 func (r *Registry) putWorkload(changes []model.Change, uid string, old, w *model.Workload) []model.Change {
 	if old != nil {
-		k := saKey{old.Cluster, old.Node, old.Namespace, old.ServiceAccount}
-		if r.saOnNode[k]--; r.saOnNode[k] <= 0 {
-			delete(r.saOnNode, k)
-		}
+		r.place(old, -1)
 	}
 	if w != nil {
-		r.saOnNode[saKey{w.Cluster, w.Node, w.Namespace, w.ServiceAccount}]++
+		r.place(w, +1)
 	}
 	op := model.Updated
 	switch {

@@ -146,7 +146,7 @@ func TestEqualActivationAndUpdatesEmitNothing(t *testing.T) {
 
 func TestDeactivateRemovesEverythingInOneEvent(t *testing.T) {
 	reg, rec := run(t, Config{QuietPeriod: 10 * time.Millisecond})
-	w := &model.Workload{UID: "c2/demo/echo-0", Cluster: "c2", Node: "n", Namespace: "demo", ServiceAccount: "echo"}
+	w := &model.Workload{UID: "c2/demo/echo-0", Cluster: "c2", Node: "n", Namespace: "demo", ServiceAccount: "echo", Network: "net-2"}
 	st := state([]*model.ClusterService{svc("c2", "demo", "echo", t0, httpPort), svc("c2", "demo", "other", t0, httpPort)},
 		map[model.ServiceKey][]model.Endpoint{echo: {ep("c2", "n2", "10.1.0.1")}})
 	st.Workloads[w.UID] = w
@@ -155,6 +155,11 @@ func TestDeactivateRemovesEverythingInOneEvent(t *testing.T) {
 	reg.Activate("c2", 1, st)
 	require.Eventually(t, func() bool { return reg.Service("other.demo.svc.cluster.local") != nil }, time.Second, time.Millisecond)
 	require.True(t, reg.ServiceAccountOnNode("c2", "n", "demo", "echo"))
+	require.False(t, reg.ServiceAccountOnNode("c2", "", "demo", "echo"), "a pod always names its node")
+	require.Equal(t, []model.Network{"net-2"}, reg.IdentityNetworks("c2", "n", "demo", "echo"))
+	require.Equal(t, []model.Network{"net-2"}, reg.IdentityNetworks("c2", "", "demo", "echo"), "anywhere in c2")
+	require.Empty(t, reg.IdentityNetworks("c1", "", "demo", "echo"))
+	require.Empty(t, reg.IdentityNetworks("c2", "other-node", "demo", "echo"))
 	time.Sleep(30 * time.Millisecond)
 	before := rec.count()
 
@@ -171,6 +176,7 @@ func TestDeactivateRemovesEverythingInOneEvent(t *testing.T) {
 	}, last.Changes)
 	require.Equal(t, []model.ClusterID{"c1"}, reg.Service("echo.demo.svc.cluster.local").Clusters)
 	require.False(t, reg.ServiceAccountOnNode("c2", "n", "demo", "echo"))
+	require.Empty(t, reg.IdentityNetworks("c2", "", "demo", "echo"))
 }
 
 func TestStaleClusterKeptThenRemovedAfterGrace(t *testing.T) {

@@ -113,6 +113,13 @@ func (c *Config) defaults() {
 	}
 	c.CA.ClusterID, c.CA.Namespace = string(c.ClusterID), c.Namespace
 	c.XDS.TrustDomain, c.XDS.DefaultNetwork = c.CA.TrustDomain, c.Network
+	c.XDS.AllowPlaintext = c.XDSPlaintextAddr != "-"
+	if len(c.XDS.NodeAccounts) == 0 {
+		c.XDS.NodeAccounts = c.CA.TrustedNodeAccounts
+		if len(c.XDS.NodeAccounts) == 0 {
+			c.XDS.NodeAccounts = []string{c.Namespace + "/ztunnel"}
+		}
+	}
 	if c.Registry.ExportMode {
 		c.Discovery.WatchServiceExports = true
 	}

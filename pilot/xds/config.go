@@ -25,6 +25,14 @@ type Config struct {
 	// reconnecting to another pilot instance never mistakes a reused version
 	// (default: "p<start time in ns, base 36>-").
 	VersionPrefix string
+	// AllowPlaintext serves streams that arrive without TLS, taking their
+	// node metadata's claims as they are (the development listener). Off,
+	// such streams are refused.
+	AllowPlaintext bool
+	// NodeAccounts are the "namespace/serviceaccount" identities of node
+	// proxies (ztunnel): their claims are checked down to their node (default
+	// "istio-system/ztunnel").
+	NodeAccounts []string
 	// Metrics registers the server's Prometheus metrics; nil keeps them in a
 	// private registry.
 	Metrics prometheus.Registerer
@@ -41,6 +49,9 @@ func (cfg Config) withDefaults() Config {
 	}
 	if cfg.VersionPrefix == "" {
 		cfg.VersionPrefix = "p" + strconv.FormatInt(time.Now().UnixNano(), 36) + "-"
+	}
+	if len(cfg.NodeAccounts) == 0 {
+		cfg.NodeAccounts = []string{"istio-system/ztunnel"}
 	}
 	if cfg.Metrics == nil {
 		cfg.Metrics = prometheus.NewRegistry()

@@ -47,8 +47,16 @@ func testLogger(t testing.TB) *slog.Logger {
 // start runs a Server for reg on a loopback listener until the test ends.
 func start(t testing.TB, reg *xdstest.Registry, opts ...grpc.ServerOption) *env {
 	t.Helper()
+	return startWith(t, reg, xds.Config{AllowPlaintext: true}, opts...)
+}
+
+// startWith runs a Server with cfg (its Metrics replaced by a registry of
+// the env) for reg on a loopback listener until the test ends.
+func startWith(t testing.TB, reg *xdstest.Registry, cfg xds.Config, opts ...grpc.ServerOption) *env {
+	t.Helper()
 	pm := prometheus.NewRegistry()
-	srv, err := xds.New(xds.Config{Metrics: pm}, reg, testLogger(t))
+	cfg.Metrics = pm
+	srv, err := xds.New(cfg, reg, testLogger(t))
 	require.NoError(t, err)
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
@@ -91,6 +99,7 @@ type deltaClient struct {
 	cancel context.CancelFunc
 	recv   chan *discovery.DeltaDiscoveryResponse
 	done   chan struct{}
+	err    error // why the stream ended, once done is closed
 	// state is what the client holds: name -> resource version.
 	state     map[string]string
 	resources map[string]*workloadv1.Address
@@ -112,6 +121,7 @@ func openDelta(t testing.TB, cc *grpc.ClientConn, first *discovery.DeltaDiscover
 		for {
 			r, err := stream.Recv()
 			if err != nil {
+				c.err = err
 				return
 			}
 			c.recv <- r

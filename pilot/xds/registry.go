@@ -3,7 +3,10 @@
 // ztunnels, and CDS/EDS/LDS/RDS for Envoy and proxyless gRPC clients.
 //
 // Clients are grouped into classes by the network and cluster in their node
-// metadata (NETWORK, CLUSTER_ID, as Istio names them). Each class has one
+// metadata (NETWORK, CLUSTER_ID, as Istio names them). On TLS those claims are
+// authorized against the client certificate's identity (see auth.go): the
+// registry must run a workload of that identity in the claimed cluster (on the
+// claimed node, for a ztunnel), on the claimed network. Each class has one
 // go-control-plane LinearCache per type URL, created when the first client of
 // the class connects. A batch of registry changes rebuilds only the resources
 // owned by the changed keys and hands them to every class's caches with
@@ -32,6 +35,10 @@ type Registry interface {
 	Workloads() []*model.Workload
 	// Workload returns the workload with uid, or nil if absent.
 	Workload(uid string) *model.Workload
+	// IdentityNetworks returns the networks of the workloads of service
+	// account sa in namespace ns that run in cluster, on node (or anywhere in
+	// the cluster when node is ""); none if there is no such workload.
+	IdentityNetworks(cluster, node, ns, sa string) []model.Network
 	// Gateways returns the east-west gateways of every network.
 	Gateways() []model.NetworkGateway
 	// Subscribe calls fn, serially from one goroutine, with each debounced

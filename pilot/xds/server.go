@@ -109,7 +109,7 @@ func New(cfg Config, reg Registry, logger *slog.Logger) (*Server, error) {
 		views:  map[class]*view{},
 		kick:   make(chan struct{}, 1),
 	}
-	s.stats = newTracker(m, logger, s.classOf)
+	s.stats = newTracker(m, logger, s.classOf, newAuthorizer(cfg, reg), cfg.TrustDomain)
 	s.xds = serverv3.NewServer(ctx, routerCache{s}, s.stats, sotw.WithLogger(slogAdapter{logger}))
 	return s, nil
 }

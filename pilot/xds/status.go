@@ -10,6 +10,7 @@ import (
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
 	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
 )
 
@@ -18,6 +19,7 @@ type metrics struct {
 	pushes           *prometheus.CounterVec
 	pushBytes        *prometheus.CounterVec
 	nacks            *prometheus.CounterVec
+	refused          *prometheus.CounterVec
 	clients          *prometheus.GaugeVec
 	buildSeconds     prometheus.Histogram
 	resourcesChanged prometheus.Counter
@@ -34,6 +36,9 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		nacks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "isthmus_xds_nacks_total", Help: "xDS responses rejected by clients, by type URL.",
 		}, []string{"type"}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "isthmus_xds_refused_total", Help: "xDS streams refused by authorization, by reason.",
+		}, []string{"reason"}),
 		clients: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "isthmus_xds_connected_clients", Help: "Open xDS streams, by protocol (sotw, delta).",
 		}, []string{"protocol"}),
@@ -45,7 +50,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "isthmus_xds_resources_changed_total", Help: "Resources updated or deleted in the caches.",
 		}),
 	}
-	for _, c := range []prometheus.Collector{m.pushes, m.pushBytes, m.nacks, m.clients, m.buildSeconds, m.resourcesChanged} {
+	for _, c := range []prometheus.Collector{m.pushes, m.pushBytes, m.nacks, m.refused, m.clients, m.buildSeconds, m.resourcesChanged} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -88,7 +93,11 @@ type ClientStatus struct {
 	StreamID int64 `json:"stream_id"`
 	// NodeID is the node id of the client.
 	NodeID string `json:"node_id"`
-	// Cluster and Network are the client's class, from its node metadata.
+	// Identity is the SPIFFE ID of the client's verified certificate; empty
+	// on the plaintext development listener.
+	Identity string `json:"identity,omitempty"`
+	// Cluster and Network are the client's class: its node metadata's claims
+	// once checked against its identity.
 	Cluster string `json:"cluster"`
 	Network string `json:"network"`
 	// Protocol is "sotw" or "delta".
@@ -99,14 +108,20 @@ type ClientStatus struct {
 	Types map[string]*TypeStatus `json:"types"`
 
 	node *corev3.Node
+	// claims is the first node as received, before authorization pinned
+	// its network; later nodes of the stream must claim the same.
+	claims *corev3.Node
+	peer   peerIdentity
 }
 
 // tracker implements go-control-plane's server callbacks: it keeps the state
 // of every stream and the metrics. Callbacks run on stream goroutines.
 type tracker struct {
-	metrics *metrics
-	log     *slog.Logger
-	classOf func(*corev3.Node) class
+	metrics     *metrics
+	log         *slog.Logger
+	classOf     func(*corev3.Node) class
+	auth        *authorizer
+	trustDomain string
 
 	mu      sync.Mutex
 	streams map[int64]*ClientStatus
@@ -114,15 +129,61 @@ type tracker struct {
 
 var _ serverv3.Callbacks = (*tracker)(nil)
 
-func newTracker(m *metrics, log *slog.Logger, classOf func(*corev3.Node) class) *tracker {
-	return &tracker{metrics: m, log: log, classOf: classOf, streams: map[int64]*ClientStatus{}}
+func newTracker(m *metrics, log *slog.Logger, classOf func(*corev3.Node) class, auth *authorizer, trustDomain string) *tracker {
+	return &tracker{metrics: m, log: log, classOf: classOf, auth: auth, trustDomain: trustDomain, streams: map[int64]*ClientStatus{}}
 }
 
-func (t *tracker) open(id int64, protocol string) {
+// open admits a stream whose transport identity is acceptable.
+func (t *tracker) open(ctx context.Context, id int64, protocol string) error {
+	p := peerOf(ctx, t.trustDomain)
+	if err := t.auth.open(p); err != nil {
+		return t.refused(err, "", p)
+	}
 	t.mu.Lock()
-	t.streams[id] = &ClientStatus{StreamID: id, Protocol: protocol, Connected: time.Now(), Types: map[string]*TypeStatus{}}
+	t.streams[id] = &ClientStatus{StreamID: id, Protocol: protocol, Connected: time.Now(), Types: map[string]*TypeStatus{}, Identity: p.spiffe, peer: p}
 	t.mu.Unlock()
 	t.metrics.clients.WithLabelValues(protocol).Inc()
+	return nil
+}
+
+// refused counts and logs a refusal and returns it as the stream's error.
+func (t *tracker) refused(err error, nodeID string, p peerIdentity) error {
+	reason := "unknown"
+	if r, ok := err.(*refusal); ok {
+		reason = r.reason
+	}
+	t.metrics.refused.WithLabelValues(reason).Inc()
+	t.log.Warn("xds stream refused", "reason", reason, "node", nodeID, "identity", p.spiffe, "err", err)
+	return err
+}
+
+// admit authorizes the node a request carries, if it is new to the stream:
+// the first one is checked against the stream's identity (and its network
+// pinned); a later one must make the same claims.
+func (t *tracker) admit(id int64, node *corev3.Node) error {
+	t.mu.Lock()
+	cs := t.streams[id]
+	if cs == nil || node == nil || node == cs.node {
+		t.mu.Unlock()
+		return nil
+	}
+	claims, p := cs.claims, cs.peer
+	t.mu.Unlock()
+	if claims != nil && !sameClaims(claims, node) {
+		return t.refused(refuse(codes.InvalidArgument, RefusedNodeChanged, "a stream's node id, %s, %s and %s may not change", MetadataClusterID, MetadataNetwork, MetadataNodeName), node.GetId(), p)
+	}
+	first := proto.Clone(node).(*corev3.Node)
+	if err := t.auth.authorize(p, node); err != nil {
+		return t.refused(err, node.GetId(), p)
+	}
+	c := t.classOf(node)
+	t.mu.Lock()
+	if cs.claims == nil {
+		cs.claims = first
+	}
+	cs.node, cs.NodeID, cs.Cluster, cs.Network = node, node.GetId(), string(c.Cluster), string(c.Network)
+	t.mu.Unlock()
+	return nil
 }
 
 func (t *tracker) closed(id int64) {
@@ -135,30 +196,30 @@ func (t *tracker) closed(id int64) {
 	}
 }
 
-// request records the node and the ACK or NACK a request carries.
-func (t *tracker) request(id int64, node *corev3.Node, typeURL, nonce string, nack *Nack) {
+// request authorizes the node a request carries and records its ACK or NACK.
+func (t *tracker) request(id int64, node *corev3.Node, typeURL, nonce string, nack *Nack) error {
+	if err := t.admit(id, node); err != nil {
+		return err
+	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	cs := t.streams[id]
 	if cs == nil {
-		return
-	}
-	if node != nil && cs.node == nil {
-		c := t.classOf(node)
-		cs.node, cs.NodeID, cs.Cluster, cs.Network = node, node.GetId(), string(c.Cluster), string(c.Network)
+		return nil
 	}
 	ts := cs.typeStatus(typeURL)
 	if nonce == "" || nonce != ts.SentNonce {
-		return
+		return nil
 	}
 	ts.Pending = false
 	if nack != nil {
 		ts.LastNack = nack
 		t.metrics.nacks.WithLabelValues(typeURL).Inc()
 		t.log.Warn("xds NACK", "node", cs.NodeID, "type", typeURL, "nonce", nonce, "error", nack.Message)
-		return
+		return nil
 	}
 	ts.AckedNonce, ts.AckedVersion = nonce, ts.SentVersion
+	return nil
 }
 
 func (cs *ClientStatus) typeStatus(typeURL string) *TypeStatus {
@@ -192,18 +253,16 @@ func nackOf(d interface{ GetMessage() string }, nonce string, present bool) *Nac
 }
 
 // OnStreamOpen records a new SotW stream.
-func (t *tracker) OnStreamOpen(_ context.Context, id int64, _ string) error {
-	t.open(id, "sotw")
-	return nil
+func (t *tracker) OnStreamOpen(ctx context.Context, id int64, _ string) error {
+	return t.open(ctx, id, "sotw")
 }
 
 // OnStreamClosed forgets a SotW stream.
 func (t *tracker) OnStreamClosed(id int64, _ *corev3.Node) { t.closed(id) }
 
 // OnDeltaStreamOpen records a new delta stream.
-func (t *tracker) OnDeltaStreamOpen(_ context.Context, id int64, _ string) error {
-	t.open(id, "delta")
-	return nil
+func (t *tracker) OnDeltaStreamOpen(ctx context.Context, id int64, _ string) error {
+	return t.open(ctx, id, "delta")
 }
 
 // OnDeltaStreamClosed forgets a delta stream.
@@ -211,9 +270,8 @@ func (t *tracker) OnDeltaStreamClosed(id int64, _ *corev3.Node) { t.closed(id) }
 
 // OnStreamRequest records the ACK or NACK of a SotW request.
 func (t *tracker) OnStreamRequest(id int64, req *discovery.DiscoveryRequest) error {
-	t.request(id, req.GetNode(), req.GetTypeUrl(), req.GetResponseNonce(),
+	return t.request(id, req.GetNode(), req.GetTypeUrl(), req.GetResponseNonce(),
 		nackOf(req.GetErrorDetail(), req.GetResponseNonce(), req.GetErrorDetail() != nil))
-	return nil
 }
 
 // OnStreamResponse records a SotW response.
@@ -223,9 +281,8 @@ func (t *tracker) OnStreamResponse(_ context.Context, id int64, req *discovery.D
 
 // OnStreamDeltaRequest records the ACK or NACK of a delta request.
 func (t *tracker) OnStreamDeltaRequest(id int64, req *discovery.DeltaDiscoveryRequest) error {
-	t.request(id, req.GetNode(), req.GetTypeUrl(), req.GetResponseNonce(),
+	return t.request(id, req.GetNode(), req.GetTypeUrl(), req.GetResponseNonce(),
 		nackOf(req.GetErrorDetail(), req.GetResponseNonce(), req.GetErrorDetail() != nil))
-	return nil
 }
 
 // OnStreamDeltaResponse records a delta response.

@@ -97,6 +97,9 @@ func buildWorkload(c class, w *model.Workload, trustDomain string) *workloadv1.A
 	if !healthy(w.Ready, w.Terminating) {
 		out.Status = workloadv1.WorkloadStatus_UNHEALTHY
 	}
+	if w.HostNetwork {
+		out.TunnelProtocol = workloadv1.TunnelProtocol_NONE
+	}
 	if w.Locality != (model.Locality{}) {
 		out.Locality = &workloadv1.Locality{Region: w.Locality.Region, Zone: w.Locality.Zone, Subzone: w.Locality.Subzone}
 	}

@@ -196,7 +196,10 @@ func TestReconnectWithoutResend(t *testing.T) {
 
 	moved := *ws[1]
 	moved.Addresses = []netip.Addr{ip("10.0.0.22")}
+	changed := counter(t, e, "isthmus_xds_resources_changed_total")
 	reg.SetWorkload(&moved)
+	// Reconnect once the server has the change, so the first answer has it.
+	require.Eventually(t, func() bool { return counter(t, e, "isthmus_xds_resources_changed_total") > changed }, waitFor, time.Millisecond)
 
 	req := wildcard(node("zt-1", "net1", "c1"))
 	req.InitialResourceVersions = c.state

@@ -14,6 +14,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -154,7 +155,7 @@ func Start(ctx context.Context, cfg Config) (d *Demo, err error) {
 		{"gateway-network-1", "cluster-1", "network-1", "gw-node-1", gateway1IP, "gateway", "eastwest-gateway", c1},
 		{"gateway-network-2", "cluster-2", "network-2", "gw-node-2", gateway2IP, "gateway", "eastwest-gateway", c2},
 	} {
-		token, roots, err := d.ztunnelCredentials(ctx, z.c, z.name, z.node, z.sa)
+		token, roots, err := d.ztunnelCredentials(ctx, z.c, z.name, z.node, z.sa, netip.MustParseAddr(z.ip))
 		if err != nil {
 			return d, fmt.Errorf("%s credentials: %w", z.name, err)
 		}
@@ -455,15 +456,17 @@ func (d *Demo) serveEcho(addr, who string) (net.Listener, error) {
 	return ln, nil
 }
 
-// ztunnelCredentials makes the pod object of a ztunnel (so its token is
-// bound to a pod on its node, as the CA requires for impersonation), a
-// token for it with the CA's audience, and the mesh root from the
+// ztunnelCredentials makes the pod object of a ztunnel: a hostNetwork pod
+// with the address ip on its node, so that its token is bound to a pod on
+// its node (as the CA requires for impersonation) and the registry places
+// its identity there (as xDS authorization requires). It also makes a token
+// for it with the CA's audience and fetches the mesh root from the
 // ConfigMap pilot publishes; it returns the two file paths.
-func (d *Demo) ztunnelCredentials(ctx context.Context, c *framework.Cluster, name, node, sa string) (token, roots string, err error) {
+func (d *Demo) ztunnelCredentials(ctx context.Context, c *framework.Cluster, name, node, sa string, ip netip.Addr) (token, roots string, err error) {
 	if _, err := c.Client.CoreV1().ServiceAccounts(ns).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: sa, Namespace: ns}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return "", "", err
 	}
-	pod, err := c.CreatePod(ctx, framework.PodOptions{Namespace: ns, Name: name, ServiceAccount: sa, Node: node, Ready: true})
+	pod, err := c.CreatePod(ctx, framework.PodOptions{Namespace: ns, Name: name, ServiceAccount: sa, Node: node, IP: ip, HostNetwork: true, Ready: true})
 	if err != nil {
 		return "", "", err
 	}

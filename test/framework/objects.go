@@ -63,6 +63,9 @@ type PodOptions struct {
 	IP netip.Addr
 	// Ready sets the Ready condition.
 	Ready bool
+	// HostNetwork runs the pod in its node's network namespace (as a
+	// ztunnel DaemonSet does); give it the node's address as IP.
+	HostNetwork bool
 }
 
 // Pod builds the pod object of opts (spec only).
@@ -72,6 +75,7 @@ func Pod(opts PodOptions) *corev1.Pod {
 		Spec: corev1.PodSpec{
 			ServiceAccountName: opts.ServiceAccount,
 			NodeName:           opts.Node,
+			HostNetwork:        opts.HostNetwork,
 			Containers:         []corev1.Container{{Name: "app", Image: "isthmus.test/app"}},
 		},
 	}

@@ -62,6 +62,20 @@ func (r *Registry) Workload(uid string) *model.Workload {
 	return r.workloads[uid]
 }
 
+// IdentityNetworks returns, sorted, the networks of the workloads of ns/sa
+// in cluster, on node ("" for any node).
+func (r *Registry) IdentityNetworks(cluster, node, ns, sa string) []model.Network {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	nets := map[model.Network]bool{}
+	for _, w := range r.workloads {
+		if string(w.Cluster) == cluster && (node == "" || w.Node == node) && w.Namespace == ns && w.ServiceAccount == sa {
+			nets[w.Network] = true
+		}
+	}
+	return slices.Sorted(maps.Keys(nets))
+}
+
 // Gateways returns every gateway.
 func (r *Registry) Gateways() []model.NetworkGateway {
 	r.mu.RLock()

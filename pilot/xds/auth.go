@@ -1,0 +1,208 @@
+package xds
+
+import (
+	"context"
+	"crypto/x509"
+	"fmt"
+	"net/url"
+	"slices"
+	"strings"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/isthmus-mesh/isthmus/pilot/model"
+)
+
+// MetadataNodeName is the node metadata key naming the Kubernetes node of a
+// node proxy (ztunnel), as Istio names it.
+const MetadataNodeName = "NODE_NAME"
+
+// Reasons an xDS stream is refused, as counted in isthmus_xds_refused_total.
+const (
+	RefusedPlaintext      = "plaintext_not_allowed"
+	RefusedNoClientCert   = "no_client_cert"
+	RefusedBadIdentity    = "bad_identity"
+	RefusedNoNode         = "no_node_name"
+	RefusedNotPlaced      = "identity_not_in_cluster"
+	RefusedNetwork        = "network_mismatch"
+	RefusedNodeChanged    = "node_changed"
+	RefusedAmbiguousClass = "ambiguous_network"
+)
+
+// peerIdentity is who is at the other end of a stream.
+type peerIdentity struct {
+	// tls is false for a plaintext stream.
+	tls bool
+	// ns and sa are the namespace and ServiceAccount of a verified client
+	// certificate of the trust domain; spiffe is its SPIFFE ID.
+	ns, sa, spiffe string
+	// err is why a TLS peer has no usable identity.
+	err    error
+	reason string
+}
+
+// peerOf reads the verified client certificate of the stream in ctx. The
+// listener verifies certificates against the CA's roots; only a verified
+// chain counts.
+func peerOf(ctx context.Context, trustDomain string) peerIdentity {
+	p, ok := peer.FromContext(ctx)
+	if !ok || p.AuthInfo == nil {
+		return peerIdentity{}
+	}
+	info, ok := p.AuthInfo.(credentials.TLSInfo)
+	if !ok {
+		return peerIdentity{tls: true, reason: RefusedNoClientCert, err: fmt.Errorf("transport %q carries no certificate", p.AuthInfo.AuthType())}
+	}
+	if len(info.State.VerifiedChains) == 0 || len(info.State.PeerCertificates) == 0 {
+		return peerIdentity{tls: true, reason: RefusedNoClientCert, err: fmt.Errorf("no verified client certificate")}
+	}
+	ns, sa, id, err := spiffeOf(info.State.PeerCertificates[0], trustDomain)
+	if err != nil {
+		return peerIdentity{tls: true, reason: RefusedBadIdentity, err: err}
+	}
+	return peerIdentity{tls: true, ns: ns, sa: sa, spiffe: id}
+}
+
+// spiffeOf returns the workload identity of a leaf certificate: exactly one
+// URI SAN spiffe://<trustDomain>/ns/<ns>/sa/<sa>.
+func spiffeOf(leaf *x509.Certificate, trustDomain string) (ns, sa, id string, err error) {
+	if len(leaf.URIs) != 1 {
+		return "", "", "", fmt.Errorf("client certificate has %d URI SANs, want one SPIFFE ID", len(leaf.URIs))
+	}
+	u := leaf.URIs[0]
+	id = u.String()
+	parts := strings.Split(u.Path, "/")
+	if u.Scheme != "spiffe" || len(parts) != 5 || parts[1] != "ns" || parts[3] != "sa" || parts[2] == "" || parts[4] == "" {
+		return "", "", "", fmt.Errorf("client certificate identity %q is not spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>", id)
+	}
+	if u.Host != trustDomain {
+		return "", "", "", fmt.Errorf("client certificate identity %q is not of trust domain %q", id, trustDomain)
+	}
+	return parts[2], parts[4], (&url.URL{Scheme: "spiffe", Host: u.Host, Path: u.Path}).String(), nil
+}
+
+// refusal is an authorization failure: a gRPC status and a metrics reason.
+type refusal struct {
+	reason string
+	st     *status.Status
+}
+
+func (r *refusal) Error() string              { return r.st.Err().Error() }
+func (r *refusal) GRPCStatus() *status.Status { return r.st }
+
+func refuse(code codes.Code, reason, format string, args ...any) *refusal {
+	return &refusal{reason: reason, st: status.Newf(code, "xds: "+format, args...)}
+}
+
+// authorizer checks the class a client claims in its node metadata against
+// its certificate identity and where the registry places that identity.
+type authorizer struct {
+	reg            Registry
+	nodeAccounts   map[string]bool
+	allowPlaintext bool
+}
+
+func newAuthorizer(cfg Config, reg Registry) *authorizer {
+	a := &authorizer{reg: reg, nodeAccounts: map[string]bool{}, allowPlaintext: cfg.AllowPlaintext}
+	for _, acc := range cfg.NodeAccounts {
+		a.nodeAccounts[acc] = true
+	}
+	return a
+}
+
+// open refuses a stream whose transport carries no usable identity.
+func (a *authorizer) open(p peerIdentity) error {
+	switch {
+	case !p.tls && !a.allowPlaintext:
+		return refuse(codes.Unauthenticated, RefusedPlaintext, "plaintext xDS is not enabled")
+	case p.err != nil && p.reason == RefusedNoClientCert:
+		return refuse(codes.Unauthenticated, p.reason, "%v", p.err)
+	case p.err != nil:
+		return refuse(codes.PermissionDenied, p.reason, "%v", p.err)
+	}
+	return nil
+}
+
+// authorize checks node's claims for a stream of peer p and pins the
+// verified network in node's metadata, which is where the class comes from.
+// A plaintext stream (allowed only in development) keeps its claims.
+//
+// Rules for a certificate of namespace ns, ServiceAccount sa:
+//   - CLUSTER_ID must be a cluster where a workload of ns/sa runs; for a node
+//     account (ztunnel), one must run on the NODE_NAME it claims;
+//   - NETWORK, if given, must be the network of those workloads; if absent,
+//     it is set to it (or refused when they span several networks).
+//
+// A certificate does not name its cluster: two clusters that both run ns/sa
+// on a node of the same name cannot be told apart by it.
+func (a *authorizer) authorize(p peerIdentity, node *corev3.Node) error {
+	if !p.tls {
+		return nil
+	}
+	f := node.GetMetadata().GetFields()
+	cluster := f[MetadataClusterID].GetStringValue()
+	claimed := model.Network(f[MetadataNetwork].GetStringValue())
+	nodeName := ""
+	if a.nodeAccounts[p.ns+"/"+p.sa] {
+		nodeName = f[MetadataNodeName].GetStringValue()
+		if nodeName == "" {
+			return refuse(codes.PermissionDenied, RefusedNoNode, "node account %s/%s must name its node in %s metadata", p.ns, p.sa, MetadataNodeName)
+		}
+	}
+	nets := a.reg.IdentityNetworks(cluster, nodeName, p.ns, p.sa)
+	where := "cluster " + quote(cluster)
+	if nodeName != "" {
+		where = "node " + quote(nodeName) + " of " + where
+	}
+	switch {
+	case len(nets) == 0:
+		return refuse(codes.PermissionDenied, RefusedNotPlaced, "no workload of %s runs on %s", p.spiffe, where)
+	case claimed != "" && !slices.Contains(nets, claimed):
+		return refuse(codes.PermissionDenied, RefusedNetwork, "%s on %s is on network %s, not %q", p.spiffe, where, joinNetworks(nets), claimed)
+	case claimed == "" && len(nets) > 1:
+		return refuse(codes.PermissionDenied, RefusedAmbiguousClass, "%s on %s spans networks %s: name one in %s metadata", p.spiffe, where, joinNetworks(nets), MetadataNetwork)
+	case claimed == "":
+		setMetadata(node, MetadataNetwork, string(nets[0]))
+	}
+	return nil
+}
+
+// sameClaims reports whether two nodes of one stream claim the same thing.
+func sameClaims(a, b *corev3.Node) bool {
+	if a.GetId() != b.GetId() {
+		return false
+	}
+	fa, fb := a.GetMetadata().GetFields(), b.GetMetadata().GetFields()
+	for _, k := range []string{MetadataClusterID, MetadataNetwork, MetadataNodeName} {
+		if !proto.Equal(fa[k], fb[k]) {
+			return false
+		}
+	}
+	return true
+}
+
+func setMetadata(node *corev3.Node, key, value string) {
+	if node.Metadata == nil {
+		node.Metadata = &structpb.Struct{}
+	}
+	if node.Metadata.Fields == nil {
+		node.Metadata.Fields = map[string]*structpb.Value{}
+	}
+	node.Metadata.Fields[key] = structpb.NewStringValue(value)
+}
+
+func quote(s string) string { return fmt.Sprintf("%q", s) }
+
+func joinNetworks(nets []model.Network) string {
+	s := make([]string, len(nets))
+	for i, n := range nets {
+		s[i] = fmt.Sprintf("%q", n)
+	}
+	return strings.Join(s, ", ")
+}
