@@ -251,6 +251,11 @@ func convertSlice(es *discoveryv1.EndpointSlice) *sliceInfo {
 		}
 		s.ports = append(s.ports, slicePort{name, uint16(*p.Port)})
 	}
+	n := 0
+	for _, ep := range es.Endpoints {
+		n += len(ep.Addresses)
+	}
+	s.endpoints = make([]sliceEndpoint, 0, n) // exact: kept for the slice's lifetime
 	for _, ep := range es.Endpoints {
 		ready := ep.Conditions.Ready == nil || *ep.Conditions.Ready
 		term := ep.Conditions.Terminating != nil && *ep.Conditions.Terminating

@@ -239,7 +239,7 @@ func TestChartValues(t *testing.T) {
 		ctr := dep.Spec.Template.Spec.Containers[0]
 		require.Equal(t, "docker.io/isthmus/pilot:0.1.0", ctr.Image)
 		require.Equal(t, []string{"--namespace=isthmus-system", "--cluster-id=east", "--network=net-a",
-			"--xds-plaintext-addr=:15010", "--xds-addr=:15012", "--monitoring-addr=:15014", "--debug-addr=127.0.0.1:8080"}, ctr.Args)
+			"--xds-addr=:15012", "--monitoring-addr=:15014", "--debug-addr=127.0.0.1:8080"}, ctr.Args, "no plaintext xDS by default")
 		require.Equal(t, "/readyz", ctr.ReadinessProbe.HTTPGet.Path)
 		require.Equal(t, int32(15014), ctr.ReadinessProbe.HTTPGet.Port.IntVal)
 		require.Equal(t, "/healthz", ctr.LivenessProbe.HTTPGet.Path)
@@ -248,7 +248,29 @@ func TestChartValues(t *testing.T) {
 		for _, p := range svc.Spec.Ports {
 			ports = append(ports, p.Port)
 		}
-		require.Equal(t, []int32{15010, 15012, 15014}, ports)
+		require.Equal(t, []int32{15012, 15014}, ports)
+		for _, e := range ctr.Env {
+			require.NotEqual(t, "GOMEMLIMIT", e.Name, "no memory limit, no GOMEMLIMIT")
+		}
+	})
+	t.Run("pilot development plaintext xDS and memory limit", func(t *testing.T) {
+		objs := render(t, "pilot", namespace, map[string]any{"devPlaintextXDS": true,
+			"resources": map[string]any{"limits": map[string]any{"memory": "1Gi"}}})
+		dep := convert[appsv1.Deployment](t, find(t, objs, "Deployment", "isthmusd"))
+		ctr := dep.Spec.Template.Spec.Containers[0]
+		require.Contains(t, ctr.Args, "--xds-plaintext-addr=:15010")
+		svc := convert[corev1.Service](t, find(t, objs, "Service", "isthmusd"))
+		require.Equal(t, "grpc-xds", svc.Spec.Ports[0].Name)
+		require.Equal(t, int32(15010), svc.Spec.Ports[0].Port)
+		var limit *corev1.ResourceFieldSelector
+		for _, e := range ctr.Env {
+			if e.Name == "GOMEMLIMIT" {
+				limit = e.ValueFrom.ResourceFieldRef
+			}
+		}
+		require.NotNil(t, limit)
+		require.Equal(t, "limits.memory", limit.Resource)
+		require.Equal(t, "pilot", limit.ContainerName)
 	})
 	t.Run("pilot image values", func(t *testing.T) {
 		objs := render(t, "pilot", namespace, map[string]any{"image": map[string]any{"registry": "reg.example", "tag": "v9"}})

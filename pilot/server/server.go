@@ -12,6 +12,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"os"
 	"sync"
 	"time"
@@ -219,6 +220,12 @@ func (s *Server) DebugMux() *http.ServeMux {
 	xdsDebug := s.XDS.DebugHandler()
 	mux.Handle("/debug/syncz", xdsDebug)
 	mux.Handle("/debug/config_dump", xdsDebug)
+	// Go runtime profiles (the debug listener is loopback-only by default).
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 	return mux
 }
 

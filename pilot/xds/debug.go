@@ -5,8 +5,6 @@ import (
 	"encoding/json"
 	"net/http"
 	"slices"
-
-	"google.golang.org/protobuf/encoding/protojson"
 )
 
 // DebugHandler returns the debug HTTP handlers:
@@ -23,10 +21,13 @@ func (s *Server) DebugHandler() http.Handler {
 	return mux
 }
 
-// Syncz returns the status of every open stream, sorted by stream id.
+// Syncz returns the status of every open stream, sorted by protocol and
+// stream id (SotW and delta streams are numbered separately).
 func (s *Server) Syncz() []ClientStatus {
 	out := s.stats.snapshot()
-	slices.SortFunc(out, func(a, b ClientStatus) int { return cmp.Compare(a.StreamID, b.StreamID) })
+	slices.SortFunc(out, func(a, b ClientStatus) int {
+		return cmp.Or(cmp.Compare(a.Protocol, b.Protocol), cmp.Compare(a.StreamID, b.StreamID))
+	})
 	return out
 }
 
@@ -66,7 +67,7 @@ func (s *Server) configDump(w http.ResponseWriter, r *http.Request) {
 		res := v.caches[t].GetResources()
 		m := make(map[string]json.RawMessage, len(res))
 		for name, r := range res {
-			b, err := protojson.Marshal(r)
+			b, err := rawJSON(t, r)
 			if err != nil {
 				http.Error(w, err.Error(), http.StatusInternalServerError)
 				return

@@ -8,7 +8,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
-	"strings"
 	"testing"
 	"time"
 
@@ -92,6 +91,10 @@ func TestRebuildOnlyChangedKeys(t *testing.T) {
 	e := start(t, reg)
 	c := openDelta(t, dial(t, e.addr), wildcard(node("zt-1", "net1", "c1")))
 	c.apply(c.next())
+	// An Envoy client of the same class: the Envoy types are built too.
+	envoy := openSotw(t, dial(t, e.addr), node("envoy-1", "net1", "c1"))
+	envoy.send(&discovery.DiscoveryRequest{TypeUrl: resource.ClusterType})
+	envoy.ack(envoy.next(resource.ClusterType))
 	base := counter(t, e, "isthmus_xds_resources_changed_total")
 
 	w := *reg.Workload(model.WorkloadUID("c1", ns, "s7-0"))
@@ -159,17 +162,33 @@ func TestDebugAndMetrics(t *testing.T) {
 	}
 	require.NoError(t, json.Unmarshal([]byte(body), &dump))
 	require.Contains(t, dump.Resources[xds.WorkloadType], "c1/default/a")
+	// The dump decodes the cached wire form: the address is there (bytes
+	// fields render as base64: 10.0.0.1 is CgAAAQ==).
+	require.Contains(t, string(dump.Resources[xds.WorkloadType]["c1/default/a"]), "CgAAAQ==")
+	// Only ztunnels are in this class: no Envoy resource was built for it.
+	require.Empty(t, dump.Resources[resource.ClusterType])
+
+	// Once an Envoy client of the class connects, they are.
+	envoy := openSotw(t, dial(t, e.addr), node("envoy-1", "net1", "c1"))
+	envoy.send(&discovery.DiscoveryRequest{TypeUrl: resource.ClusterType})
+	envoy.ack(envoy.next(resource.ClusterType))
+	// (SotW and delta streams are numbered separately: the first of each
+	// is stream 1, and both are tracked.)
+	code, body = get("/debug/config_dump?proxy=zt-1")
+	require.Equal(t, http.StatusOK, code, body)
+	require.NoError(t, json.Unmarshal([]byte(body), &dump))
 	require.Contains(t, dump.Resources[resource.ClusterType], xds.ClusterName(svc.Hostname, 80))
-	require.True(t, strings.Contains(string(dump.Resources[xds.WorkloadType]["c1/default/a"]), "10.0.0.1") ||
-		strings.Contains(string(dump.Resources[xds.WorkloadType]["c1/default/a"]), "CgAAAQ=="))
+	require.Contains(t, string(dump.Resources[resource.ClusterType][xds.ClusterName(svc.Hostname, 80)]), `"EDS"`)
 	code, _ = get("/debug/config_dump?proxy=nobody")
 	require.Equal(t, http.StatusNotFound, code)
 	code, _ = get("/debug/config_dump")
 	require.Equal(t, http.StatusBadRequest, code)
 
-	require.Equal(t, 1.0, counter(t, e, "isthmus_xds_connected_clients"))
-	require.GreaterOrEqual(t, counter(t, e, "isthmus_xds_pushes_total"), 1.0)
+	require.Equal(t, 2.0, counter(t, e, "isthmus_xds_connected_clients"))
+	require.GreaterOrEqual(t, counter(t, e, "isthmus_xds_pushes_total"), 2.0)
 	c.close()
+	envoy.cancel()
+	<-envoy.done
 	require.EventuallyWithT(t, func(ct *assertT) {
 		assertEqual(ct, 0.0, counter(t, e, "isthmus_xds_connected_clients"))
 	}, waitFor, 10*time.Millisecond)

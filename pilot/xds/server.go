@@ -288,13 +288,15 @@ func (s *Server) classOf(node *corev3.Node) class {
 	return c
 }
 
-// viewFor returns the view of node's class, building it on first use.
-func (s *Server) viewFor(node *corev3.Node) (*view, error) {
+// viewFor returns the view of node's class, with the resources of typeURL
+// built: the view is created on first use, and a group of types is built
+// the first time a client of the class asks for one of them.
+func (s *Server) viewFor(node *corev3.Node, typeURL string) (*view, error) {
 	c := s.classOf(node)
 	s.viewsMu.RLock()
 	v := s.views[c]
 	s.viewsMu.RUnlock()
-	if v != nil {
+	if v != nil && v.isReady(typeURL) {
 		return v, nil
 	}
 	s.buildMu.Lock()
@@ -302,18 +304,25 @@ func (s *Server) viewFor(node *corev3.Node) (*view, error) {
 	s.viewsMu.RLock()
 	v = s.views[c]
 	s.viewsMu.RUnlock()
-	if v != nil {
+	if v == nil {
+		v = newView(c, s.cfg.VersionPrefix, slogAdapter{s.log})
+		s.viewsMu.Lock()
+		s.views[c] = v
+		s.viewsMu.Unlock()
+		s.log.Info("xds class created", "network", c.Network, "cluster", c.Cluster)
+	}
+	if v.isReady(typeURL) {
 		return v, nil
 	}
 	start := time.Now()
-	v = newView(c, s.cfg.VersionPrefix, slogAdapter{s.log})
+	g := groupOf(typeURL)
+	v.building[g] = true
 	if err := s.resync(s.newBuilder(), v); err != nil {
+		v.building[g] = false
 		return nil, status.Errorf(codes.Internal, "build resources of class %s: %v", c, err)
 	}
-	s.viewsMu.Lock()
-	s.views[c] = v
-	s.viewsMu.Unlock()
-	s.log.Info("xds class created", "network", c.Network, "cluster", c.Cluster, "took", time.Since(start))
+	v.ready[g].Store(true)
+	s.log.Info("xds class now serves", "network", c.Network, "cluster", c.Cluster, "type", typeURL, "took", time.Since(start))
 	return v, nil
 }
 
@@ -343,7 +352,7 @@ func (r routerCache) CreateWatch(req *cache.Request, sub cache.Subscription, ch 
 	if err := checkType(req.GetTypeUrl()); err != nil {
 		return nil, err
 	}
-	v, err := r.s.viewFor(req.GetNode())
+	v, err := r.s.viewFor(req.GetNode(), req.GetTypeUrl())
 	if err != nil {
 		return nil, err
 	}
@@ -355,7 +364,7 @@ func (r routerCache) CreateDeltaWatch(req *cache.DeltaRequest, sub cache.Subscri
 	if err := checkType(req.GetTypeUrl()); err != nil {
 		return nil, err
 	}
-	v, err := r.s.viewFor(req.GetNode())
+	v, err := r.s.viewFor(req.GetNode(), req.GetTypeUrl())
 	if err != nil {
 		return nil, err
 	}

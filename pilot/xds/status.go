@@ -89,7 +89,7 @@ type Nack struct {
 
 // ClientStatus is the state of one xDS stream, as /debug/syncz shows it.
 type ClientStatus struct {
-	// StreamID is go-control-plane's id of the stream.
+	// StreamID is go-control-plane's id of the stream, unique per Protocol.
 	StreamID int64 `json:"stream_id"`
 	// NodeID is the node id of the client.
 	NodeID string `json:"node_id"`
@@ -124,23 +124,33 @@ type tracker struct {
 	trustDomain string
 
 	mu      sync.Mutex
-	streams map[int64]*ClientStatus
+	streams map[streamKey]*ClientStatus
 }
 
 var _ serverv3.Callbacks = (*tracker)(nil)
 
 func newTracker(m *metrics, log *slog.Logger, classOf func(*corev3.Node) class, auth *authorizer, trustDomain string) *tracker {
-	return &tracker{metrics: m, log: log, classOf: classOf, auth: auth, trustDomain: trustDomain, streams: map[int64]*ClientStatus{}}
+	return &tracker{metrics: m, log: log, classOf: classOf, auth: auth, trustDomain: trustDomain, streams: map[streamKey]*ClientStatus{}}
 }
 
 // open admits a stream whose transport identity is acceptable.
-func (t *tracker) open(ctx context.Context, id int64, protocol string) error {
+// streamKey names a stream: go-control-plane numbers SotW and delta
+// streams with separate counters, so an id alone is ambiguous.
+type streamKey struct {
+	delta bool
+	id    int64
+}
+
+func sotwKey(id int64) streamKey  { return streamKey{id: id} }
+func deltaKey(id int64) streamKey { return streamKey{delta: true, id: id} }
+
+func (t *tracker) open(ctx context.Context, k streamKey, protocol string) error {
 	p := peerOf(ctx, t.trustDomain)
 	if err := t.auth.open(p); err != nil {
 		return t.refused(err, "", p)
 	}
 	t.mu.Lock()
-	t.streams[id] = &ClientStatus{StreamID: id, Protocol: protocol, Connected: time.Now(), Types: map[string]*TypeStatus{}, Identity: p.spiffe, peer: p}
+	t.streams[k] = &ClientStatus{StreamID: k.id, Protocol: protocol, Connected: time.Now(), Types: map[string]*TypeStatus{}, Identity: p.spiffe, peer: p}
 	t.mu.Unlock()
 	t.metrics.clients.WithLabelValues(protocol).Inc()
 	return nil
@@ -160,9 +170,9 @@ func (t *tracker) refused(err error, nodeID string, p peerIdentity) error {
 // admit authorizes the node a request carries, if it is new to the stream:
 // the first one is checked against the stream's identity (and its network
 // pinned); a later one must make the same claims.
-func (t *tracker) admit(id int64, node *corev3.Node) error {
+func (t *tracker) admit(k streamKey, node *corev3.Node) error {
 	t.mu.Lock()
-	cs := t.streams[id]
+	cs := t.streams[k]
 	if cs == nil || node == nil || node == cs.node {
 		t.mu.Unlock()
 		return nil
@@ -186,10 +196,10 @@ func (t *tracker) admit(id int64, node *corev3.Node) error {
 	return nil
 }
 
-func (t *tracker) closed(id int64) {
+func (t *tracker) closed(k streamKey) {
 	t.mu.Lock()
-	cs := t.streams[id]
-	delete(t.streams, id)
+	cs := t.streams[k]
+	delete(t.streams, k)
 	t.mu.Unlock()
 	if cs != nil {
 		t.metrics.clients.WithLabelValues(cs.Protocol).Dec()
@@ -197,13 +207,13 @@ func (t *tracker) closed(id int64) {
 }
 
 // request authorizes the node a request carries and records its ACK or NACK.
-func (t *tracker) request(id int64, node *corev3.Node, typeURL, nonce string, nack *Nack) error {
-	if err := t.admit(id, node); err != nil {
+func (t *tracker) request(k streamKey, node *corev3.Node, typeURL, nonce string, nack *Nack) error {
+	if err := t.admit(k, node); err != nil {
 		return err
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	cs := t.streams[id]
+	cs := t.streams[k]
 	if cs == nil {
 		return nil
 	}
@@ -231,12 +241,12 @@ func (cs *ClientStatus) typeStatus(typeURL string) *TypeStatus {
 	return ts
 }
 
-func (t *tracker) response(id int64, typeURL, version, nonce string, n int, size int) {
+func (t *tracker) response(k streamKey, typeURL, version, nonce string, n int, size int) {
 	t.metrics.pushes.WithLabelValues(typeURL).Inc()
 	t.metrics.pushBytes.WithLabelValues(typeURL).Add(float64(size))
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	cs := t.streams[id]
+	cs := t.streams[k]
 	if cs == nil {
 		return
 	}
@@ -254,40 +264,40 @@ func nackOf(d interface{ GetMessage() string }, nonce string, present bool) *Nac
 
 // OnStreamOpen records a new SotW stream.
 func (t *tracker) OnStreamOpen(ctx context.Context, id int64, _ string) error {
-	return t.open(ctx, id, "sotw")
+	return t.open(ctx, sotwKey(id), "sotw")
 }
 
 // OnStreamClosed forgets a SotW stream.
-func (t *tracker) OnStreamClosed(id int64, _ *corev3.Node) { t.closed(id) }
+func (t *tracker) OnStreamClosed(id int64, _ *corev3.Node) { t.closed(sotwKey(id)) }
 
 // OnDeltaStreamOpen records a new delta stream.
 func (t *tracker) OnDeltaStreamOpen(ctx context.Context, id int64, _ string) error {
-	return t.open(ctx, id, "delta")
+	return t.open(ctx, deltaKey(id), "delta")
 }
 
 // OnDeltaStreamClosed forgets a delta stream.
-func (t *tracker) OnDeltaStreamClosed(id int64, _ *corev3.Node) { t.closed(id) }
+func (t *tracker) OnDeltaStreamClosed(id int64, _ *corev3.Node) { t.closed(deltaKey(id)) }
 
 // OnStreamRequest records the ACK or NACK of a SotW request.
 func (t *tracker) OnStreamRequest(id int64, req *discovery.DiscoveryRequest) error {
-	return t.request(id, req.GetNode(), req.GetTypeUrl(), req.GetResponseNonce(),
+	return t.request(sotwKey(id), req.GetNode(), req.GetTypeUrl(), req.GetResponseNonce(),
 		nackOf(req.GetErrorDetail(), req.GetResponseNonce(), req.GetErrorDetail() != nil))
 }
 
 // OnStreamResponse records a SotW response.
 func (t *tracker) OnStreamResponse(_ context.Context, id int64, req *discovery.DiscoveryRequest, resp *discovery.DiscoveryResponse) {
-	t.response(id, req.GetTypeUrl(), resp.GetVersionInfo(), resp.GetNonce(), len(resp.GetResources()), proto.Size(resp))
+	t.response(sotwKey(id), req.GetTypeUrl(), resp.GetVersionInfo(), resp.GetNonce(), len(resp.GetResources()), proto.Size(resp))
 }
 
 // OnStreamDeltaRequest records the ACK or NACK of a delta request.
 func (t *tracker) OnStreamDeltaRequest(id int64, req *discovery.DeltaDiscoveryRequest) error {
-	return t.request(id, req.GetNode(), req.GetTypeUrl(), req.GetResponseNonce(),
+	return t.request(deltaKey(id), req.GetNode(), req.GetTypeUrl(), req.GetResponseNonce(),
 		nackOf(req.GetErrorDetail(), req.GetResponseNonce(), req.GetErrorDetail() != nil))
 }
 
 // OnStreamDeltaResponse records a delta response.
 func (t *tracker) OnStreamDeltaResponse(id int64, req *discovery.DeltaDiscoveryRequest, resp *discovery.DeltaDiscoveryResponse) {
-	t.response(id, req.GetTypeUrl(), resp.GetSystemVersionInfo(), resp.GetNonce(), len(resp.GetResources())+len(resp.GetRemovedResources()), proto.Size(resp))
+	t.response(deltaKey(id), req.GetTypeUrl(), resp.GetSystemVersionInfo(), resp.GetNonce(), len(resp.GetResources())+len(resp.GetRemovedResources()), proto.Size(resp))
 }
 
 // OnFetchRequest accepts REST fetches (the cache refuses them).

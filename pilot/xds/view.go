@@ -1,10 +1,12 @@
 package xds
 
 import (
+	"bytes"
 	"fmt"
 	"maps"
 	"slices"
 	"strings"
+	"sync/atomic"
 
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
@@ -20,20 +22,54 @@ var allTypes = append([]string{WorkloadType}, envoyTypes...)
 // view holds what one class of clients sees: one LinearCache per type URL,
 // combined by a MuxCache keyed by type URL.
 //
+// A view builds only the resources its clients ask for: the workload type
+// once a client of the class asks for it (ztunnels), the four Envoy types
+// together once a client asks for any of them (Envoy, proxyless gRPC). A
+// class of ztunnels holds no Envoy resources and a class of gRPC clients no
+// workloads.
+//
 // The caches are safe for concurrent use. current and owned are touched only
-// by the builder, which holds Server.buildMu.
+// by the builder, which holds Server.buildMu, and so is building; ready is
+// written under buildMu and read anywhere.
 type view struct {
 	class  class
 	caches map[string]*cache.LinearCache
+	// building is set per group of types (workloadGroup, envoyGroup) once a
+	// client asked for one of them: the builder keeps that group up to date.
+	building [2]bool
+	// ready is set once a group's resources are in the caches, so that
+	// watches may be opened on them.
+	ready [2]atomic.Bool
 	// workloads fronts the workload LinearCache for wildcard delta clients.
 	workloads *wildcardDelta
 	mux       *cache.MuxCache
 
-	// current are the resources in the caches, per type URL and name.
+	// current are the resources in the caches (raw, see raw.go), per type
+	// URL and name.
 	current map[string]map[string]types.Resource
 	// owned are the names each service hostname owns, per type URL.
 	owned map[string]map[string][]string
 }
+
+// Type groups built together.
+const (
+	workloadGroup = iota
+	envoyGroup
+)
+
+func groupOf(typeURL string) int {
+	if typeURL == WorkloadType {
+		return workloadGroup
+	}
+	return envoyGroup
+}
+
+// serves reports whether the builder keeps resources of type t up to date
+// in v. The caller holds Server.buildMu.
+func (v *view) serves(t string) bool { return v.building[groupOf(t)] }
+
+// isReady reports whether v's caches hold the resources of type t.
+func (v *view) isReady(t string) bool { return v.ready[groupOf(t)].Load() }
 
 func newView(c class, versionPrefix string, logger slogAdapter) *view {
 	v := &view{
@@ -68,6 +104,8 @@ type batch struct {
 	deleted map[string]map[string]struct{}
 	// touched, when not nil, records every name put (for a full resync).
 	touched map[string]map[string]struct{}
+	// err is the first resource that could not be encoded.
+	err error
 }
 
 func (v *view) newBatch(full bool) *batch {
@@ -78,15 +116,23 @@ func (v *view) newBatch(full bool) *batch {
 	return b
 }
 
-// put sets resource name of type t unless an equal one is already there.
-func (b *batch) put(t, name string, r types.Resource) {
+// put sets resource name of type t, in its raw form, unless an equal one is
+// already there.
+func (b *batch) put(t, name string, m proto.Message) {
 	if b.touched != nil {
 		if b.touched[t] == nil {
 			b.touched[t] = map[string]struct{}{}
 		}
 		b.touched[t][name] = struct{}{}
 	}
-	if cur, ok := b.v.current[t][name]; ok && proto.Equal(cur, r) {
+	r, err := toRaw(m)
+	if err != nil {
+		if b.err == nil {
+			b.err = fmt.Errorf("encode %s %s: %w", t, name, err)
+		}
+		return
+	}
+	if cur, ok := b.v.current[t][name]; ok && bytes.Equal(rawBytes(cur), rawBytes(r)) {
 		return
 	}
 	b.v.current[t][name] = r
@@ -112,6 +158,9 @@ func (b *batch) del(t, name string) {
 
 // workload rebuilds the Address of workload uid.
 func (b *batch) workload(bd *builder, uid string) {
+	if !b.v.serves(WorkloadType) {
+		return
+	}
 	if a := buildWorkload(b.v.class, bd.reg.Workload(uid), bd.trustDomain); a != nil {
 		b.put(WorkloadType, uid, a)
 		return
@@ -145,13 +194,20 @@ func (b *batch) service(bd *builder, hostname string) error {
 		fresh[t] = map[string]types.Resource{}
 	}
 	s := bd.reg.Service(hostname)
-	buildServiceAddresses(b.v.class, s, bd.gws, bd.trustDomain, fresh[WorkloadType])
-	if err := bd.envoy.build(b.v.class, s, bd.gws, fresh); err != nil {
-		return fmt.Errorf("service %s: %w", hostname, err)
+	if b.v.serves(WorkloadType) {
+		buildServiceAddresses(b.v.class, s, bd.gws, bd.trustDomain, fresh[WorkloadType])
+	}
+	if b.v.serves(resource.ClusterType) {
+		if err := bd.envoy.build(b.v.class, s, bd.gws, fresh); err != nil {
+			return fmt.Errorf("service %s: %w", hostname, err)
+		}
 	}
 	old := b.v.owned[hostname]
 	names := make(map[string][]string, len(allTypes))
 	for _, t := range allTypes {
+		if !b.v.serves(t) {
+			continue
+		}
 		for _, n := range old[t] {
 			if _, keep := fresh[t][n]; !keep {
 				b.del(t, n)
@@ -162,7 +218,7 @@ func (b *batch) service(bd *builder, hostname string) error {
 			names[t] = append(names[t], n)
 		}
 	}
-	if len(fresh[WorkloadType]) == 0 && len(fresh[resource.ClusterType]) == 0 {
+	if len(names) == 0 {
 		delete(b.v.owned, hostname)
 	} else {
 		b.v.owned[hostname] = names
@@ -184,6 +240,9 @@ func (b *batch) sweep() {
 // flush hands the batch to the caches and returns the number of resources
 // updated and deleted.
 func (b *batch) flush() (int, error) {
+	if b.err != nil {
+		return 0, b.err
+	}
 	n := 0
 	for _, t := range allTypes {
 		up, del := b.updated[t], b.deleted[t]

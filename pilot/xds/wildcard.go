@@ -36,9 +36,9 @@ type wildcardDelta struct {
 	mu sync.Mutex
 	// seq counts UpdateResources batches.
 	seq uint64
-	// resources are the current resources, marshaled once and shared by
-	// every response.
-	resources map[string]*discovery.Resource
+	// resources are the current resources: their encoding (shared with the
+	// raw resource in the LinearCache) and version. Responses wrap them.
+	resources map[string]encoded
 	// changes are the names changed by the last batches, oldest first.
 	changes []changeBatch
 	// clients are the wildcard delta clients known to be in sync as of a
@@ -55,6 +55,12 @@ const changeLogSize = 1024
 // orphanAfter is how long a client whose watch was cancelled without a new
 // request (its stream ended) is kept before being dropped.
 const orphanAfter = 30 * time.Second
+
+// encoded is a resource's wire form and version.
+type encoded struct {
+	raw     []byte
+	version string
+}
 
 type changeBatch struct {
 	seq   uint64
@@ -81,7 +87,7 @@ func newWildcardDelta(typeURL, prefix string, lc *cache.LinearCache) *wildcardDe
 		typeURL:   typeURL,
 		prefix:    prefix,
 		lc:        lc,
-		resources: map[string]*discovery.Resource{},
+		resources: map[string]encoded{},
 		clients:   map[chan cache.DeltaResponse]*syncedClient{},
 	}
 }
@@ -93,15 +99,9 @@ func (w *wildcardDelta) UpdateResources(updated map[string]types.Resource, delet
 	defer w.mu.Unlock()
 	names := make([]string, 0, len(updated)+len(deleted))
 	for name, r := range updated {
-		b, err := cache.MarshalResource(r)
-		if err != nil {
-			return err
-		}
-		w.resources[name] = &discovery.Resource{
-			Name:     name,
-			Version:  cache.HashResource(b),
-			Resource: &anypb.Any{TypeUrl: w.typeURL, Value: b},
-		}
+		// The raw encoding is shared, not copied: neither side modifies it.
+		b := rawBytes(r)
+		w.resources[name] = encoded{raw: b, version: cache.HashResource(b)}
 		names = append(names, name)
 	}
 	for _, name := range deleted {
@@ -158,9 +158,9 @@ func (w *wildcardDelta) respond(req *cache.DeltaRequest, sub cache.Subscription,
 		r, ok := w.resources[name]
 		v, had := known[name]
 		switch {
-		case ok && v != r.GetVersion():
-			out = append(out, r)
-			known[name] = r.GetVersion()
+		case ok && v != r.version:
+			out = append(out, &discovery.Resource{Name: name, Version: r.version, Resource: &anypb.Any{TypeUrl: w.typeURL, Value: r.raw}})
+			known[name] = r.version
 		case !ok && had:
 			removed = append(removed, name)
 			delete(known, name)

@@ -88,6 +88,18 @@ func (e *env) startPilotWith(b *testing.B, xdsAddr string, oneNetwork bool) {
 	rctx, cancel := context.WithCancel(ctx)
 	e.pilot, e.cancel, e.done = p, cancel, make(chan error, 1)
 	go func() { e.done <- p.Run(rctx) }()
+	e.registerRemotes(b, oneNetwork)
+	e.waitSynced(b)
+}
+
+// registerRemotes creates in cluster-0 the remote secret of every other
+// cluster; with oneNetwork all are on network-0 (else cluster-i on
+// network-i).
+func (e *env) registerRemotes(b *testing.B, oneNetwork bool) {
+	b.Helper()
+	ctx := context.Background()
+	c0 := e.set.Cluster(clusterName(0))
+	require.NoError(b, c0.EnsureNamespace(ctx, e.ns, nil))
 	for i := 1; i < numClusters; i++ {
 		c := e.set.Cluster(clusterName(i))
 		kc, err := c.ReaderKubeconfig(ctx, c.Name, remotesecret.ReaderOptions{})
@@ -100,7 +112,6 @@ func (e *env) startPilotWith(b *testing.B, xdsAddr string, oneNetwork bool) {
 		_, err = c0.Client.CoreV1().Secrets(e.ns).Create(ctx, sec, metav1.CreateOptions{})
 		require.NoError(b, err)
 	}
-	e.waitSynced(b)
 }
 
 func (e *env) waitSynced(b *testing.B) {

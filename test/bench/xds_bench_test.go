@@ -3,11 +3,16 @@ package bench_test
 import (
 	"context"
 	"fmt"
+	"io"
+	"net/http"
 	"net/netip"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -28,11 +33,11 @@ import (
 )
 
 // BenchmarkXDSEndpointSliceToEDS: 100,000 endpoints over 100 selector-less
-// services spread over 10 real clusters, served by an in-process pilot; an
-// isolated EndpointSlice write in a remote cluster -> the EDS update at a
-// subscribed SotW ADS client (default debounce settings). Also reports the
-// whole test process's RSS, an upper bound of pilot's (the process also
-// holds the benchmark's own clients).
+// services spread over 10 real clusters, served by pilot running as its own
+// process (the cmd/pilot binary, default settings); an isolated
+// EndpointSlice write in a remote cluster -> the EDS update at a subscribed
+// SotW ADS client. Also reports pilot's process RSS (now and peak) and Go
+// heap at 100,000 endpoints.
 func BenchmarkXDSEndpointSliceToEDS(b *testing.B) {
 	perSlice := 100 // per cluster and service: 10 x 100 x 100 = 100,000
 	if v, err := strconv.Atoi(os.Getenv("ISTHMUS_BENCH_PER_SLICE")); err == nil {
@@ -40,7 +45,6 @@ func BenchmarkXDSEndpointSliceToEDS(b *testing.B) {
 	}
 	e := startEnv(b)
 	defer e.stop(b)
-	e.startPilotWith(b, "127.0.0.1:0", true) // one network: every endpoint is served directly
 	ctx := context.Background()
 	var wg sync.WaitGroup
 	errs := make([]error, len(e.set.Clusters))
@@ -69,10 +73,10 @@ func BenchmarkXDSEndpointSliceToEDS(b *testing.B) {
 	for _, err := range errs {
 		require.NoError(b, err)
 	}
-	require.Eventually(b, func() bool { return endpoints(e.pilot) >= numClusters*numServices*perSlice }, 10*time.Minute, 100*time.Millisecond)
+	e.registerRemotes(b, true) // one network: every endpoint is served directly
+	pilot := startPilotProcess(b, e.set.Cluster(clusterName(0)), e.ns)
 
-	require.Eventually(b, func() bool { return e.pilot.XDSPlaintextAddr() != "" }, time.Minute, 10*time.Millisecond)
-	conn, err := grpc.NewClient(e.pilot.XDSPlaintextAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()),
+	conn, err := grpc.NewClient(pilot.xdsAddr, grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(256<<20)))
 	require.NoError(b, err)
 	defer conn.Close()
@@ -89,17 +93,17 @@ func BenchmarkXDSEndpointSliceToEDS(b *testing.B) {
 	}}}
 	require.NoError(b, stream.Send(&discovery.DiscoveryRequest{Node: node, TypeUrl: resource.EndpointType, ResourceNames: names}))
 
-	// A reader goroutine ACKs every response and reports when each cluster
-	// name last arrived with a changed endpoint count of healthy endpoints.
+	// A reader goroutine ACKs every response, keeps the endpoint count of
+	// every cluster name, and reports when each name arrived.
 	type arrival struct {
 		name string
 		at   time.Time
 	}
 	arrivals := make(chan arrival, 1024)
-	initial := make(chan int, 1)
+	var countsMu sync.Mutex
+	counts := map[string]int{}
 	recvErr := make(chan error, 1)
 	go func() {
-		first := true
 		for {
 			resp, err := stream.Recv()
 			if err != nil {
@@ -109,23 +113,45 @@ func BenchmarkXDSEndpointSliceToEDS(b *testing.B) {
 			now := time.Now()
 			for _, r := range resp.GetResources() {
 				cla := &endpointv3.ClusterLoadAssignment{}
-				if r.UnmarshalTo(cla) == nil {
-					arrivals <- arrival{cla.GetClusterName(), now}
+				if r.UnmarshalTo(cla) != nil {
+					continue
 				}
-			}
-			if first {
-				initial <- len(resp.GetResources())
-				first = false
+				n := 0
+				for _, l := range cla.GetEndpoints() {
+					n += len(l.GetLbEndpoints())
+				}
+				countsMu.Lock()
+				counts[cla.GetClusterName()] = n
+				countsMu.Unlock()
+				select {
+				case arrivals <- arrival{cla.GetClusterName(), now}:
+				default: // nobody is measuring yet
+				}
 			}
 			_ = stream.Send(&discovery.DiscoveryRequest{Node: node, TypeUrl: resource.EndpointType, ResourceNames: names,
 				VersionInfo: resp.GetVersionInfo(), ResponseNonce: resp.GetNonce()})
 		}
 	}()
-	select {
-	case n := <-initial:
-		require.Equal(b, numServices, n, "initial EDS response holds every subscribed cluster")
-	case <-time.After(time.Minute):
-		b.Fatal("no initial EDS response")
+	want := numClusters * numServices * perSlice
+	total := func() int {
+		countsMu.Lock()
+		defer countsMu.Unlock()
+		n := 0
+		for _, c := range counts {
+			n += c
+		}
+		return n
+	}
+	deadline := time.Now().Add(10 * time.Minute)
+	for total() < want {
+		select {
+		case err := <-recvErr:
+			b.Fatalf("ADS stream ended: %v (pilot log: %s)", err, pilot.log())
+		case <-time.After(100 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("the client has %d of %d endpoints after 10 minutes", total(), want)
+		}
 	}
 	drain := func() {
 		for {
@@ -136,7 +162,7 @@ func BenchmarkXDSEndpointSliceToEDS(b *testing.B) {
 			}
 		}
 	}
-	b.Run(fmt.Sprintf("endpoints=%d", endpoints(e.pilot)), func(b *testing.B) {
+	b.Run(fmt.Sprintf("endpoints=%d", total()), func(b *testing.B) {
 		var lat, api []time.Duration
 		for i := range samples {
 			c := e.set.Clusters[1+i%(numClusters-1)]
@@ -179,21 +205,119 @@ func BenchmarkXDSEndpointSliceToEDS(b *testing.B) {
 			lat, api = append(lat, total), append(api, apiserver)
 		}
 		reportLatency(b, lat, api)
-		b.ReportMetric(float64(heapAfterGC())/(1<<20), "heap-MiB")
-		b.ReportMetric(float64(rssBytes())/(1<<20), "process-RSS-MiB")
+		rss, peak := pilot.rss(b)
+		b.ReportMetric(float64(rss)/(1<<20), "pilot-RSS-MiB")
+		b.ReportMetric(float64(peak)/(1<<20), "pilot-peak-RSS-MiB")
+		b.ReportMetric(pilot.metric(b, "go_memstats_heap_inuse_bytes")/(1<<20), "pilot-heap-inuse-MiB")
+		if path := os.Getenv("ISTHMUS_BENCH_PILOT_HEAP"); path != "" {
+			// A heap profile of pilot (after a GC), for go tool pprof.
+			resp, err := http.Get("http://" + pilot.debugAddr + "/debug/pprof/heap?gc=1")
+			require.NoError(b, err)
+			prof, err := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			require.NoError(b, err)
+			require.NoError(b, os.WriteFile(path, prof, 0o644))
+		}
 	})
 }
 
-func rssBytes() int64 {
-	data, err := os.ReadFile("/proc/self/status")
-	if err != nil {
-		return 0
+// pilotProcess is cmd/pilot running as its own process on 127.0.61.1.
+type pilotProcess struct {
+	cmd            *exec.Cmd
+	logPath        string
+	xdsAddr        string
+	monitoringAddr string
+	debugAddr      string
+}
+
+// startPilotProcess builds cmd/pilot and runs it with default settings on
+// config cluster c (plaintext xDS for the benchmark client); it stops when
+// the benchmark ends.
+func startPilotProcess(b *testing.B, c *framework.Cluster, ns string) *pilotProcess {
+	b.Helper()
+	dir := b.TempDir()
+	bin := filepath.Join(dir, "pilot")
+	if out, err := exec.Command("go", "build", "-o", bin, "github.com/isthmus-mesh/isthmus/cmd/pilot").CombinedOutput(); err != nil {
+		b.Fatalf("build pilot: %v\n%s", err, out)
+	}
+	kc := filepath.Join(dir, "kubeconfig")
+	require.NoError(b, c.WriteAdminKubeconfig(kc))
+	const ip = "127.0.61.1"
+	p := &pilotProcess{logPath: filepath.Join(dir, "pilot.log"), xdsAddr: ip + ":15010", monitoringAddr: ip + ":15014", debugAddr: ip + ":8080"}
+	logf, err := os.Create(p.logPath)
+	require.NoError(b, err)
+	p.cmd = exec.Command(bin, "--kubeconfig", kc, "--namespace", ns, "--cluster-id", clusterName(0), "--network", "network-0",
+		"--xds-addr", "-", "--xds-plaintext-addr", p.xdsAddr, "--monitoring-addr", p.monitoringAddr, "--debug-addr", p.debugAddr,
+		"--no-leader-election", "--log-level", "warn")
+	p.cmd.Stdout, p.cmd.Stderr = logf, logf
+	// ISTHMUS_BENCH_PILOT_ENV adds "NAME=value" settings (space-separated)
+	// to pilot's environment, e.g. GOMEMLIMIT=140MiB.
+	p.cmd.Env = append(os.Environ(), strings.Fields(os.Getenv("ISTHMUS_BENCH_PILOT_ENV"))...)
+	require.NoError(b, p.cmd.Start())
+	b.Cleanup(func() {
+		_ = p.cmd.Process.Signal(syscall.SIGTERM)
+		done := make(chan struct{})
+		go func() { _ = p.cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(15 * time.Second):
+			_ = p.cmd.Process.Kill()
+			<-done
+		}
+		logf.Close()
+	})
+	require.Eventually(b, func() bool {
+		resp, err := http.Get("http://" + p.monitoringAddr + "/readyz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	}, 2*time.Minute, 100*time.Millisecond, "pilot not ready")
+	return p
+}
+
+func (p *pilotProcess) log() string {
+	b, _ := os.ReadFile(p.logPath)
+	return string(b)
+}
+
+// rss returns the process's resident set size now and at its peak.
+func (p *pilotProcess) rss(b *testing.B) (now, peak int64) {
+	b.Helper()
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", p.cmd.Process.Pid))
+	require.NoError(b, err)
+	kb := func(v string) int64 {
+		n, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+		require.NoError(b, err)
+		return n << 10
 	}
 	for _, line := range strings.Split(string(data), "\n") {
 		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
-			kb, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
-			return kb << 10
+			now = kb(v)
+		}
+		if v, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			peak = kb(v)
 		}
 	}
+	return now, peak
+}
+
+// metric reads one unlabelled metric from pilot's /metrics.
+func (p *pilotProcess) metric(b *testing.B, name string) float64 {
+	b.Helper()
+	resp, err := http.Get("http://" + p.monitoringAddr + "/metrics")
+	require.NoError(b, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(b, err)
+	for _, line := range strings.Split(string(body), "\n") {
+		if v, ok := strings.CutPrefix(line, name+" "); ok {
+			f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			require.NoError(b, err)
+			return f
+		}
+	}
+	b.Fatalf("metric %s not found", name)
 	return 0
 }

@@ -30,8 +30,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
-	"k8s.io/client-go/tools/clientcmd"
-	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/isthmus-mesh/isthmus/test/framework"
 )
@@ -372,13 +370,8 @@ func (d *Demo) spawn(ctx context.Context, name, bin string, args ...string) erro
 }
 
 func (d *Demo) writeAdminKubeconfig(c *framework.Cluster) (string, error) {
-	cfg := clientcmdapi.NewConfig()
-	cfg.Clusters[c.Name] = &clientcmdapi.Cluster{Server: c.Host(), CertificateAuthorityData: c.CAData()}
-	cfg.AuthInfos[c.Name] = &clientcmdapi.AuthInfo{ClientCertificateData: c.Config.CertData, ClientKeyData: c.Config.KeyData}
-	cfg.Contexts[c.Name] = &clientcmdapi.Context{Cluster: c.Name, AuthInfo: c.Name}
-	cfg.CurrentContext = c.Name
 	path := filepath.Join(d.work, c.Name+".kubeconfig")
-	return path, clientcmd.WriteToFile(*cfg, path)
+	return path, c.WriteAdminKubeconfig(path)
 }
 
 func (d *Demo) workloads(ctx context.Context, c1, c2 *framework.Cluster) error {

@@ -36,6 +36,8 @@ import (
 
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
 	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
@@ -200,6 +202,17 @@ func (c *Cluster) Host() string { return c.Config.Host }
 
 // CAData returns the PEM CA of the cluster's API server.
 func (c *Cluster) CAData() []byte { return c.Config.CAData }
+
+// WriteAdminKubeconfig writes a kubeconfig with the cluster's admin client
+// certificate to path (mode 0600), for processes the test starts.
+func (c *Cluster) WriteAdminKubeconfig(path string) error {
+	cfg := clientcmdapi.NewConfig()
+	cfg.Clusters[c.Name] = &clientcmdapi.Cluster{Server: c.Host(), CertificateAuthorityData: c.CAData()}
+	cfg.AuthInfos[c.Name] = &clientcmdapi.AuthInfo{ClientCertificateData: c.Config.CertData, ClientKeyData: c.Config.KeyData}
+	cfg.Contexts[c.Name] = &clientcmdapi.Context{Cluster: c.Name, AuthInfo: c.Name}
+	cfg.CurrentContext = c.Name
+	return clientcmd.WriteToFile(*cfg, path)
+}
 
 // StopAPIServer kills the cluster's kube-apiserver, as a crash would (its
 // data stays in etcd); RestartAPIServer brings it back on the same address
