@@ -39,7 +39,7 @@ func TestFlagsToConfig(t *testing.T) {
 	cfg, deps, err := capture(t,
 		"--mode=gateway", "--cluster-id=c1", "--network=n1", "--trust-domain=example.org",
 		"--xds-address=isthmusd.mesh.svc:15012", "--ca-address=isthmusd.mesh.svc:15012",
-		"--ca-token=/tok", "--root-cert=/root.pem", "--hbone-port=15009",
+		"--ca-token=/tok", "--root-cert=/root.pem", "--root-cert-reload=30s", "--hbone-port=15009",
 		"--outbound-addr=:15001", "--inbound-plaintext-addr=:15006", "--socks5-addr=:15080",
 		"--readiness-addr=:15021", "--metrics-addr=:15020", "--admin-addr=127.0.0.1:15000",
 		"--cert-ttl=1h", "--log-level=debug", "--log-format=text",
@@ -50,7 +50,7 @@ func TestFlagsToConfig(t *testing.T) {
 		NodeName: "env-node", ClusterID: "c1", Network: "n1", Mode: node.ModeGateway, TrustDomain: "example.org",
 		Namespace: "mesh", ServiceAccount: "ztunnel",
 		XDSAddress: "isthmusd.mesh.svc:15012", CAAddress: "isthmusd.mesh.svc:15012",
-		TokenFile: "/tok", RootCertFile: "/root.pem", CertTTL: time.Hour, HBONEPort: 15009,
+		TokenFile: "/tok", RootCertFile: "/root.pem", RootsReloadInterval: 30 * time.Second, CertTTL: time.Hour, HBONEPort: 15009,
 		OutboundListen: ":15001", SOCKS5Listen: ":15080", AdminListen: "127.0.0.1:15000",
 		ReadinessListen: ":15021", MetricsListen: ":15020", ShutdownTimeout: node.DefaultConfig.ShutdownTimeout,
 	}, cfg)

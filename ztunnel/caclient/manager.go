@@ -112,8 +112,9 @@ type Deps struct {
 	// Token returns the node's ServiceAccount token for each request.
 	Token TokenSource
 	// Roots are the mesh roots: the CA's serving certificate and every
-	// issued chain must verify against them.
-	Roots *x509.CertPool
+	// issued chain must verify against them. They are read at every
+	// verification, so a RootsFile's reload applies at once.
+	Roots RootSource
 	// Store, when set, drives prefetching and dropping (see Run).
 	Store *state.Store
 	// Credentials replaces the default TLS credentials (Roots, ServerName).
@@ -176,7 +177,7 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 	}
 	creds := deps.Credentials
 	if creds == nil {
-		creds = credentials.NewTLS(&tls.Config{MinVersion: tls.VersionTLS12, RootCAs: deps.Roots, ServerName: cfg.ServerName})
+		creds = credentials.NewTLS(serverTLS(deps.Roots, cfg.ServerName))
 	}
 	conn, err := grpc.NewClient(cfg.Address, append([]grpc.DialOption{grpc.WithTransportCredentials(creds)}, deps.DialOptions...)...)
 	if err != nil {
@@ -192,7 +193,7 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 }
 
 // Roots returns the mesh roots.
-func (m *Manager) Roots() *x509.CertPool { return m.deps.Roots }
+func (m *Manager) Roots() *x509.CertPool { return m.deps.Roots.Roots() }
 
 // Certificate returns the certificate of id: the cached one while it is
 // valid (starting a background renewal once it is past its renewal time),
@@ -362,7 +363,7 @@ func (m *Manager) checkChain(id identity.Identity, key *ecdsa.PrivateKey, chainP
 		}
 	}
 	if _, err := leaf.Verify(x509.VerifyOptions{
-		Roots: m.deps.Roots, Intermediates: inter, CurrentTime: m.deps.Now(),
+		Roots: m.deps.Roots.Roots(), Intermediates: inter, CurrentTime: m.deps.Now(),
 		KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny},
 	}); err != nil {
 		return nil, fmt.Errorf("certificate for %s does not chain to the mesh roots: %w", id, err)
@@ -510,17 +511,14 @@ func (m *Manager) Dump() []identity.CertInfo {
 // 15012): it verifies pilot against the mesh roots as serverName and
 // presents the certificate of NodeIdentity, fetched on demand.
 func (m *Manager) ClientTLS(serverName string) *tls.Config {
-	return &tls.Config{
-		MinVersion: tls.VersionTLS12,
-		RootCAs:    m.deps.Roots,
-		ServerName: serverName,
-		GetClientCertificate: func(info *tls.CertificateRequestInfo) (*tls.Certificate, error) {
-			if m.cfg.NodeIdentity.IsZero() {
-				return &tls.Certificate{}, nil
-			}
-			return m.Certificate(info.Context(), m.cfg.NodeIdentity)
-		},
+	cfg := serverTLS(m.deps.Roots, serverName)
+	cfg.GetClientCertificate = func(info *tls.CertificateRequestInfo) (*tls.Certificate, error) {
+		if m.cfg.NodeIdentity.IsZero() {
+			return &tls.Certificate{}, nil
+		}
+		return m.Certificate(info.Context(), m.cfg.NodeIdentity)
 	}
+	return cfg
 }
 
 // Close stops fetches in flight, waits for them, and closes the connection

@@ -57,7 +57,7 @@ func newEnv(t *testing.T, tweak func(*caclient.Config, *caclient.Deps)) *env {
 	store := state.NewStore()
 	cfg := caclient.Config{Address: srv.Addr, ClusterID: cluster, Node: node, NodeIdentity: nodeID, RetryInitial: 50 * time.Millisecond}
 	deps := caclient.Deps{
-		Token: caclient.StaticToken(token), Roots: roots, Store: store,
+		Token: caclient.StaticToken(token), Roots: caclient.StaticRoots{Pool: roots}, Store: store,
 		Log: slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug})),
 	}
 	if tweak != nil {

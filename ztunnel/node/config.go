@@ -60,8 +60,12 @@ type Config struct {
 	// TokenFile is the projected ServiceAccount token, re-read for each
 	// certificate request (unless Deps.Token is set).
 	TokenFile string
-	// RootCertFile is the mesh root bundle (unless Deps.RootsPEM is set).
-	RootCertFile string
+	// RootCertFile is the mesh root bundle (unless Deps.RootsPEM is set),
+	// re-read every RootsReloadInterval so that a root rotation (the
+	// ConfigMap pilot publishes, updated in place) applies without a
+	// restart.
+	RootCertFile        string
+	RootsReloadInterval time.Duration
 	// CertTTL is the certificate lifetime asked for; zero lets the CA choose.
 	CertTTL time.Duration
 
@@ -85,19 +89,20 @@ type Config struct {
 
 // DefaultConfig holds the defaults.
 var DefaultConfig = Config{
-	Mode:            ModeNode,
-	TrustDomain:     "cluster.local",
-	Namespace:       "isthmus-system",
-	ServiceAccount:  "ztunnel",
-	TokenFile:       "/var/run/secrets/tokens/isthmus-token",
-	RootCertFile:    "/var/run/secrets/isthmus/root-cert.pem",
-	HBONEPort:       15008,
-	OutboundListen:  "127.0.0.1:15001",
-	SOCKS5Listen:    "127.0.0.1:15080",
-	AdminListen:     "127.0.0.1:15000",
-	ReadinessListen: "0.0.0.0:15021",
-	MetricsListen:   "0.0.0.0:15020",
-	ShutdownTimeout: 5 * time.Second,
+	Mode:                ModeNode,
+	TrustDomain:         "cluster.local",
+	Namespace:           "isthmus-system",
+	ServiceAccount:      "ztunnel",
+	TokenFile:           "/var/run/secrets/tokens/isthmus-token",
+	RootCertFile:        "/var/run/secrets/isthmus/root-cert.pem",
+	RootsReloadInterval: 10 * time.Second,
+	HBONEPort:           15008,
+	OutboundListen:      "127.0.0.1:15001",
+	SOCKS5Listen:        "127.0.0.1:15080",
+	AdminListen:         "127.0.0.1:15000",
+	ReadinessListen:     "0.0.0.0:15021",
+	MetricsListen:       "0.0.0.0:15020",
+	ShutdownTimeout:     5 * time.Second,
 }
 
 func (c Config) withDefaults() Config {
@@ -118,6 +123,9 @@ func (c Config) withDefaults() Config {
 	or(&c.CAServerName, hostOf(c.CAAddress))
 	or(&c.TokenFile, d.TokenFile)
 	or(&c.RootCertFile, d.RootCertFile)
+	if c.RootsReloadInterval <= 0 {
+		c.RootsReloadInterval = d.RootsReloadInterval
+	}
 	or(&c.OutboundListen, d.OutboundListen)
 	or(&c.SOCKS5Listen, d.SOCKS5Listen)
 	or(&c.AdminListen, d.AdminListen)

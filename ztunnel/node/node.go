@@ -16,7 +16,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"os"
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -43,6 +42,7 @@ type Node struct {
 	store *state.Store
 	xds   *xdsclient.Client
 	certs *caclient.Manager
+	roots *caclient.RootsFile // nil with Deps.RootsPEM
 	admin http.Handler
 
 	in  *proxy.Inbound  // node mode
@@ -75,23 +75,26 @@ func New(cfg Config, deps Deps) (*Node, error) {
 	if deps.Token == nil {
 		deps.Token = caclient.TokenFile(cfg.TokenFile)
 	}
-	rootsPEM := deps.RootsPEM
-	if rootsPEM == nil {
-		b, err := os.ReadFile(cfg.RootCertFile)
-		if err != nil {
-			return nil, fmt.Errorf("ztunnel: read root bundle: %w", err)
-		}
-		rootsPEM = b
-	}
-	roots, err := caclient.RootsFromPEM(rootsPEM)
-	if err != nil {
-		return nil, fmt.Errorf("ztunnel: %w", err)
-	}
 	log := deps.Log.With("node", cfg.NodeName, "cluster", cfg.ClusterID, "network", cfg.Network, "mode", string(cfg.Mode))
 	n := &Node{
 		cfg: cfg, deps: deps, log: log, store: state.NewStore(),
 		id: identity.Identity{TrustDomain: cfg.TrustDomain, Namespace: cfg.Namespace, ServiceAccount: cfg.ServiceAccount},
 	}
+	var roots caclient.RootSource
+	if deps.RootsPEM != nil {
+		pool, err := caclient.RootsFromPEM(deps.RootsPEM)
+		if err != nil {
+			return nil, fmt.Errorf("ztunnel: %w", err)
+		}
+		roots = caclient.StaticRoots{Pool: pool}
+	} else {
+		rf, err := caclient.NewRootsFile(cfg.RootCertFile, cfg.RootsReloadInterval, log)
+		if err != nil {
+			return nil, fmt.Errorf("ztunnel: %w", err)
+		}
+		roots, n.roots = rf, rf
+	}
+	var err error
 	n.certs, err = caclient.New(caclient.Config{
 		Address: cfg.CAAddress, ServerName: cfg.CAServerName, ClusterID: cfg.ClusterID,
 		Node: cfg.NodeName, NodeIdentity: n.id, TTL: cfg.CertTTL,
@@ -258,6 +261,9 @@ func (n *Node) Run(ctx context.Context) error {
 	serveHTTP(lns.metrics, only("/metrics", n.admin))
 	g.Go(func() error { return n.xds.Run(gctx) })
 	g.Go(func() error { return n.certs.Run(gctx) })
+	if n.roots != nil {
+		g.Go(func() error { return n.roots.Run(gctx) })
+	}
 	serve := func(ln net.Listener, fn func(net.Listener) error) {
 		if ln != nil {
 			g.Go(func() error { return ignoreClosed(fn(ln)) })
