@@ -164,6 +164,8 @@ func TestFederatedService(t *testing.T) {
 	e1, e2 := s.Shards["cluster-1"][0], s.Shards["cluster-2"][0]
 	require.Equal(t, model.Network("network-1"), e1.Network())
 	require.Equal(t, model.Network("network-2"), e2.Network())
+	// Each cluster's VIPs are on that cluster's network.
+	require.Equal(t, map[model.ClusterID]model.Network{"cluster-1": "network-1", "cluster-2": "network-2"}, s.VIPNetworks)
 	require.Equal(t, model.Locality{Region: "eu", Zone: "eu-1", Subzone: "rack1"}, e1.Locality())
 	require.Equal(t, model.Locality{Region: "us", Zone: "us-2"}, e2.Locality())
 	require.Equal(t, netip.MustParseAddr("127.10.1.1"), e1.Address())

@@ -405,6 +405,7 @@ func (v *view) putService(s *svcInfo) {
 	if v.exported[k] {
 		s.cs.Exported = true
 	}
+	s.cs.Network = v.nsNetworkOr()
 	old := v.services[k]
 	if serviceEqual(old, s) {
 		return
@@ -495,6 +496,14 @@ func (v *view) setNamespaceNetwork(n model.Network) {
 		return
 	}
 	v.nsNetwork = n
+	for k, s := range v.services {
+		if s.cs.Network != v.nsNetworkOr() {
+			cs := *s.cs
+			cs.Network = v.nsNetworkOr()
+			v.services[k] = &svcInfo{cs: &cs, selector: s.selector, gateway: s.gateway}
+			v.setServiceDelta(k, &cs)
+		}
+	}
 	for _, byName := range v.podsByNS {
 		for _, p := range byName {
 			v.refreshPod(p, nil)

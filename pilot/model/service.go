@@ -12,7 +12,10 @@ type ClusterService struct {
 	Name      string
 	Namespace string
 	// VIPs are the cluster IPs (none for a headless service).
-	VIPs     []netip.Addr
+	VIPs []netip.Addr
+	// Network is the network the VIPs are reachable on: the cluster's
+	// (its control-plane namespace's network label, else its default).
+	Network  Network
 	Ports    []Port
 	Headless bool
 	// Selector is the pod selector; nil for a selector-less service whose
@@ -35,10 +38,11 @@ type Service struct {
 	Hostname  string
 	// Ports merged by name across clusters (the oldest definition wins).
 	Ports []Port
-	// VIPs per cluster.
-	VIPs     map[ClusterID][]netip.Addr
-	Scope    Scope
-	Headless bool
+	// VIPs per cluster, and the network of each cluster's VIPs.
+	VIPs        map[ClusterID][]netip.Addr
+	VIPNetworks map[ClusterID]Network
+	Scope       Scope
+	Headless    bool
 	// Clusters lists the clusters that define the service, sorted.
 	Clusters []ClusterID
 	// Shards holds the endpoints per cluster; a shard is replaced whole on

@@ -134,7 +134,7 @@ func (r *Registry) Subscribe(fn func(model.ChangeSet)) (cancel func()) {
 func clusterServiceEqual(a, b *model.ClusterService) bool {
 	return a.Name == b.Name && a.Namespace == b.Namespace && a.Cluster == b.Cluster && slices.Equal(a.VIPs, b.VIPs) &&
 		slices.Equal(a.Ports, b.Ports) && a.Headless == b.Headless && maps.Equal(a.Selector, b.Selector) &&
-		a.Exported == b.Exported && a.Created.Equal(b.Created)
+		a.Exported == b.Exported && a.Network == b.Network && a.Created.Equal(b.Created)
 }
 
 func shardEqual(a, b []model.Endpoint) bool {

@@ -417,6 +417,10 @@ func (r *Registry) rebuildService(changes []model.Change, k model.ServiceKey) []
 		svc.Clusters = append(svc.Clusters, d.Cluster)
 		if len(d.VIPs) > 0 {
 			svc.VIPs[d.Cluster] = d.VIPs
+			if svc.VIPNetworks == nil {
+				svc.VIPNetworks = map[model.ClusterID]model.Network{}
+			}
+			svc.VIPNetworks[d.Cluster] = d.Network
 		}
 		if sh := r.clusters[d.Cluster].shards[k]; len(sh) > 0 {
 			svc.Shards[d.Cluster] = sh

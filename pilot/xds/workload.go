@@ -119,9 +119,13 @@ func buildWorkload(c class, w *model.Workload, trustDomain string) *workloadv1.A
 	return &workloadv1.Address{Type: &workloadv1.Address_Workload{Workload: out}}
 }
 
-// clusterNetwork guesses the network of a cluster's VIPs from the endpoints
-// of its shard, falling back to the client's network.
+// clusterNetwork returns the network of a cluster's VIPs: as discovery
+// reported it, else (a registry that does not say) the network of the
+// cluster's endpoints, else the client's.
 func clusterNetwork(s *model.Service, cluster model.ClusterID, fallback model.Network) model.Network {
+	if n, ok := s.VIPNetworks[cluster]; ok {
+		return n
+	}
 	for _, e := range s.Shards[cluster] {
 		return e.Network()
 	}

@@ -22,6 +22,26 @@ var (
 
 // TestDeltaWildcard proves a wildcard subscriber gets the whole state of its
 // network first, then only what changed: one added workload, one removal.
+// TestServiceVIPsPerNetwork proves each cluster's VIPs are published on
+// the network discovery reported for them, even for a cluster with no
+// endpoint to tell it by.
+func TestServiceVIPsPerNetwork(t *testing.T) {
+	reg := xdstest.New()
+	svc, ws := xdstest.Backing("echo", ns, tcp80, map[model.ClusterID][]netip.Addr{"c1": {ip("10.96.0.10")}, "c2": {ip("10.97.0.10")}},
+		xdstest.Pod("c1", "net1", ns, "a", ip("10.0.0.1")))
+	svc.VIPNetworks = map[model.ClusterID]model.Network{"c1": "net1", "c2": "net2"}
+	publish(reg, svc, ws)
+	e := start(t, reg)
+	c := openDelta(t, dial(t, e.addr), wildcard(node("zt-1", "net1", "c1")))
+	c.apply(c.next())
+	got := map[string]string{}
+	for _, a := range c.resources[echoName].GetService().GetAddresses() {
+		addr, _ := netip.AddrFromSlice(a.GetAddress())
+		got[addr.String()] = a.GetNetwork()
+	}
+	require.Equal(t, map[string]string{"10.96.0.10": "net1", "10.97.0.10": "net2"}, got)
+}
+
 func TestDeltaWildcard(t *testing.T) {
 	reg := xdstest.New()
 	svc, ws := xdstest.Backing("echo", ns, tcp80, map[model.ClusterID][]netip.Addr{"c1": {ip("10.96.0.10")}},
