@@ -12,17 +12,46 @@ import (
 // BufferSize is the size of the pooled relay buffers used while data flows.
 const BufferSize = 64 << 10
 
-// smallBufferSize is the buffer a relay direction holds while it waits for
-// data on a source that cannot report readiness (an HTTP/2 stream).
-const smallBufferSize = 2 << 10
+// LargeBufferSize is the buffer a relay direction moves to while it carries
+// bulk data (a read filled a BufferSize buffer), until a read returns less
+// than BufferSize. Each chunk written to an HTTP/2 response crosses three
+// goroutines in x/net/http2 (handler, serve loop, frame writer) and each
+// chunk written to a socket costs a wake-up of its reader, so larger chunks
+// cut the hand-offs per byte (see ztunnel/BENCHMARKS.md); directions that
+// carry small messages keep the smaller buffer.
+const LargeBufferSize = 256 << 10
 
 var (
 	bufPool   = sync.Pool{New: func() any { b := make([]byte, BufferSize); return &b }}
-	smallPool = sync.Pool{New: func() any { b := make([]byte, smallBufferSize); return &b }}
+	largePool = sync.Pool{New: func() any { b := make([]byte, LargeBufferSize); return &b }}
 )
 
-func getBuf() *[]byte  { return bufPool.Get().(*[]byte) }
-func putBuf(b *[]byte) { bufPool.Put(b) }
+// getBuf returns a pooled BufferSize buffer, or a LargeBufferSize one if
+// large is set.
+func getBuf(large bool) *[]byte {
+	if large {
+		return largePool.Get().(*[]byte)
+	}
+	return bufPool.Get().(*[]byte)
+}
+
+// putBuf gives b back to the pool of its size.
+func putBuf(b *[]byte) {
+	if len(*b) == LargeBufferSize {
+		largePool.Put(b)
+	} else {
+		bufPool.Put(b)
+	}
+}
+
+// bulkAfter reports whether a direction carries bulk data after a read of n
+// bytes into buf, given whether it did before.
+func bulkAfter(bulk bool, n int, buf []byte) bool {
+	if bulk {
+		return n >= BufferSize
+	}
+	return n == len(buf)
+}
 
 // closeWriter is implemented by connections supporting half-close.
 type closeWriter interface{ CloseWrite() error }
@@ -99,10 +128,10 @@ func copyHalf(dst, src net.Conn, on func(int)) (int64, error) {
 
 // pump reads src until EOF and hands every chunk read to write, which must
 // consume it before returning. It returns the bytes read and the first
-// error other than EOF. A pooled BufferSize buffer is held only while data
-// flows: for a socket, pump waits for readability holding no buffer at all;
-// for other sources it waits with a small buffer, and moves to the large
-// one while reads fill the small one.
+// error other than EOF. A pooled buffer (BufferSize, or LargeBufferSize for
+// bulk data) is held only while data flows: for a socket, pump waits for
+// readability through the poller; for other sources it waits with a
+// zero-length read.
 func pump(src io.Reader, write func([]byte) error) (int64, error) {
 	if sc, ok := src.(syscall.Conn); ok {
 		if rc, err := sc.SyscallConn(); err == nil && rawReadSupported {
@@ -112,38 +141,36 @@ func pump(src io.Reader, write func([]byte) error) (int64, error) {
 	return pumpAdaptive(src, write)
 }
 
-// pumpAdaptive is pump for sources without readiness notification.
+// pumpAdaptive is pump for sources without readiness notification. HTTP/2
+// bodies of x/net/http2 (server request bodies, client response bodies)
+// block a zero-length read until data or the end of the body is there, so
+// pump waits holding no buffer, then takes everything buffered (several
+// frames) with one read and hands it on as one chunk. A source whose
+// zero-length read returns at once is read with the buffer instead
+// (correct, but it holds the buffer while idle).
 func pumpAdaptive(src io.Reader, write func([]byte) error) (int64, error) {
-	sp := smallPool.Get().(*[]byte)
-	defer smallPool.Put(sp)
-	var big *[]byte
-	defer func() {
-		if big != nil {
-			putBuf(big)
-		}
-	}()
-	var total int64
+	var (
+		total int64
+		bulk  bool
+	)
 	for {
-		buf := *sp
-		if big != nil {
-			buf = *big
+		if _, err := src.Read(nil); err != nil {
+			if err == io.EOF {
+				return total, nil
+			}
+			return total, err
 		}
-		n, rerr := src.Read(buf)
+		buf := getBuf(bulk)
+		n, rerr := src.Read(*buf)
 		if n > 0 {
 			total += int64(n)
-			if werr := write(buf[:n]); werr != nil {
+			if werr := write((*buf)[:n]); werr != nil {
+				putBuf(buf)
 				return total, werr
 			}
 		}
-		switch {
-		case big == nil && n == len(buf):
-			// The small buffer filled: more is probably waiting.
-			big = getBuf()
-		case big != nil && n < len(buf):
-			// The source is drained: wait for more with the small buffer.
-			putBuf(big)
-			big = nil
-		}
+		bulk = bulkAfter(bulk, n, *buf)
+		putBuf(buf)
 		if rerr == io.EOF {
 			return total, nil
 		}
