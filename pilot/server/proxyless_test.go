@@ -3,10 +3,8 @@ package server_test
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"net"
 	"net/netip"
-	"os"
 	"testing"
 	"time"
 
@@ -20,7 +18,6 @@ import (
 	grpcxds "google.golang.org/grpc/xds"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
 	"github.com/isthmus-mesh/isthmus/pilot/server"
 	"github.com/isthmus-mesh/isthmus/test/framework"
 )
@@ -59,22 +56,11 @@ func TestProxylessGRPCAcrossRealClusters(t *testing.T) {
 	}
 	require.NoError(t, primary.EnsureNamespace(ctx, cpNS, nil))
 
-	p, err := server.New(server.Config{
+	p := runPilot(t, server.Config{
 		Namespace: cpNS, ClusterID: "primary", Network: "net1", NoLeaderElection: true,
 		DebugAddr: "-", MonitoringAddr: "-", GRPCAddr: "-", XDSPlaintextAddr: "127.0.0.1:0",
-		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
-	}, primary.Config, nil)
-	require.NoError(t, err)
-	rctx, cancel := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- p.Run(rctx) }()
-	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
-	kc, err := remote.ReaderKubeconfig(ctx, "remote", remotesecret.ReaderOptions{})
-	require.NoError(t, err)
-	sec := remotesecret.Secret("remote", cpNS, kc)
-	sec.Annotations[remotesecret.NetworkAnnotation] = "net1" // one network: endpoints are reached directly
-	_, err = primary.Client.CoreV1().Secrets(cpNS).Create(ctx, sec, metav1.CreateOptions{})
-	require.NoError(t, err)
+	})
+	registerRemote(t, cpNS, "net1") // one network: endpoints are reached directly
 	require.Eventually(t, func() bool { return p.XDSPlaintextAddr() != "" }, 30*time.Second, 10*time.Millisecond)
 
 	bootstrap := fmt.Sprintf(`{

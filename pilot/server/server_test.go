@@ -49,6 +49,43 @@ func get(t *testing.T, url string, into any) int {
 	return resp.StatusCode
 }
 
+// runPilot builds a pilot for cfg on the primary cluster (warnings logged
+// to stderr) and runs it until the test ends.
+func runPilot(t *testing.T, cfg server.Config) *server.Server {
+	t.Helper()
+	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	p, err := server.New(cfg, clusters.Cluster("primary").Config, nil)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			require.NoError(t, err)
+		case <-time.After(30 * time.Second):
+			t.Error("pilot did not stop")
+		}
+	})
+	return p
+}
+
+// registerRemote creates in the primary cluster the remote secret of the
+// remote cluster, in namespace ns, on network (none: the default).
+func registerRemote(t *testing.T, ns string, network string) {
+	t.Helper()
+	ctx := context.Background()
+	kc, err := clusters.Cluster("remote").ReaderKubeconfig(ctx, "remote", remotesecret.ReaderOptions{})
+	require.NoError(t, err)
+	sec := remotesecret.Secret("remote", ns, kc)
+	if network != "" {
+		sec.Annotations[remotesecret.NetworkAnnotation] = network
+	}
+	_, err = clusters.Cluster("primary").Client.CoreV1().Secrets(ns).Create(ctx, sec, metav1.CreateOptions{})
+	require.NoError(t, err)
+}
+
 // TestPilotWiring runs a whole pilot against two real clusters: it becomes
 // ready when the config cluster syncs, registers the remote from its
 // Secret, federates its services, publishes the CA root into it, and serves
@@ -61,33 +98,16 @@ func TestPilotWiring(t *testing.T) {
 	_, err := remote.CreateService(ctx, "demo", "echo", map[string]string{"app": "echo"}, framework.ServicePort{Name: "http", Port: 80, TargetPort: 8080})
 	require.NoError(t, err)
 
-	p, err := server.New(server.Config{
+	p := runPilot(t, server.Config{
 		ClusterID: "primary", Network: "network-1",
 		DebugAddr: "127.0.0.1:0", MonitoringAddr: "127.0.0.1:0", GRPCAddr: "127.0.0.1:0",
-		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
-	}, primary.Config, nil)
-	require.NoError(t, err)
-	rctx, cancel := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- p.Run(rctx) }()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case err := <-done:
-			require.NoError(t, err)
-		case <-time.After(30 * time.Second):
-			t.Error("pilot did not stop")
-		}
 	})
 	require.Eventually(t, func() bool { return p.MonitoringAddr() != "" && p.DebugAddr() != "" }, 20*time.Second, 10*time.Millisecond)
 	mon, dbg := "http://"+p.MonitoringAddr(), "http://"+p.DebugAddr()
 	require.Eventually(t, func() bool { return get(t, mon+"/readyz", nil) == http.StatusOK }, 30*time.Second, 20*time.Millisecond)
 	require.Equal(t, http.StatusOK, get(t, mon+"/healthz", nil))
 
-	kc, err := remote.ReaderKubeconfig(ctx, "remote", remotesecret.ReaderOptions{})
-	require.NoError(t, err)
-	_, err = primary.Client.CoreV1().Secrets("isthmus-system").Create(ctx, remotesecret.Secret("remote", "isthmus-system", kc), metav1.CreateOptions{})
-	require.NoError(t, err)
+	registerRemote(t, "isthmus-system", "")
 
 	require.EventuallyWithT(t, func(c *assert.CollectT) {
 		var st []multicluster.Status

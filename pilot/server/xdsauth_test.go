@@ -3,9 +3,7 @@ package server_test
 import (
 	"context"
 	"io"
-	"log/slog"
 	"net/netip"
-	"os"
 	"testing"
 	"time"
 
@@ -22,7 +20,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
 	"github.com/isthmus-mesh/isthmus/pilot/ca"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 	"github.com/isthmus-mesh/isthmus/pilot/server"
@@ -46,26 +43,15 @@ func TestXDSAuthorizationOnRealClusters(t *testing.T) {
 	require.NoError(t, primary.EnsureNamespace(ctx, cpNS, nil))
 	require.NoError(t, remote.EnsureNamespace(ctx, cpNS, nil))
 
-	p, err := server.New(server.Config{
+	p := runPilot(t, server.Config{
 		Namespace: cpNS, ClusterID: "primary", Network: "net1", NoLeaderElection: true,
 		DebugAddr: "-", MonitoringAddr: "-", GRPCAddr: ip + ":0",
-		CA:     ca.Config{ServingSANs: []string{ip}},
-		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
-	}, primary.Config, nil)
-	require.NoError(t, err)
-	rctx, cancel := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- p.Run(rctx) }()
-	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
-	kc, err := remote.ReaderKubeconfig(ctx, "remote", remotesecret.ReaderOptions{})
-	require.NoError(t, err)
-	sec := remotesecret.Secret("remote", cpNS, kc)
-	sec.Annotations[remotesecret.NetworkAnnotation] = "net2"
-	_, err = primary.Client.CoreV1().Secrets(cpNS).Create(ctx, sec, metav1.CreateOptions{})
-	require.NoError(t, err)
+		CA: ca.Config{ServingSANs: []string{ip}},
+	})
+	registerRemote(t, cpNS, "net2")
 
 	// The ztunnel of node-r1 in the remote cluster, and its token.
-	_, err = remote.Client.CoreV1().ServiceAccounts(cpNS).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "ztunnel", Namespace: cpNS}}, metav1.CreateOptions{})
+	_, err := remote.Client.CoreV1().ServiceAccounts(cpNS).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "ztunnel", Namespace: cpNS}}, metav1.CreateOptions{})
 	if !apierrors.IsAlreadyExists(err) {
 		require.NoError(t, err)
 	}
