@@ -240,9 +240,6 @@ func (b *batch) sweep() {
 // flush hands the batch to the caches and returns the number of resources
 // updated and deleted.
 func (b *batch) flush() (int, error) {
-	if b.err != nil {
-		return 0, b.err
-	}
 	n := 0
 	for _, t := range allTypes {
 		up, del := b.updated[t], b.deleted[t]
@@ -260,5 +257,6 @@ func (b *batch) flush() (int, error) {
 			return n, fmt.Errorf("update %s cache of class %s: %w", t, b.v.class, err)
 		}
 	}
-	return n, nil
+	// A resource that could not be encoded was left out; the others went.
+	return n, b.err
 }
