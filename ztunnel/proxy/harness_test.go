@@ -155,6 +155,33 @@ type mesh struct {
 	serverConfig  hbone.ServerConfig
 	clientConfig  hbone.ClientConfig
 	withoutRemote bool
+	// gwHostname, if set, is the DNS name network n1 knows the gateway by
+	// (no address); resolver answers it with gwAddr.
+	gwHostname string
+	resolver   *fakeResolver
+}
+
+// fakeResolver answers names from a map and counts lookups.
+type fakeResolver struct {
+	mu      sync.Mutex
+	names   map[string][]netip.Addr
+	lookups int
+}
+
+func (r *fakeResolver) LookupNetIP(_ context.Context, _, host string) ([]netip.Addr, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.lookups++
+	if a, ok := r.names[host]; ok {
+		return a, nil
+	}
+	return nil, &net.DNSError{Err: "no such host", Name: host, IsNotFound: true}
+}
+
+func (r *fakeResolver) count() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.lookups
 }
 
 func pod(uid string, addr netip.Addr, node, network, cluster, sa string) *state.Workload {
@@ -183,18 +210,24 @@ func newMesh(t testing.TB, tweak func(*mesh)) *mesh {
 	svc := &state.Service{Name: "echo", Namespace: "default", VIPs: []netip.Addr{m.vip}, Ports: []uint16{svcPort}}
 	gwID := identity.Identity{TrustDomain: trustDomain, Namespace: "istio-system", ServiceAccount: "eastwest"}
 	gw := &state.NetworkGateway{Network: "n2", Address: m.gwAddr, HBONEPort: 15008, Identity: gwID}
+	seenFromN1 := gw
+	m.resolver = &fakeResolver{names: map[string][]netip.Addr{}}
+	if m.gwHostname != "" {
+		seenFromN1 = &state.NetworkGateway{Network: "n2", Hostname: m.gwHostname, HBONEPort: 15008, Identity: gwID}
+		m.resolver.names[m.gwHostname] = []netip.Addr{netip.MustParseAddr("::1"), m.gwAddr} // IPv4 preferred
+	}
 	m.n1.Update(func(tx *state.Tx) {
 		tx.UpsertService(svc)
 		client := pod("a1", m.a1, "node-a", "n1", "c1", "client")
 		client.Services = nil
 		tx.UpsertWorkload(client)
 		tx.UpsertWorkload(pod("b1", m.b1, "node-b", "n1", "c1", "echo"))
-		tx.UpsertGateway(gw)
+		tx.UpsertGateway(seenFromN1)
 		if !m.withoutRemote {
 			tx.UpsertWorkload(&state.Workload{
 				UID: "n2/echo", Name: "echo", Namespace: "default", Network: "n2",
 				TrustDomain: trustDomain, ServiceAccount: "echo", Protocol: state.TunnelHBONE,
-				Gateway: gw, Status: state.StatusReady, Capacity: 1,
+				Gateway: seenFromN1, Status: state.StatusReady, Capacity: 1,
 				Services: map[string]state.PortMap{echoKey: {svcPort: appPort}},
 			})
 		}
@@ -225,7 +258,7 @@ func newMesh(t testing.TB, tweak func(*mesh)) *mesh {
 	gln, err := net.Listen("tcp", gw.AddrPort().String())
 	require.NoError(t, err)
 	wg.Go(func() { _ = m.gw.Serve(gln) })
-	m.out, err = NewOutbound(cfg("node-a"), Deps{Store: m.n1, Certs: m.certs, Metrics: m.mOut, Dialer: m.dialer, Log: testLog(t)}, state.Selector{})
+	m.out, err = NewOutbound(cfg("node-a"), Deps{Store: m.n1, Certs: m.certs, Metrics: m.mOut, Dialer: m.dialer, Resolver: m.resolver, Log: testLog(t)}, state.Selector{})
 	require.NoError(t, err)
 	sln, err := net.Listen("tcp", m.socksAddr.String())
 	require.NoError(t, err)

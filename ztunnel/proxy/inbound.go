@@ -41,6 +41,14 @@ type Deps struct {
 	Dialer hbone.Dialer
 	// Listen opens listeners; net.Listen by default.
 	Listen ListenFunc
+	// Resolver resolves the DNS names of gateways known only by name;
+	// net.DefaultResolver by default.
+	Resolver Resolver
+}
+
+// Resolver looks up the addresses of a DNS name.
+type Resolver interface {
+	LookupNetIP(ctx context.Context, network, host string) ([]netip.Addr, error)
 }
 
 func (d Deps) withDefaults() (Deps, error) {
@@ -55,6 +63,9 @@ func (d Deps) withDefaults() (Deps, error) {
 	}
 	if d.Listen == nil {
 		d.Listen = net.Listen
+	}
+	if d.Resolver == nil {
+		d.Resolver = net.DefaultResolver
 	}
 	return d, nil
 }

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"slices"
 	"strconv"
 
 	"github.com/isthmus-mesh/isthmus/ztunnel/hbone"
@@ -203,10 +204,14 @@ func (o *Outbound) dialDouble(ctx context.Context, src, dst *state.Workload, gw 
 	outerAuthority := net.JoinHostPort(r.svc.Hostname, strconv.Itoa(int(t.Port)))
 	srcID := src.Identity()
 	underlay := func(ctx context.Context) (net.Conn, string, error) {
+		gwAddr, err := o.gatewayAddr(ctx, gw)
+		if err != nil {
+			return nil, "", err
+		}
 		s, err := o.client.Dial(ctx, hbone.DialRequest{
 			Source:    srcID,
 			Peer:      gw.Identity,
-			Addr:      gw.AddrPort(),
+			Addr:      gwAddr,
 			Authority: outerAuthority,
 			Header: http.Header{
 				HeaderForwarded: {forwarded(srcAddr, outerAuthority)},
@@ -214,14 +219,14 @@ func (o *Outbound) dialDouble(ctx context.Context, src, dst *state.Workload, gw 
 			},
 		})
 		if err != nil {
-			return nil, "", fmt.Errorf("outer hbone to gateway %s: %w", gw.AddrPort(), err)
+			return nil, "", fmt.Errorf("outer hbone to gateway %s: %w", gw.Target(), err)
 		}
 		// The gateway names the endpoint it chose and its target port: only
 		// the remote network knows the port behind the service port.
 		ep, err := netip.ParseAddrPort(s.ResponseHeader().Get(HeaderEndpoint))
 		if err != nil {
 			s.Close()
-			return nil, "", fmt.Errorf("gateway %s named no valid endpoint: %w", gw.AddrPort(), err)
+			return nil, "", fmt.Errorf("gateway %s named no valid endpoint: %w", gw.Target(), err)
 		}
 		return s, ep.String(), nil
 	}
@@ -229,7 +234,7 @@ func (o *Outbound) dialDouble(ctx context.Context, src, dst *state.Workload, gw 
 		Source:       srcID,
 		Peer:         innerPeer(dst),
 		Underlay:     underlay,
-		UnderlayKey:  "via " + gw.AddrPort().String() + " " + outerAuthority,
+		UnderlayKey:  "via " + gw.Target() + " " + outerAuthority,
 		AuthorityFor: func(ep string) string { return ep },
 		Header: http.Header{
 			HeaderForwarded:        {forwarded(srcAddr, t.String())},
@@ -237,6 +242,27 @@ func (o *Outbound) dialDouble(ctx context.Context, src, dst *state.Workload, gw 
 			HeaderForwardedNetwork: {src.Network},
 		},
 	})
+}
+
+// gatewayAddr returns where to reach gw: its address, or the first address
+// its DNS name resolves to (IPv4 first). Names are resolved only when a new
+// outer connection is needed: tunnels through a gateway share pooled ones.
+func (o *Outbound) gatewayAddr(ctx context.Context, gw *state.NetworkGateway) (netip.AddrPort, error) {
+	if gw.Address.IsValid() {
+		return gw.AddrPort(), nil
+	}
+	ips, err := o.deps.Resolver.LookupNetIP(ctx, "ip", gw.Hostname)
+	if err != nil {
+		return netip.AddrPort{}, fmt.Errorf("resolve gateway %s of network %s: %w", gw.Hostname, gw.Network, err)
+	}
+	if len(ips) == 0 {
+		return netip.AddrPort{}, fmt.Errorf("resolve gateway %s of network %s: no address", gw.Hostname, gw.Network)
+	}
+	ip := ips[0]
+	if i := slices.IndexFunc(ips, func(a netip.Addr) bool { return a.Unmap().Is4() }); i >= 0 {
+		ip = ips[i]
+	}
+	return netip.AddrPortFrom(ip.Unmap(), gw.HBONEPort), nil
 }
 
 // innerPeer is the identity the end-to-end tunnel must reach: the remote

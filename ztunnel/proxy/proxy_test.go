@@ -53,6 +53,42 @@ func TestCrossNetworkDoubleHBONE(t *testing.T) {
 	require.Less(t, m.mGW.OpenedCount(metrics.ReporterGateway), float64(n))
 }
 
+// TestGatewayKnownByHostname: network n1 knows n2's gateway only by DNS
+// name (a cloud load balancer); the client ztunnel resolves it (preferring
+// IPv4) when it opens an outer connection, and the tunnels that follow ride
+// the pooled one without resolving again.
+func TestGatewayKnownByHostname(t *testing.T) {
+	m := newMesh(t, func(m *mesh) { m.gwHostname = "gw.n2.example" })
+	m.n1.Update(func(tx *state.Tx) { tx.RemoveWorkload("b1") })
+
+	for range 3 {
+		m.echoVia(t, echoHost)
+	}
+	require.True(t, m.dialer.dialedHost(m.gwAddr))
+	require.False(t, m.dialer.dialedHost(m.c1))
+	require.Equal(t, 1, m.resolver.count(), "one outer connection, one lookup")
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		require.Equal(c, 3.0, m.mC.OpenedCount(metrics.ReporterDestination))
+	}, 5*time.Second, 10*time.Millisecond)
+}
+
+// TestGatewayHostnameThatDoesNotResolve: the connection is refused (a SOCKS
+// failure reply) and counted; nothing is dialled.
+func TestGatewayHostnameThatDoesNotResolve(t *testing.T) {
+	m := newMesh(t, func(m *mesh) { m.gwHostname = "gone.n2.example" })
+	m.n1.Update(func(tx *state.Tx) { tx.RemoveWorkload("b1") })
+	m.resolver.mu.Lock()
+	clear(m.resolver.names)
+	m.resolver.mu.Unlock()
+
+	c, code := socksDial(t, m.socksAddr, m.a1, echoHost, svcPort)
+	defer c.Close()
+	require.NotEqual(t, byte(0), code)
+	require.Equal(t, 1, m.resolver.count())
+	require.False(t, m.dialer.dialedHost(m.gwAddr))
+	require.Equal(t, 1.0, m.mOut.RefusedCount(metrics.ReporterSource, ReasonUpstreamUnavailble))
+}
+
 func TestInnerTunnelsArePooled(t *testing.T) {
 	m := newMesh(t, nil)
 	m.n1.Update(func(tx *state.Tx) { tx.RemoveWorkload("b1") })

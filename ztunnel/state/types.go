@@ -7,8 +7,10 @@ package state
 
 import (
 	"maps"
+	"net"
 	"net/netip"
 	"slices"
+	"strconv"
 	"strings"
 
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
@@ -99,15 +101,28 @@ type NetworkGateway struct {
 	// Network is the network the gateway fronts.
 	Network string `json:"network"`
 	// Address and HBONEPort are where other networks reach the gateway.
-	Address   netip.Addr `json:"address"`
+	// A gateway known only by a DNS name (a cloud load balancer) has
+	// Hostname instead, resolved each time a tunnel to it is opened.
+	Address   netip.Addr `json:"address,omitzero"`
+	Hostname  string     `json:"hostname,omitempty"`
 	HBONEPort uint16     `json:"hbonePort"`
 	// Identity, if set, is the SPIFFE identity the gateway must present;
 	// otherwise any identity of the trust domain is accepted.
 	Identity identity.Identity `json:"-"`
 }
 
-// AddrPort returns the gateway's HBONE address.
+// AddrPort returns the gateway's HBONE address (not valid for a gateway
+// known by Hostname).
 func (g *NetworkGateway) AddrPort() netip.AddrPort { return netip.AddrPortFrom(g.Address, g.HBONEPort) }
+
+// Target returns the gateway's HBONE address as host:port, its Hostname
+// or its Address.
+func (g *NetworkGateway) Target() string {
+	if g.Address.IsValid() {
+		return g.AddrPort().String()
+	}
+	return net.JoinHostPort(g.Hostname, strconv.Itoa(int(g.HBONEPort)))
+}
 
 // PortMap maps a service port to the workload's target port.
 type PortMap map[uint16]uint16

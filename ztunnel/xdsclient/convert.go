@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"strings"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/protobuf/proto"
@@ -164,9 +165,8 @@ func (cv converter) workload(p *workloadv1.Workload) (*state.Workload, error) {
 	return w, nil
 }
 
-// gateway converts a GatewayAddress. A gateway known only by hostname has
-// no address ztunnel can dial without DNS; it converts to nil and the
-// workload stays unreachable from other networks.
+// gateway converts a GatewayAddress, by address or by DNS name (resolved
+// when a tunnel is opened).
 func gateway(network string, p *workloadv1.GatewayAddress) (*state.NetworkGateway, error) {
 	port, err := port16(p.GetHboneMtlsPort())
 	if err != nil {
@@ -186,13 +186,35 @@ func gateway(network string, p *workloadv1.GatewayAddress) (*state.NetworkGatewa
 		}
 		return &state.NetworkGateway{Network: network, Address: a, HBONEPort: port}, nil
 	case *workloadv1.GatewayAddress_Hostname:
-		if d.Hostname == "" {
-			return nil, errors.New("empty hostname")
+		if !validHostname(d.Hostname) {
+			return nil, fmt.Errorf("gateway hostname %q is not a DNS name", d.Hostname)
 		}
-		return nil, nil
+		if network == "" {
+			return nil, errors.New("gateway of a workload without a network")
+		}
+		return &state.NetworkGateway{Network: network, Hostname: d.Hostname, HBONEPort: port}, nil
 	default:
 		return nil, errors.New("no destination")
 	}
+}
+
+// validHostname accepts a DNS name: dot-separated labels of letters,
+// digits and inner hyphens, 253 characters at most.
+func validHostname(s string) bool {
+	if s == "" || len(s) > 253 {
+		return false
+	}
+	for _, label := range strings.Split(s, ".") {
+		if label == "" || len(label) > 63 || label[0] == '-' || label[len(label)-1] == '-' {
+			return false
+		}
+		for _, r := range label {
+			if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-') {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 func (cv converter) service(p *workloadv1.Service) (*state.Service, error) {

@@ -85,8 +85,7 @@ func TestDecodeService(t *testing.T) {
 }
 
 // TestDecodeWorkloadDefaults proves the trust domain default, the status
-// mapping and that a hostname-only gateway leaves the workload without a
-// gateway rather than rejecting it.
+// mapping and that a gateway known by DNS name is kept by name.
 func TestDecodeWorkloadDefaults(t *testing.T) {
 	cv := converter{network: "n1", trustDomain: "example.org"}
 	r, err := cv.decode(res(t, "c1/ns/p", pod(func(w *workloadv1.Workload) {
@@ -96,8 +95,15 @@ func TestDecodeWorkloadDefaults(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "spiffe://example.org/ns/ns/sa/sa", r.workload.Identity().String())
 	require.Equal(t, state.StatusNotReady, r.workload.Status)
-	require.Nil(t, r.workload.Gateway)
+	require.Equal(t, &state.NetworkGateway{Network: "n1", Hostname: "gw.example", HBONEPort: 15008}, r.workload.Gateway)
+	require.Equal(t, "gw.example:15008", r.workload.Gateway.Target())
 	require.Equal(t, "v1", r.version)
+
+	// A name that is not a DNS name is refused.
+	_, err = cv.decode(res(t, "c1/ns/p", pod(func(w *workloadv1.Workload) {
+		w.NetworkGateway = &workloadv1.GatewayAddress{Destination: &workloadv1.GatewayAddress_Hostname{Hostname: "gw.example:15008"}}
+	})))
+	require.ErrorContains(t, err, "not a DNS name")
 }
 
 // TestBackoff proves the reconnect delay doubles from the initial value,
