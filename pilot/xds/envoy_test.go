@@ -274,9 +274,63 @@ func TestClusterLocalService(t *testing.T) {
 	require.Len(t, s.GetAddresses(), 1)
 	require.Equal(t, []byte(ip("10.96.0.1").AsSlice()), s.GetAddresses()[0].GetAddress())
 
+	// The other cluster's API server pod (same network) is listed, but not
+	// as an endpoint of c1's cluster-local service: a ztunnel of c1 must
+	// never send kubernetes.default traffic to c2.
+	svcName := xds.ServiceResourceName("default", svc.Hostname)
+	require.Contains(t, d.resources["c1/default/api-1"].GetWorkload().GetServices(), svcName)
+	require.Contains(t, d.state, "c2/default/api-2")
+	require.NotContains(t, d.resources["c2/default/api-2"].GetWorkload().GetServices(), svcName)
+
 	// A client of a cluster that does not define it does not see it.
 	d3 := openDelta(t, dial(t, e.addr), wildcard(node("zt-c3", "net1", "c3")))
 	r = d3.next()
 	d3.apply(r)
-	require.NotContains(t, d3.state, xds.ServiceResourceName("default", svc.Hostname))
+	require.NotContains(t, d3.state, svcName)
+	require.Empty(t, d3.resources["c1/default/api-1"].GetWorkload().GetServices())
+}
+
+// TestExportModeLocalShards proves a service that a cluster does not export
+// (MCS export mode) keeps that cluster's endpoints to clients of that
+// cluster, in EDS and in workload service bindings, and that exporting it
+// later makes them visible without any workload change.
+func TestExportModeLocalShards(t *testing.T) {
+	reg := xdstest.New()
+	svc, ws := xdstest.Backing("echo", ns, tcp80, nil,
+		xdstest.Pod("c1", "net1", ns, "e1", ip("10.0.1.1")), xdstest.Pod("c2", "net1", ns, "e2", ip("10.0.2.1")))
+	svc.LocalClusters = map[model.ClusterID]bool{"c2": true} // c2 does not export it
+	publish(reg, svc, ws)
+	e := start(t, reg)
+	cn := xds.ClusterName(svc.Hostname, 80)
+	svcName := xds.ServiceResourceName(ns, svc.Hostname)
+
+	c := openSotw(t, dial(t, e.addr), node("envoy-c1", "net1", "c1"))
+	c.send(&discovery.DiscoveryRequest{TypeUrl: resource.EndpointType, ResourceNames: []string{cn}})
+	clas := unpack[endpointv3.ClusterLoadAssignment](t, c.next(resource.EndpointType))
+	require.Len(t, clas, 1)
+	require.Len(t, clas[0].GetEndpoints()[0].GetLbEndpoints(), 1, "c2's endpoint stays in c2")
+
+	d := openDelta(t, dial(t, e.addr), wildcard(node("zt-c1", "net1", "c1")))
+	d.apply(d.next())
+	require.Contains(t, d.resources["c1/default/e1"].GetWorkload().GetServices(), svcName)
+	require.NotContains(t, d.resources["c2/default/e2"].GetWorkload().GetServices(), svcName)
+	d2 := openDelta(t, dial(t, e.addr), wildcard(node("zt-c2", "net1", "c2")))
+	d2.apply(d2.next())
+	require.Contains(t, d2.resources["c2/default/e2"].GetWorkload().GetServices(), svcName)
+
+	// c2 exports it: only the service changes, and c1's ztunnel now gets
+	// e2 as an endpoint of it.
+	exported := *svc
+	exported.LocalClusters = nil
+	reg.SetService(&exported)
+	require.EventuallyWithT(t, func(ct *assertT) {
+		select {
+		case r := <-d.recv:
+			d.apply(r)
+		case <-time.After(10 * time.Millisecond):
+		}
+		assertNotNil(ct, d.resources["c2/default/e2"])
+		_, ok := d.resources["c2/default/e2"].GetWorkload().GetServices()[svcName]
+		assertEqual(ct, true, ok)
+	}, waitFor, time.Millisecond)
 }

@@ -49,6 +49,9 @@ type view struct {
 	current map[string]map[string]types.Resource
 	// owned are the names each service hostname owns, per type URL.
 	owned map[string]map[string][]string
+	// visible is the visibility (see visibility) each service was last
+	// built with.
+	visible map[string]string
 }
 
 // Type groups built together.
@@ -77,6 +80,7 @@ func newView(c class, versionPrefix string, logger slogAdapter) *view {
 		caches:  make(map[string]*cache.LinearCache, len(allTypes)),
 		current: make(map[string]map[string]types.Resource, len(allTypes)),
 		owned:   make(map[string]map[string][]string),
+		visible: make(map[string]string),
 	}
 	muxed := make(map[string]cache.Cache, len(allTypes))
 	for _, t := range allTypes {
@@ -161,7 +165,7 @@ func (b *batch) workload(bd *builder, uid string) {
 	if !b.v.serves(WorkloadType) {
 		return
 	}
-	if a := buildWorkload(b.v.class, bd.reg.Workload(uid), bd.trustDomain); a != nil {
+	if a := buildWorkload(b.v.class, bd.reg.Workload(uid), bd.trustDomain, bd.reg.Service); a != nil {
 		b.put(WorkloadType, uid, a)
 		return
 	}
@@ -196,6 +200,23 @@ func (b *batch) service(bd *builder, hostname string) error {
 	s := bd.reg.Service(hostname)
 	if b.v.serves(WorkloadType) {
 		buildServiceAddresses(b.v.class, s, bd.gws, bd.trustDomain, fresh[WorkloadType])
+		// Which clusters' endpoints are visible changed (an export, a
+		// cluster-local setting): the service bindings of its workloads
+		// change with it, though the workloads themselves did not.
+		if vis, was := visibility(s), b.v.visible[hostname]; vis != was {
+			if vis == "" {
+				delete(b.v.visible, hostname)
+			} else {
+				b.v.visible[hostname] = vis
+			}
+			if s != nil {
+				for _, shard := range s.Shards {
+					for i := range shard {
+						b.workload(bd, shard[i].Workload.UID)
+					}
+				}
+			}
+		}
 	}
 	if b.v.serves(resource.ClusterType) {
 		if err := bd.envoy.build(b.v.class, s, bd.gws, fresh); err != nil {

@@ -2,6 +2,7 @@ package xds
 
 import (
 	"cmp"
+	"maps"
 	"net/netip"
 	"slices"
 	"strings"
@@ -25,14 +26,35 @@ type class struct {
 // String renders the class as network|cluster.
 func (c class) String() string { return string(c.Network) + "|" + string(c.Cluster) }
 
-// sees reports whether clients of c see service s at all.
+// sees reports whether clients of c see service s at all: whether any
+// cluster's definition or endpoints of it are visible to them.
 func (c class) sees(s *model.Service) bool {
-	return s.Scope != model.ScopeClusterLocal || slices.Contains(s.Clusters, c.Cluster) || s.Shards[c.Cluster] != nil
+	if s.Shards[c.Cluster] != nil {
+		return true
+	}
+	return slices.ContainsFunc(s.Clusters, func(cl model.ClusterID) bool { return c.seesShard(s, cl) })
 }
 
-// seesShard reports whether clients of c see the endpoints s has in cluster.
+// seesShard reports whether clients of c see the endpoints s has in cluster
+// (a cluster-local service's, or in export mode a service's that cluster
+// does not export, only from that cluster).
 func (c class) seesShard(s *model.Service, cluster model.ClusterID) bool {
-	return s.Scope != model.ScopeClusterLocal || cluster == c.Cluster
+	return s.ShardVisible(cluster, c.Cluster)
+}
+
+// visibility summarises what decides which clusters' endpoints of s clients
+// see; a change of it changes the service bindings of s's workloads.
+func visibility(s *model.Service) string {
+	if s == nil {
+		return ""
+	}
+	v := string(s.Scope)
+	for _, cl := range slices.Sorted(maps.Keys(s.LocalClusters)) {
+		if s.LocalClusters[cl] {
+			v += "," + string(cl)
+		}
+	}
+	return v
 }
 
 // gatewayIndex is the gateway through which each network is reached. When a
@@ -77,8 +99,10 @@ func healthy(ready, terminating bool) bool { return ready && !terminating }
 
 // buildWorkload returns the Address clients of c get for w, or nil when they
 // do not see it: a workload on another network is seen only through the
-// split-horizon workloads of its services.
-func buildWorkload(c class, w *model.Workload, trustDomain string) *workloadv1.Address {
+// split-horizon workloads of its services. w is bound only to the services
+// whose endpoints in w's cluster clients of c may reach (service looks a
+// service up by hostname).
+func buildWorkload(c class, w *model.Workload, trustDomain string, service func(hostname string) *model.Service) *workloadv1.Address {
 	if w == nil || w.Network != c.Network {
 		return nil
 	}
@@ -109,6 +133,9 @@ func buildWorkload(c class, w *model.Workload, trustDomain string) *workloadv1.A
 	if len(w.Services) > 0 {
 		out.Services = make(map[string]*workloadv1.PortList, len(w.Services))
 		for host, maps := range w.Services {
+			if s := service(host); s != nil && !c.seesShard(s, w.Cluster) {
+				continue
+			}
 			pl := &workloadv1.PortList{Ports: make([]*workloadv1.Port, 0, len(maps))}
 			for _, m := range maps {
 				pl.Ports = append(pl.Ports, &workloadv1.Port{ServicePort: uint32(m.ServicePort), TargetPort: uint32(m.TargetPort)})
