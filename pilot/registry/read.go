@@ -113,6 +113,13 @@ func (r *Registry) StaleClusters() map[model.ClusterID]int64 {
 	return out
 }
 
+// HasCluster reports whether cluster contributes state (it has synced).
+func (r *Registry) HasCluster(cluster string) bool {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	return r.clusters[model.ClusterID(cluster)] != nil
+}
+
 // Clusters returns the clusters that contribute state, with their serving
 // generation.
 func (r *Registry) Clusters() map[model.ClusterID]uint64 {

@@ -30,6 +30,7 @@ const (
 	RefusedBadIdentity    = "bad_identity"
 	RefusedNoNode         = "no_node_name"
 	RefusedNotPlaced      = "identity_not_in_cluster"
+	RefusedClusterUnknown = "cluster_not_synced"
 	RefusedNetwork        = "network_mismatch"
 	RefusedNodeChanged    = "node_changed"
 	RefusedAmbiguousClass = "ambiguous_network"
@@ -161,6 +162,10 @@ func (a *authorizer) authorize(p peerIdentity, node *corev3.Node) error {
 		where = "node " + quote(nodeName) + " of " + where
 	}
 	switch {
+	case len(nets) == 0 && !a.reg.HasCluster(cluster):
+		// Maybe a lie, maybe a cluster pilot has not synced yet (after a
+		// restart): the client may retry.
+		return refuse(codes.Unavailable, RefusedClusterUnknown, "cluster %q is not in the registry (not registered, or not synced yet)", cluster)
 	case len(nets) == 0:
 		return refuse(codes.PermissionDenied, RefusedNotPlaced, "no workload of %s runs on %s", p.spiffe, where)
 	case claimed != "" && !slices.Contains(nets, claimed):

@@ -260,6 +260,7 @@ func TestRefusedClaims(t *testing.T) {
 		{"another network", zt, claims("z", "c1", "net2", "c1-n1"), codes.PermissionDenied, xds.RefusedNetwork},
 		{"another node", zt, claims("z", "c1", "net1", "c1-n9"), codes.PermissionDenied, xds.RefusedNotPlaced},
 		{"another cluster", zt, claims("z", "c2", "", "c1-n1"), codes.PermissionDenied, xds.RefusedNotPlaced},
+		{"a cluster not (yet) in the registry", zt, claims("z", "c9", "", "c1-n1"), codes.Unavailable, xds.RefusedClusterUnknown},
 		{"node account without node", zt, claims("z", "c1", "net1", ""), codes.PermissionDenied, xds.RefusedNoNode},
 		{"workload in a cluster it does not run in", e.dialAs(t, e.ca, "spiffe://cluster.local/ns/istio-system/sa/ztunnel-x"), claims("w", "c1", "", ""), codes.PermissionDenied, xds.RefusedNotPlaced},
 		{"another trust domain", e.dialAs(t, e.ca, "spiffe://evil.example/ns/istio-system/sa/ztunnel"), claims("z", "c1", "net1", "c1-n1"), codes.PermissionDenied, xds.RefusedBadIdentity},

@@ -39,6 +39,9 @@ type Registry interface {
 	// account sa in namespace ns that run in cluster, on node (or anywhere in
 	// the cluster when node is ""); none if there is no such workload.
 	IdentityNetworks(cluster, node, ns, sa string) []model.Network
+	// HasCluster reports whether cluster's state is in the registry (the
+	// cluster has synced).
+	HasCluster(cluster string) bool
 	// Gateways returns the east-west gateways of every network.
 	Gateways() []model.NetworkGateway
 	// Subscribe calls fn, serially from one goroutine, with each debounced

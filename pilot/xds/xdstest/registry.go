@@ -76,6 +76,24 @@ func (r *Registry) IdentityNetworks(cluster, node, ns, sa string) []model.Networ
 	return slices.Sorted(maps.Keys(nets))
 }
 
+// HasCluster reports whether a workload or a service definition of cluster
+// is in the registry.
+func (r *Registry) HasCluster(cluster string) bool {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	for _, w := range r.workloads {
+		if string(w.Cluster) == cluster {
+			return true
+		}
+	}
+	for _, s := range r.services {
+		if slices.Contains(s.Clusters, model.ClusterID(cluster)) {
+			return true
+		}
+	}
+	return false
+}
+
 // Gateways returns every gateway.
 func (r *Registry) Gateways() []model.NetworkGateway {
 	r.mu.RLock()
