@@ -33,9 +33,10 @@ lint:
 test: testbin lint
 	$(GO) test $(GOTEST_FLAGS) ./...
 
-## bench: the benchmarks behind BENCHMARKS.md.
+## bench: the benchmarks behind BENCHMARKS.md, one package at a time (-p 1:
+## benchmarks of different packages must not share the cores).
 bench: testbin
-	$(GO) test -run '^$$' -bench '$(BENCH)' -benchtime $(BENCHTIME) -benchmem -timeout 60m ./...
+	$(GO) test -p 1 -run '^$$' -bench '$(BENCH)' -benchtime $(BENCHTIME) -benchmem -timeout 60m ./...
 
 ## generate: regenerate the committed protobuf Go code (needs protoc; see hack/gen-proto.sh).
 generate:
