@@ -157,9 +157,9 @@ func (a *authorizer) authorize(p peerIdentity, node *corev3.Node) error {
 		}
 	}
 	nets := a.reg.IdentityNetworks(cluster, nodeName, p.ns, p.sa)
-	where := "cluster " + quote(cluster)
+	where := fmt.Sprintf("cluster %q", cluster)
 	if nodeName != "" {
-		where = "node " + quote(nodeName) + " of " + where
+		where = fmt.Sprintf("node %q of %s", nodeName, where)
 	}
 	switch {
 	case len(nets) == 0 && !a.reg.HasCluster(cluster):
@@ -201,8 +201,6 @@ func setMetadata(node *corev3.Node, key, value string) {
 	}
 	node.Metadata.Fields[key] = structpb.NewStringValue(value)
 }
-
-func quote(s string) string { return fmt.Sprintf("%q", s) }
 
 func joinNetworks(nets []model.Network) string {
 	s := make([]string, len(nets))

@@ -34,8 +34,8 @@ func toRaw(m proto.Message) (types.Resource, error) {
 // modified.
 func rawBytes(r types.Resource) []byte { return r.ProtoReflect().GetUnknown() }
 
-// decodeRaw decodes a raw resource of type URL typeURL into its message.
-func decodeRaw(typeURL string, r types.Resource) (proto.Message, error) {
+// rawJSON renders a raw resource of type URL typeURL as JSON.
+func rawJSON(typeURL string, r types.Resource) ([]byte, error) {
 	mt, err := protoregistry.GlobalTypes.FindMessageByURL(typeURL)
 	if err != nil {
 		return nil, fmt.Errorf("type %s: %w", typeURL, err)
@@ -43,15 +43,6 @@ func decodeRaw(typeURL string, r types.Resource) (proto.Message, error) {
 	m := mt.New().Interface()
 	if err := proto.Unmarshal(rawBytes(r), m); err != nil {
 		return nil, fmt.Errorf("decode %s: %w", typeURL, err)
-	}
-	return m, nil
-}
-
-// rawJSON renders a raw resource of type URL typeURL as JSON.
-func rawJSON(typeURL string, r types.Resource) ([]byte, error) {
-	m, err := decodeRaw(typeURL, r)
-	if err != nil {
-		return nil, err
 	}
 	return protojson.Marshal(m)
 }

@@ -1,7 +1,6 @@
 package caclient
 
 import (
-	"bytes"
 	"context"
 	"crypto/sha256"
 	"crypto/tls"
@@ -74,7 +73,7 @@ func (r *RootsFile) Reload() (bool, error) {
 		return false, fmt.Errorf("read roots: %w", err)
 	}
 	sum := sha256.Sum256(b)
-	if r.cur.Load() != nil && bytes.Equal(sum[:], r.sum[:]) {
+	if r.cur.Load() != nil && sum == r.sum {
 		return false, nil
 	}
 	pool, err := RootsFromPEM(b)

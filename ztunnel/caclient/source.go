@@ -58,19 +58,6 @@ func RootsFromPEM(pemBytes []byte) (*x509.CertPool, error) {
 	return pool, nil
 }
 
-// RootsFromFile reads the root bundle from path.
-func RootsFromFile(path string) (*x509.CertPool, error) {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return nil, fmt.Errorf("read roots: %w", err)
-	}
-	pool, err := RootsFromPEM(b)
-	if err != nil {
-		return nil, fmt.Errorf("roots %s: %w", path, err)
-	}
-	return pool, nil
-}
-
 // parseCerts decodes every CERTIFICATE block of data, skipping other blocks.
 func parseCerts(data []byte) ([]*x509.Certificate, error) {
 	var out []*x509.Certificate
