@@ -46,10 +46,11 @@ type view struct {
 	slicesBy  map[model.ServiceKey]map[string]*sliceInfo // service -> slice name
 	exported  map[model.ServiceKey]bool
 
-	// Derived state, as the sink has it.
-	workloads map[string]*model.Workload
-	shards    map[model.ServiceKey]*shard          // endpoints per service, sorted by workload uid
-	sliceUIDs map[model.ServiceKey]map[string]bool // endpoints the slices of a selector-less service contributed (true: a workload made from the slice)
+	// Derived state, as the sink has it. Workloads made from EndpointSlice
+	// addresses are kept only in their service's shard, not in workloads:
+	// at 100,000 addresses a second index of them is ~4 MB.
+	workloads map[string]*model.Workload  // pods' workloads
+	shards    map[model.ServiceKey]*shard // endpoints per service, sorted by workload uid
 
 	// Shared immutable values: identical label sets and service-port maps
 	// are stored once per view.
@@ -67,7 +68,7 @@ func newView(cluster model.ClusterID, gen uint64, domain string, network model.N
 		services: map[model.ServiceKey]*svcInfo{}, svcsByNS: map[string]map[string]*svcInfo{},
 		nodes: map[string]model.Locality{}, slices: map[string]*sliceInfo{}, slicesBy: map[model.ServiceKey]map[string]*sliceInfo{},
 		exported:  map[model.ServiceKey]bool{},
-		workloads: map[string]*model.Workload{}, shards: map[model.ServiceKey]*shard{}, sliceUIDs: map[model.ServiceKey]map[string]bool{},
+		workloads: map[string]*model.Workload{}, shards: map[model.ServiceKey]*shard{},
 		portLists: map[string][]model.PortMapping{},
 		labelSets: map[string]map[string]string{}, serviceMaps: map[string]map[string][]model.PortMapping{},
 	}
@@ -171,8 +172,9 @@ func (v *view) workloadOf(p *podInfo) *model.Workload {
 		return nil
 	}
 	w := &model.Workload{
-		UID: model.WorkloadUID(v.cluster, p.ns, p.name), Name: p.name, Namespace: p.ns, Addresses: p.ips,
-		ServiceAccount: p.sa, Node: p.node, Cluster: v.cluster, Network: v.networkOf(p), Locality: v.nodes[p.node],
+		UID: model.WorkloadUID(v.cluster, p.ns, p.name), Name: p.name, Addresses: p.ips,
+		Placement: model.Place(model.Placement{Cluster: v.cluster, Network: v.networkOf(p), Node: p.node,
+			Namespace: p.ns, ServiceAccount: p.sa, Locality: v.nodes[p.node]}),
 		Labels: p.labels, Ready: p.ready && !p.terminating, Terminating: p.terminating, HostNetwork: p.hostNetwork,
 	}
 	var svcs map[string][]model.PortMapping
@@ -247,8 +249,8 @@ func (v *view) internPorts(pm []model.PortMapping) []model.PortMapping {
 	return pm
 }
 
-// setWorkload records uid's workload (nil: none) in the delta when it
-// changed, and reports whether it did.
+// setWorkload records pod workload uid (nil: none) and notes it in the
+// delta when it changed; it reports whether it did.
 func (v *view) setWorkload(uid string, w *model.Workload) bool {
 	old, had := v.workloads[uid]
 	if w == nil {
@@ -262,11 +264,16 @@ func (v *view) setWorkload(uid string, w *model.Workload) bool {
 		}
 		v.workloads[uid] = w
 	}
+	v.noteWorkload(uid, w)
+	return true
+}
+
+// noteWorkload records a change of workload uid (nil: removed) in the delta.
+func (v *view) noteWorkload(uid string, w *model.Workload) {
 	if v.delta.Workloads == nil {
 		v.delta.Workloads = map[string]*model.Workload{}
 	}
 	v.delta.Workloads[uid] = w
-	return true
 }
 
 // shard is one service's endpoints, sorted by workload uid. Once published
@@ -275,6 +282,9 @@ func (v *view) setWorkload(uid string, w *model.Workload) bool {
 type shard struct {
 	eps    []model.Endpoint
 	shared bool
+	// fromSlices: the endpoints were made from EndpointSlices (the
+	// service has no selector), not from pods.
+	fromSlices bool
 }
 
 func (sh *shard) publish() []model.Endpoint {
@@ -447,6 +457,10 @@ func (v *view) setServiceDelta(k model.ServiceKey, cs *model.ClusterService) {
 // refreshService recomputes the workloads and endpoints of the pods old
 // or cur selected, and the slice endpoints of a selector-less service.
 func (v *view) refreshService(k model.ServiceKey, old, cur *svcInfo) {
+	if cur != nil && cur.selector != nil {
+		// Withdraw what slices contributed before the pods come in.
+		v.refreshSlices(k)
+	}
 	for _, p := range v.podsByNS[k.Namespace] {
 		if (old != nil && old.selector != nil && !old.selector.Empty() && old.selector.Matches(labelsOf(p.labels))) ||
 			(cur != nil && cur.selector != nil && !cur.selector.Empty() && cur.selector.Matches(labelsOf(p.labels))) {
@@ -457,7 +471,9 @@ func (v *view) refreshService(k model.ServiceKey, old, cur *svcInfo) {
 			v.refreshPod(p, extra)
 		}
 	}
-	v.refreshSlices(k)
+	if cur == nil || cur.selector == nil {
+		v.refreshSlices(k)
+	}
 }
 
 func (v *view) putNode(name string, loc model.Locality) {
@@ -485,6 +501,13 @@ func (v *view) refreshNode(name string) {
 			if p.node == name {
 				v.refreshPod(p, nil)
 			}
+		}
+	}
+	for k, bySlice := range v.slicesBy {
+		if slices.ContainsFunc(slices.Collect(maps.Values(bySlice)), func(sl *sliceInfo) bool {
+			return slices.ContainsFunc(sl.endpoints, func(e sliceEndpoint) bool { return e.node == name })
+		}) {
+			v.refreshSlices(k)
 		}
 	}
 }
@@ -571,55 +594,107 @@ func (v *view) dropSlice(key string, old *sliceInfo) {
 }
 
 // refreshSlices recomputes the endpoints of selector-less service k from its
-// EndpointSlices (services with a selector take endpoints from pods). An
-// address that names no known pod becomes a workload of its own.
+// EndpointSlices (services with a selector take endpoints from pods; for
+// them it only withdraws what slices contributed before). An address that
+// names a known pod is that pod's endpoint; any other address becomes a
+// workload of its own (FromSlice; model.SliceWorkloadPrefix), kept only in
+// the shard. An unchanged address keeps its workload value, so
+// a slice update costs changes only for the addresses that changed.
 func (v *view) refreshSlices(k model.ServiceKey) {
 	s := v.services[k]
-	want := map[string][]model.PortMapping{} // workload uid -> ports
-	wantWL := map[string]*model.Workload{}   // workloads made from addresses
-	if s != nil && s.selector == nil {
+	sh := v.shards[k]
+	bySlices := s != nil && s.selector == nil
+	if !bySlices && (sh == nil || !sh.fromSlices) {
+		return
+	}
+	prefix := model.SliceWorkloadPrefix(v.cluster, k)
+	var old []model.Endpoint
+	if sh != nil {
+		old = sh.eps
+	}
+	// The workloads made from addresses, by address, to keep unchanged ones.
+	made := map[netip.Addr]*model.Workload{}
+	for _, e := range old {
+		if e.Workload.FromSlice {
+			made[e.Workload.Addresses[0]] = e.Workload
+		}
+	}
+	var eps []model.Endpoint
+	if bySlices {
+		host := v.hostname(k)
+		places := map[string]*model.Placement{} // by node
+		network := v.nsNetworkOr()
 		for _, sl := range v.slicesBy[k] {
 			ports := v.internPorts(slicePorts(s, sl))
+			services := v.internServices(map[string][]model.PortMapping{host: ports})
 			for _, se := range sl.endpoints {
 				if p := v.podsByNS[k.Namespace][se.pod]; se.pod != "" && p != nil {
-					if uid := model.WorkloadUID(v.cluster, p.ns, p.name); v.workloads[uid] != nil {
-						want[uid] = ports
+					if w := v.workloads[model.WorkloadUID(v.cluster, p.ns, p.name)]; w != nil {
+						eps = append(eps, model.Endpoint{Workload: w, Ports: ports})
 						continue
 					}
 				}
-				uid := model.WorkloadUID(v.cluster, k.Namespace, "endpointslice."+k.Name+"."+se.addr.String())
-				wantWL[uid] = &model.Workload{
-					UID: uid, Name: se.addr.String(), Namespace: k.Namespace, Addresses: []netip.Addr{se.addr},
-					ServiceAccount: "default", Node: se.node, Cluster: v.cluster, Network: v.nsNetworkOr(), Locality: v.nodes[se.node],
-					Ready: se.ready, Terminating: se.terminating,
-					Services: v.internServices(map[string][]model.PortMapping{v.hostname(k): ports}),
+				pl := places[se.node]
+				if pl == nil {
+					pl = model.Place(model.Placement{Cluster: v.cluster, Network: network, Node: se.node,
+						Namespace: k.Namespace, ServiceAccount: "default", Locality: v.nodes[se.node]})
+					places[se.node] = pl
 				}
-				want[uid] = ports
+				w := made[se.addr]
+				if w == nil || w.Placement != pl || w.Ready != se.ready || w.Terminating != se.terminating || !sameServices(w.Services, services) {
+					uid := prefix + se.addr.String()
+					w = &model.Workload{
+						UID: uid, Name: uid[len(prefix):], Addresses: []netip.Addr{se.addr}, Placement: pl,
+						Ready: se.ready, Terminating: se.terminating, Services: services, FromSlice: true,
+					}
+				}
+				eps = append(eps, model.Endpoint{Workload: w, Ports: ports})
 			}
 		}
+		slices.SortStableFunc(eps, func(a, b model.Endpoint) int { return strings.Compare(a.Workload.UID, b.Workload.UID) })
+		// An address in two slices is one endpoint (the last slice's).
+		eps = slices.CompactFunc(eps, func(a, b model.Endpoint) bool { return a.Workload.UID == b.Workload.UID })
 	}
-	// Withdraw what the slices contributed before and no longer do.
-	for uid, synthetic := range v.sliceUIDs[k] {
-		if _, ok := want[uid]; !ok {
-			v.setEndpoint(k, uid, nil)
-			if synthetic {
-				v.setWorkload(uid, nil)
-			}
+	// Workload changes: made workloads that went or changed.
+	for i := range old {
+		w := old[i].Workload
+		if !w.FromSlice {
+			continue
+		}
+		if j, ok := slices.BinarySearchFunc(eps, w.UID, byUID); !ok || eps[j].Workload != w {
+			v.noteWorkload(w.UID, nil)
 		}
 	}
-	if len(want) == 0 {
-		delete(v.sliceUIDs, k)
+	for i := range eps {
+		w := eps[i].Workload
+		if !w.FromSlice {
+			continue
+		}
+		if j, ok := slices.BinarySearchFunc(old, w.UID, byUID); !ok || old[j].Workload != w {
+			v.noteWorkload(w.UID, w)
+		}
+	}
+	if slices.EqualFunc(old, eps, func(a, b model.Endpoint) bool {
+		return a.Workload == b.Workload && slices.Equal(a.Ports, b.Ports)
+	}) {
+		if sh != nil {
+			sh.fromSlices = bySlices
+		}
 		return
 	}
-	contributed := make(map[string]bool, len(want))
-	for uid, w := range wantWL {
-		v.setWorkload(uid, w)
+	if len(eps) == 0 {
+		delete(v.shards, k)
+	} else {
+		v.shards[k] = &shard{eps: slices.Clip(eps), fromSlices: true}
 	}
-	for uid, ports := range want {
-		contributed[uid] = wantWL[uid] != nil
-		v.setEndpoint(k, uid, &model.Endpoint{Workload: v.workloads[uid], Ports: ports})
-	}
-	v.sliceUIDs[k] = contributed
+	v.markShard(k)
+}
+
+func byUID(e model.Endpoint, uid string) int { return strings.Compare(e.Workload.UID, uid) }
+
+// sameServices reports whether two services maps are equal.
+func sameServices(a, b map[string][]model.PortMapping) bool {
+	return maps.EqualFunc(a, b, slices.Equal[[]model.PortMapping])
 }
 
 func (v *view) nsNetworkOr() model.Network {

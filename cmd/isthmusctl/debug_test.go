@@ -50,11 +50,11 @@ func fakeServices() []registry.ServiceSummary {
 
 func fakeWorkloads() []*model.Workload {
 	return []*model.Workload{
-		{UID: "primary/demo/echo-1", Name: "echo-1", Namespace: "demo", Addresses: []netip.Addr{netip.MustParseAddr("127.1.0.1")},
-			ServiceAccount: "echo", Node: "node-a", Cluster: "primary", Network: "net-1", Ready: true,
+		{UID: "primary/demo/echo-1", Name: "echo-1", Addresses: []netip.Addr{netip.MustParseAddr("127.1.0.1")},
+			Placement: &model.Placement{Namespace: "demo", ServiceAccount: "echo", Node: "node-a", Cluster: "primary", Network: "net-1"}, Ready: true,
 			Services: map[string][]model.PortMapping{"echo.demo.svc.cluster.local": {{ServicePort: 80, TargetPort: 8080}}}},
-		{UID: "remote-1/demo/echo-2", Name: "echo-2", Namespace: "demo", Addresses: []netip.Addr{netip.MustParseAddr("127.2.0.1")},
-			ServiceAccount: "echo", Node: "node-b", Cluster: "remote-1", Network: "net-2", Terminating: true},
+		{UID: "remote-1/demo/echo-2", Name: "echo-2", Addresses: []netip.Addr{netip.MustParseAddr("127.2.0.1")},
+			Placement: &model.Placement{Namespace: "demo", ServiceAccount: "echo", Node: "node-b", Cluster: "remote-1", Network: "net-2"}, Terminating: true},
 	}
 }
 

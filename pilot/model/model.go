@@ -141,20 +141,21 @@ type PortMapping struct {
 }
 
 // Workload is one addressable instance: a pod, or an address from an
-// EndpointSlice of a service without a selector.
+// EndpointSlice of a service without a selector. Where it runs and as whom
+// is its Placement, shared by every workload of the same identity on the
+// same node (see Place), so its fields read as the workload's own
+// (w.Cluster, w.Node, ...) but must never be assigned through a workload.
 type Workload struct {
+	*Placement
 	// UID is <cluster>/<namespace>/<name>.
-	UID       string
-	Name      string
-	Namespace string
+	UID  string
+	Name string
 	// Addresses are the workload's IPs (status.podIPs).
-	Addresses      []netip.Addr
-	ServiceAccount string
-	Node           string
-	Cluster        ClusterID
-	Network        Network
-	Locality       Locality
-	Labels         map[string]string
+	Addresses []netip.Addr
+	Labels    map[string]string
+	// Services the workload backs, keyed by service hostname, with the port
+	// mappings resolved for this workload. Set by the registry.
+	Services map[string][]PortMapping
 	// Ready is the pod's Ready condition (or the EndpointSlice ready flag).
 	Ready bool
 	// Terminating is set once the pod has a deletion timestamp.
@@ -163,10 +164,28 @@ type Workload struct {
 	// ztunnel, a node agent): no ztunnel captures its traffic, so it is
 	// reached without HBONE.
 	HostNetwork bool
-	// Services the workload backs, keyed by service hostname, with the port
-	// mappings resolved for this workload. Set by the registry.
-	Services map[string][]PortMapping
+	// FromSlice marks a workload made from an EndpointSlice address that
+	// names no pod (UID from SliceWorkloadUID). Such a workload belongs to
+	// one service and is kept in that service's shard only.
+	FromSlice bool
 }
+
+// SliceWorkloadPrefix is the UID prefix of the workloads made from the
+// EndpointSlice addresses of service k in cluster: the address follows.
+func SliceWorkloadPrefix(cluster ClusterID, k ServiceKey) string {
+	return WorkloadUID(cluster, k.Namespace, "endpointslice."+k.Name+".")
+}
+
+// SliceWorkloadService returns the service whose EndpointSlice address uid
+// was made from (see SliceWorkloadPrefix).
+func SliceWorkloadService(uid string) (ServiceKey, bool) {
+	_, rest, ok1 := strings.Cut(uid, "/")
+	ns, name, ok2 := strings.Cut(rest, "/")
+	name, ok3 := strings.CutPrefix(name, "endpointslice.")
+	svc, _, ok4 := strings.Cut(name, ".") // service names have no dots
+	return ServiceKey{Namespace: ns, Name: svc}, ok1 && ok2 && ok3 && ok4
+}
+
 
 // Endpoint is one workload behind one service, as the registry shards
 // them. It points at the (immutable) workload instead of copying it, so an
@@ -239,10 +258,10 @@ func (w *Workload) Equal(o *Workload) bool {
 			return false
 		}
 	}
-	return w.UID == o.UID && w.Name == o.Name && w.Namespace == o.Namespace && slices.Equal(w.Addresses, o.Addresses) &&
-		w.ServiceAccount == o.ServiceAccount && w.Node == o.Node && w.Cluster == o.Cluster && w.Network == o.Network &&
-		w.Locality == o.Locality && maps.Equal(w.Labels, o.Labels) && w.Ready == o.Ready && w.Terminating == o.Terminating &&
-		w.HostNetwork == o.HostNetwork
+	return w.UID == o.UID && w.Name == o.Name && slices.Equal(w.Addresses, o.Addresses) &&
+		(w.Placement == o.Placement || (w.Placement != nil && o.Placement != nil && *w.Placement == *o.Placement)) &&
+		maps.Equal(w.Labels, o.Labels) && w.Ready == o.Ready && w.Terminating == o.Terminating &&
+		w.HostNetwork == o.HostNetwork && w.FromSlice == o.FromSlice
 }
 
 // NetworkGateway is an east-west gateway through which other networks reach

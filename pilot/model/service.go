@@ -154,8 +154,12 @@ type ChangeSet struct {
 // its discovery sees it.
 type ClusterState struct {
 	Services map[ServiceKey]*ClusterService
-	// Shards are the cluster's endpoints per service.
-	Shards    map[ServiceKey][]Endpoint
+	// Shards are the cluster's endpoints per service, each sorted by
+	// workload UID.
+	Shards map[ServiceKey][]Endpoint
+	// Workloads are the pods' workloads by UID. Workloads made from
+	// EndpointSlice addresses (FromSlice) are in their service's shard
+	// only; a ClusterDelta names the changes of both.
 	Workloads map[string]*Workload
 	Gateways  []NetworkGateway
 }

@@ -138,7 +138,11 @@ func (f *feed) publish() {
 		}
 	}
 	f.pending = map[changeKey]model.Op{}
-	f.order = f.order[:0]
+	if cap(f.order) > 4096 {
+		f.order = nil // a burst's (a cluster's initial sync) keys are not kept for ever
+	} else {
+		f.order = f.order[:0]
+	}
 	f.version++
 	cs.Version = f.version
 	subs := make([]func(model.ChangeSet), 0, len(f.subs))

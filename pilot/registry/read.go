@@ -49,9 +49,7 @@ func (r *Registry) Workloads() []*model.Workload {
 	defer r.mu.RUnlock()
 	var out []*model.Workload
 	for _, cs := range r.clusters {
-		for _, w := range cs.workloads {
-			out = append(out, w)
-		}
+		cs.eachWorkload(func(w *model.Workload) { out = append(out, w) })
 	}
 	return out
 }
@@ -62,7 +60,7 @@ func (r *Registry) Workload(uid string) *model.Workload {
 	defer r.mu.RUnlock()
 	cluster, _, _ := strings.Cut(uid, "/")
 	if cs := r.clusters[model.ClusterID(cluster)]; cs != nil {
-		return cs.workloads[uid]
+		return cs.workload(uid)
 	}
 	return nil
 }

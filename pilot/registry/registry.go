@@ -106,12 +106,53 @@ type saKey struct {
 
 // clusterState is what one cluster (one generation of it) contributes.
 type clusterState struct {
-	gen       uint64
-	services  map[model.ServiceKey]*model.ClusterService
-	shards    map[model.ServiceKey][]model.Endpoint
+	gen      uint64
+	services map[model.ServiceKey]*model.ClusterService
+	shards   map[model.ServiceKey][]model.Endpoint
+	// workloads are the pods' workloads; those made from EndpointSlice
+	// addresses are found through their service's shard (workload).
 	workloads map[string]*model.Workload
 	gateways  []model.NetworkGateway
 	staleT    *time.Timer
+}
+
+// workload returns the workload of uid, a pod's or one made from an
+// EndpointSlice address (nil if none).
+func (cs *clusterState) workload(uid string) *model.Workload {
+	if w := cs.workloads[uid]; w != nil {
+		return w
+	}
+	k, ok := model.SliceWorkloadService(uid)
+	if !ok {
+		return nil
+	}
+	eps := cs.shards[k]
+	if i, found := slices.BinarySearchFunc(eps, uid, func(e model.Endpoint, uid string) int {
+		return strings.Compare(e.Workload.UID, uid)
+	}); found && eps[i].Workload.FromSlice {
+		return eps[i].Workload
+	}
+	return nil
+}
+
+// eachWorkload calls fn for every workload of cs.
+func (cs *clusterState) eachWorkload(fn func(*model.Workload)) {
+	for _, w := range cs.workloads {
+		fn(w)
+	}
+	cs.eachFromSlice(fn)
+}
+
+// eachFromSlice calls fn for every workload made from an EndpointSlice
+// address.
+func (cs *clusterState) eachFromSlice(fn func(*model.Workload)) {
+	for _, eps := range cs.shards {
+		for _, e := range eps {
+			if e.Workload.FromSlice {
+				fn(e.Workload)
+			}
+		}
+	}
 }
 
 // New makes an empty registry; Run publishes its changes.
@@ -147,6 +188,8 @@ func (r *Registry) Activate(cluster model.ClusterID, gen uint64, st *model.Clust
 	if next.workloads == nil {
 		next.workloads = map[string]*model.Workload{}
 	}
+	// Made workloads are found through their shards, never the index.
+	maps.DeleteFunc(next.workloads, func(_ string, w *model.Workload) bool { return w.FromSlice })
 	if old == nil {
 		old = &clusterState{}
 	} else if old.staleT != nil {
@@ -177,13 +220,16 @@ func (r *Registry) Activate(cluster model.ClusterID, gen uint64, st *model.Clust
 		}
 	}
 	for uid, w := range next.workloads {
-		changes = r.putWorkload(changes, uid, old.workloads[uid], w)
+		changes = r.putWorkload(changes, uid, old.workload(uid), w)
 	}
-	for uid, w := range old.workloads {
-		if next.workloads[uid] == nil {
-			changes = r.putWorkload(changes, uid, w, nil)
+	next.eachFromSlice(func(w *model.Workload) {
+		changes = r.putWorkload(changes, w.UID, old.workload(w.UID), w)
+	})
+	old.eachWorkload(func(w *model.Workload) {
+		if next.workload(w.UID) == nil {
+			changes = r.putWorkload(changes, w.UID, w, nil)
 		}
-	}
+	})
 	for k := range svcKeys {
 		changes = r.rebuildService(changes, k)
 	}
@@ -217,6 +263,17 @@ func (r *Registry) Update(cluster model.ClusterID, gen uint64, d *model.ClusterD
 		}
 		svcKeys[k] = true
 	}
+	// Workloads first: a made workload's previous value is in the shard
+	// that this delta may replace.
+	for uid, w := range d.Workloads {
+		prev := cs.workload(uid)
+		if w == nil || w.FromSlice {
+			delete(cs.workloads, uid)
+		} else {
+			cs.workloads[uid] = w
+		}
+		changes = r.putWorkload(changes, uid, prev, w)
+	}
 	for k, sh := range d.Shards {
 		if shardEqual(cs.shards[k], sh) {
 			continue
@@ -227,15 +284,6 @@ func (r *Registry) Update(cluster model.ClusterID, gen uint64, d *model.ClusterD
 			cs.shards[k] = sh
 		}
 		svcKeys[k] = true
-	}
-	for uid, w := range d.Workloads {
-		prev := cs.workloads[uid]
-		if w == nil {
-			delete(cs.workloads, uid)
-		} else {
-			cs.workloads[uid] = w
-		}
-		changes = r.putWorkload(changes, uid, prev, w)
 	}
 	for k := range svcKeys {
 		changes = r.rebuildService(changes, k)
@@ -266,9 +314,9 @@ func (r *Registry) removeClusterLocked(cluster model.ClusterID, cs *clusterState
 	delete(r.clusters, cluster)
 	delete(r.stale, cluster)
 	var changes []model.Change
-	for uid, w := range cs.workloads {
-		changes = r.putWorkload(changes, uid, w, nil)
-	}
+	cs.eachWorkload(func(w *model.Workload) {
+		changes = r.putWorkload(changes, w.UID, w, nil)
+	})
 	keys := map[model.ServiceKey]bool{}
 	for k := range cs.services {
 		keys[k] = true

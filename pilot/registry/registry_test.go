@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
@@ -59,8 +60,8 @@ func svc(cluster model.ClusterID, ns, name string, created time.Time, ports ...m
 }
 
 func ep(cluster model.ClusterID, net model.Network, addr string) model.Endpoint {
-	w := &model.Workload{UID: string(cluster) + "/demo/" + addr, Addresses: []netip.Addr{netip.MustParseAddr(addr)}, Cluster: cluster, Network: net,
-		Namespace: "demo", ServiceAccount: "default", Ready: true}
+	w := &model.Workload{UID: string(cluster) + "/demo/" + addr, Addresses: []netip.Addr{netip.MustParseAddr(addr)},
+		Placement: &model.Placement{Cluster: cluster, Network: net, Namespace: "demo", ServiceAccount: "default"}, Ready: true}
 	return model.Endpoint{Workload: w, Ports: []model.PortMapping{{ServicePort: 80, TargetPort: 8080}}}
 }
 
@@ -146,7 +147,7 @@ func TestEqualActivationAndUpdatesEmitNothing(t *testing.T) {
 
 func TestDeactivateRemovesEverythingInOneEvent(t *testing.T) {
 	reg, rec := run(t, Config{QuietPeriod: 10 * time.Millisecond})
-	w := &model.Workload{UID: "c2/demo/echo-0", Cluster: "c2", Node: "n", Namespace: "demo", ServiceAccount: "echo", Network: "net-2"}
+	w := &model.Workload{UID: "c2/demo/echo-0", Placement: &model.Placement{Cluster: "c2", Node: "n", Namespace: "demo", ServiceAccount: "echo", Network: "net-2"}}
 	st := state([]*model.ClusterService{svc("c2", "demo", "echo", t0, httpPort), svc("c2", "demo", "other", t0, httpPort)},
 		map[model.ServiceKey][]model.Endpoint{echo: {ep("c2", "n2", "10.1.0.1")}})
 	st.Workloads[w.UID] = w
@@ -199,7 +200,7 @@ func TestStaleClusterKeptThenRemovedAfterGrace(t *testing.T) {
 func TestDebounceLeadingEdgeBurstAndMaxDelay(t *testing.T) {
 	put := func(reg *Registry, i int) {
 		reg.Update("c1", 1, &model.ClusterDelta{Workloads: map[string]*model.Workload{
-			"c1/default/w": {UID: "c1/default/w", Cluster: "c1", Addresses: []netip.Addr{netip.AddrFrom4([4]byte{10, 0, byte(i >> 8), byte(i)})}},
+			"c1/default/w": {UID: "c1/default/w", Placement: &model.Placement{Cluster: "c1"}, Addresses: []netip.Addr{netip.AddrFrom4([4]byte{10, 0, byte(i >> 8), byte(i)})}},
 		}})
 	}
 	t.Run("leading edge", func(t *testing.T) {
@@ -235,4 +236,55 @@ func TestDebounceLeadingEdgeBurstAndMaxDelay(t *testing.T) {
 		}
 		require.GreaterOrEqual(t, rec.count(), 3)
 	})
+}
+
+// TestWorkloadsFromSlicesLiveInShards: workloads made from EndpointSlice
+// addresses come only inside their service's shard, yet the registry
+// serves, announces, counts and removes them like any other.
+func TestWorkloadsFromSlicesLiveInShards(t *testing.T) {
+	reg, rec := run(t, Config{QuietPeriod: 5 * time.Millisecond})
+	k := model.ServiceKey{Namespace: "db", Name: "pg"}
+	made := func(addr string, ready bool) model.Endpoint {
+		uid := model.SliceWorkloadPrefix("c1", k) + addr
+		return model.Endpoint{Workload: &model.Workload{UID: uid, Name: addr, Addresses: []netip.Addr{netip.MustParseAddr(addr)},
+			Placement: model.Place(model.Placement{Cluster: "c1", Network: "n1", Node: "node-a", Namespace: "db", ServiceAccount: "default"}),
+			Ready: ready, FromSlice: true}, Ports: []model.PortMapping{{ServicePort: 80, TargetPort: 8080}}}
+	}
+	a, b := made("10.0.0.1", true), made("10.0.0.2", true)
+	pgSvc := svc("c1", "db", "pg", t0, httpPort)
+	pgSvc.Selector = nil
+	st := state([]*model.ClusterService{pgSvc}, map[model.ServiceKey][]model.Endpoint{k: {a, b}})
+	reg.Activate("c1", 1, st)
+	assert.Same(t, a.Workload, reg.Workload(a.Workload.UID))
+	assert.ElementsMatch(t, []*model.Workload{a.Workload, b.Workload}, reg.Workloads())
+	assert.True(t, reg.ServiceAccountOnNode("c1", "node-a", "db", "default"))
+	require.Eventually(t, func() bool { return rec.count() > 0 }, time.Second, time.Millisecond)
+	assert.Subset(t, rec.all()[0].Changes, []model.Change{
+		{Kind: model.WorkloadChange, Op: model.Added, Key: a.Workload.UID},
+		{Kind: model.WorkloadChange, Op: model.Added, Key: b.Workload.UID},
+	})
+
+	// b goes unready and a goes: the delta names both, with the new shard.
+	b2 := made("10.0.0.2", false)
+	before := rec.count()
+	reg.Update("c1", 1, &model.ClusterDelta{
+		Shards:    map[model.ServiceKey][]model.Endpoint{k: {b2}},
+		Workloads: map[string]*model.Workload{a.Workload.UID: nil, b2.Workload.UID: b2.Workload},
+	})
+	assert.Nil(t, reg.Workload(a.Workload.UID))
+	assert.Same(t, b2.Workload, reg.Workload(b2.Workload.UID))
+	assert.Equal(t, []*model.Workload{b2.Workload}, reg.Workloads())
+	require.Eventually(t, func() bool { return rec.count() > before }, time.Second, time.Millisecond)
+	assert.Subset(t, rec.all()[before].Changes, []model.Change{
+		{Kind: model.WorkloadChange, Op: model.Removed, Key: a.Workload.UID},
+		{Kind: model.WorkloadChange, Op: model.Updated, Key: b2.Workload.UID},
+	})
+
+	// The cluster goes: so do they, and the identity with them.
+	before = rec.count()
+	reg.Deactivate("c1", 1)
+	assert.Empty(t, reg.Workloads())
+	assert.False(t, reg.ServiceAccountOnNode("c1", "node-a", "db", "default"))
+	require.Eventually(t, func() bool { return rec.count() > before }, time.Second, time.Millisecond)
+	assert.Contains(t, rec.all()[before].Changes, model.Change{Kind: model.WorkloadChange, Op: model.Removed, Key: b2.Workload.UID})
 }

@@ -263,15 +263,11 @@ func (s *subscriber) run() {
 // network, at addr.
 func Pod(cluster model.ClusterID, network model.Network, ns, name string, addr netip.Addr) *model.Workload {
 	return &model.Workload{
-		UID:            model.WorkloadUID(cluster, ns, name),
-		Name:           name,
-		Namespace:      ns,
-		Addresses:      []netip.Addr{addr},
-		ServiceAccount: "default",
-		Node:           string(cluster) + "-node",
-		Cluster:        cluster,
-		Network:        network,
-		Ready:          true,
+		UID:       model.WorkloadUID(cluster, ns, name),
+		Name:      name,
+		Addresses: []netip.Addr{addr},
+		Placement: &model.Placement{Cluster: cluster, Network: network, Node: string(cluster) + "-node", Namespace: ns, ServiceAccount: "default"},
+		Ready:     true,
 	}
 }
 
