@@ -231,13 +231,24 @@ type slicePort struct {
 	port uint16
 }
 
+// sliceEndpoint is one address of a slice: 40 bytes, of which the node
+// and pod names are a shared handle (most addresses of a selector-less
+// service name no pod, so all of one node's share one).
 type sliceEndpoint struct {
 	addr        netip.Addr
+	where       unique.Handle[endpointRef]
 	ready       bool
 	terminating bool
-	node        string
-	pod         string // targetRef pod name, if any
 }
+
+// endpointRef is where a slice address is: its node and targetRef pod.
+type endpointRef struct {
+	node string
+	pod  string // targetRef pod name, if any
+}
+
+func (e *sliceEndpoint) node() string { return e.where.Value().node }
+func (e *sliceEndpoint) pod() string  { return e.where.Value().pod }
 
 func convertSlice(es *discoveryv1.EndpointSlice) *sliceInfo {
 	s := &sliceInfo{name: es.Name, ns: intern(es.Namespace), service: es.Labels[discoveryv1.LabelServiceName]}
@@ -267,9 +278,10 @@ func convertSlice(es *discoveryv1.EndpointSlice) *sliceInfo {
 		if ep.TargetRef != nil && ep.TargetRef.Kind == "Pod" {
 			pod = ep.TargetRef.Name
 		}
+		where := unique.Make(endpointRef{node, pod})
 		for _, a := range ep.Addresses {
 			if addr, err := netip.ParseAddr(a); err == nil {
-				s.endpoints = append(s.endpoints, sliceEndpoint{addr, ready && !term, term, node, pod})
+				s.endpoints = append(s.endpoints, sliceEndpoint{addr, where, ready && !term, term})
 			}
 		}
 	}

@@ -505,7 +505,7 @@ func (v *view) refreshNode(name string) {
 	}
 	for k, bySlice := range v.slicesBy {
 		if slices.ContainsFunc(slices.Collect(maps.Values(bySlice)), func(sl *sliceInfo) bool {
-			return slices.ContainsFunc(sl.endpoints, func(e sliceEndpoint) bool { return e.node == name })
+			return slices.ContainsFunc(sl.endpoints, func(e sliceEndpoint) bool { return e.node() == name })
 		}) {
 			v.refreshSlices(k)
 		}
@@ -621,24 +621,31 @@ func (v *view) refreshSlices(k model.ServiceKey) {
 	}
 	var eps []model.Endpoint
 	if bySlices {
+		n := 0
+		for _, sl := range v.slicesBy[k] {
+			n += len(sl.endpoints)
+		}
+		eps = make([]model.Endpoint, 0, n) // exact but for duplicates: kept as the shard
 		host := v.hostname(k)
 		places := map[string]*model.Placement{} // by node
 		network := v.nsNetworkOr()
 		for _, sl := range v.slicesBy[k] {
 			ports := v.internPorts(slicePorts(s, sl))
 			services := v.internServices(map[string][]model.PortMapping{host: ports})
-			for _, se := range sl.endpoints {
-				if p := v.podsByNS[k.Namespace][se.pod]; se.pod != "" && p != nil {
+			for i := range sl.endpoints {
+				se := &sl.endpoints[i]
+				where := se.where.Value()
+				if p := v.podsByNS[k.Namespace][where.pod]; where.pod != "" && p != nil {
 					if w := v.workloads[model.WorkloadUID(v.cluster, p.ns, p.name)]; w != nil {
 						eps = append(eps, model.Endpoint{Workload: w, Ports: ports})
 						continue
 					}
 				}
-				pl := places[se.node]
+				pl := places[where.node]
 				if pl == nil {
-					pl = model.Place(model.Placement{Cluster: v.cluster, Network: network, Node: se.node,
-						Namespace: k.Namespace, ServiceAccount: "default", Locality: v.nodes[se.node]})
-					places[se.node] = pl
+					pl = model.Place(model.Placement{Cluster: v.cluster, Network: network, Node: where.node,
+						Namespace: k.Namespace, ServiceAccount: "default", Locality: v.nodes[where.node]})
+					places[where.node] = pl
 				}
 				w := made[se.addr]
 				if w == nil || w.Placement != pl || w.Ready != se.ready || w.Terminating != se.terminating || !sameServices(w.Services, services) {
