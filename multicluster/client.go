@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/dynamic/dynamicinformer"
 	"k8s.io/client-go/informers"
@@ -105,8 +106,18 @@ type ClientBuilder func(kubeconfig []byte, id model.ClusterID, overrides ...func
 
 // NewClient makes a Client from a rest.Config. Unless cfg has its own
 // dialer, the client's connections are tracked and closed by Close.
+//
+// Unless cfg names a content type, the typed clients speak protobuf (lists
+// and watch events decode with a fraction of JSON's garbage). Responses
+// are never gzipped: every open watch would hold a ~40 KB decompressor,
+// per watched kind and cluster, for the life of the watch.
 func NewClient(cfg *rest.Config) (*Client, error) {
 	cfg = rest.CopyConfig(cfg)
+	if cfg.ContentType == "" {
+		cfg.ContentType = runtime.ContentTypeProtobuf
+		cfg.AcceptContentTypes = runtime.ContentTypeProtobuf + "," + runtime.ContentTypeJSON
+	}
+	cfg.DisableCompression = true
 	var conns *connTracker
 	if cfg.Dial == nil && cfg.Transport == nil {
 		conns = &connTracker{d: net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}, conns: map[net.Conn]struct{}{}}

@@ -144,6 +144,13 @@ func (b *syncBuffer) String() string {
 
 func startController(t testing.TB, ns string, tweak func(*multicluster.Config)) *env {
 	t.Helper()
+	return startControllerWith(t, ns, tweak, nil)
+}
+
+// startControllerWith is startController with the controller's ClientBuilder
+// (nil: DefaultClientBuilder).
+func startControllerWith(t testing.TB, ns string, tweak func(*multicluster.Config), build multicluster.ClientBuilder) *env {
+	t.Helper()
 	cfgCluster := clusters.Cluster("config")
 	require.NoError(t, cfgCluster.EnsureNamespace(context.Background(), ns, nil))
 	// Start from no remote secrets, so a test can run again in the same process.
@@ -163,7 +170,7 @@ func startController(t testing.TB, ns string, tweak func(*multicluster.Config)) 
 	}
 	local, err := multicluster.NewClient(cfgCluster.Config)
 	require.NoError(t, err)
-	ctl, err := multicluster.New(cfg, local, nil)
+	ctl, err := multicluster.New(cfg, local, build)
 	require.NoError(t, err)
 	s := newSink()
 	ctl.AddComponent("pods", s.builder)
