@@ -186,7 +186,6 @@ func SliceWorkloadService(uid string) (ServiceKey, bool) {
 	return ServiceKey{Namespace: ns, Name: svc}, ok1 && ok2 && ok3 && ok4
 }
 
-
 // Endpoint is one workload behind one service, as the registry shards
 // them. It points at the (immutable) workload instead of copying it, so an
 // endpoint costs a pointer and a port map, whatever the workload holds.
