@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"runtime"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -24,21 +25,7 @@ import (
 // of the data structures alone, without client-go.
 func BenchmarkViewHeapPerEndpoint(b *testing.B) {
 	const services, perService = 100, 1000
-	for range b.N {
-		heap0 := liveHeap()
-		reg := registry.New(registry.Config{})
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan struct{})
-		go func() { _ = reg.Run(ctx); close(done) }()
-		v := newView("c1", 1, model.DefaultDomain, "net1", reg)
-		for s := range services {
-			v.putService(convertService("c1", &corev1.Service{
-				ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("svc-%d", s), Namespace: "bench"},
-				Spec: corev1.ServiceSpec{Selector: map[string]string{"app": fmt.Sprintf("svc-%d", s)}, ClusterIP: "10.96.0.1",
-					ClusterIPs: []string{"10.96.0.1"}, Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080)}}},
-			}))
-		}
-		v.activate()
+	heapPerEndpoint(b, services, true, services*perService, func(v *view) {
 		for i := range services * perService {
 			v.mu.Lock()
 			v.putPod(convertPod(&corev1.Pod{
@@ -51,28 +38,7 @@ func BenchmarkViewHeapPerEndpoint(b *testing.B) {
 			v.finish()
 			v.mu.Unlock()
 		}
-		n := 0
-		for _, s := range reg.Services() {
-			n += s.EndpointCount()
-		}
-		if n != services*perService {
-			b.Fatalf("%d endpoints, want %d", n, services*perService)
-		}
-		time.Sleep(100 * time.Millisecond) // let the change feed publish (and drop) its pending set
-		b.ReportMetric(float64(liveHeap()-heap0)/float64(n), "heap-B/endpoint")
-		runtime.KeepAlive(v)
-		runtime.KeepAlive(reg)
-		cancel()
-		<-done
-	}
-}
-
-func liveHeap() uint64 {
-	var ms runtime.MemStats
-	runtime.GC()
-	runtime.GC()
-	runtime.ReadMemStats(&ms)
-	return ms.HeapAlloc
+	})
 }
 
 // BenchmarkViewHeapPerSliceEndpoint is BenchmarkViewHeapPerEndpoint for
@@ -80,21 +46,7 @@ func liveHeap() uint64 {
 // (10 slices of 100 each, on 50 nodes) that name no pod.
 func BenchmarkViewHeapPerSliceEndpoint(b *testing.B) {
 	const services, slicesPer, perSlice = 100, 10, 100
-	for range b.N {
-		heap0 := liveHeap()
-		reg := registry.New(registry.Config{})
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan struct{})
-		go func() { _ = reg.Run(ctx); close(done) }()
-		v := newView("c1", 1, model.DefaultDomain, "net1", reg)
-		for s := range services {
-			v.putService(convertService("c1", &corev1.Service{
-				ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("svc-%d", s), Namespace: "bench"},
-				Spec: corev1.ServiceSpec{ClusterIP: "10.96.0.1", ClusterIPs: []string{"10.96.0.1"},
-					Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080)}}},
-			}))
-		}
-		v.activate()
+	heapPerEndpoint(b, services, false, services*slicesPer*perSlice, func(v *view) {
 		i := 0
 		for s := range services {
 			for sl := range slicesPer {
@@ -116,18 +68,68 @@ func BenchmarkViewHeapPerSliceEndpoint(b *testing.B) {
 				v.mu.Unlock()
 			}
 		}
+	})
+}
+
+// heapPerEndpoint makes a view feeding a running registry, with services
+// svc-0..svc-<services-1> (selecting app=svc-N, or selector-less), lets
+// fill add want endpoints, and reports the live heap per endpoint.
+func heapPerEndpoint(b *testing.B, services int, selector bool, want int, fill func(v *view)) {
+	for range b.N {
+		heap0 := liveHeap()
+		reg := registry.New(registry.Config{})
+		var announced atomic.Int64 // workload changes published
+		unsubscribe := reg.Subscribe(func(cs model.ChangeSet) {
+			for _, c := range cs.Changes {
+				if c.Kind == model.WorkloadChange {
+					announced.Add(1)
+				}
+			}
+		})
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { _ = reg.Run(ctx); close(done) }()
+		v := newView("c1", 1, model.DefaultDomain, "net1", reg)
+		for s := range services {
+			svc := &corev1.Service{
+				ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("svc-%d", s), Namespace: "bench"},
+				Spec: corev1.ServiceSpec{ClusterIP: "10.96.0.1", ClusterIPs: []string{"10.96.0.1"},
+					Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080)}}},
+			}
+			if selector {
+				svc.Spec.Selector = map[string]string{"app": fmt.Sprintf("svc-%d", s)}
+			}
+			v.putService(convertService("c1", svc))
+		}
+		v.activate()
+		fill(v)
 		n := 0
 		for _, s := range reg.Services() {
 			n += s.EndpointCount()
 		}
-		if n != services*slicesPer*perSlice {
-			b.Fatalf("%d endpoints, want %d", n, services*slicesPer*perSlice)
+		if n != want {
+			b.Fatalf("%d endpoints, want %d", n, want)
 		}
-		time.Sleep(100 * time.Millisecond) // let the change feed publish (and drop) its pending set
+		// Measure once the change feed has published (and dropped) its
+		// pending set: one Added per workload.
+		for deadline := time.Now().Add(time.Minute); announced.Load() < int64(want); time.Sleep(10 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				b.Fatalf("%d workload changes published, want %d", announced.Load(), want)
+			}
+		}
+		unsubscribe()
 		b.ReportMetric(float64(liveHeap()-heap0)/float64(n), "heap-B/endpoint")
 		runtime.KeepAlive(v)
 		runtime.KeepAlive(reg)
 		cancel()
 		<-done
 	}
+}
+
+func liveHeap() uint64 {
+	var ms runtime.MemStats
+	runtime.GC()
+	runtime.GC()
+	runtime.ReadMemStats(&ms)
+	return ms.HeapAlloc
 }

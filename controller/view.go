@@ -662,23 +662,19 @@ func (v *view) refreshSlices(k model.ServiceKey) {
 		// An address in two slices is one endpoint (the last slice's).
 		eps = slices.CompactFunc(eps, func(a, b model.Endpoint) bool { return a.Workload.UID == b.Workload.UID })
 	}
-	// Workload changes: made workloads that went or changed.
+	// Workload changes: made workloads that went, came or changed.
 	for i := range old {
-		w := old[i].Workload
-		if !w.FromSlice {
-			continue
-		}
-		if j, ok := slices.BinarySearchFunc(eps, w.UID, byUID); !ok || eps[j].Workload != w {
-			v.noteWorkload(w.UID, nil)
+		if w := old[i].Workload; w.FromSlice {
+			if _, ok := slices.BinarySearchFunc(eps, w.UID, byUID); !ok {
+				v.noteWorkload(w.UID, nil)
+			}
 		}
 	}
 	for i := range eps {
-		w := eps[i].Workload
-		if !w.FromSlice {
-			continue
-		}
-		if j, ok := slices.BinarySearchFunc(old, w.UID, byUID); !ok || old[j].Workload != w {
-			v.noteWorkload(w.UID, w)
+		if w := eps[i].Workload; w.FromSlice {
+			if j, ok := slices.BinarySearchFunc(old, w.UID, byUID); !ok || old[j].Workload != w {
+				v.noteWorkload(w.UID, w)
+			}
 		}
 	}
 	if slices.EqualFunc(old, eps, func(a, b model.Endpoint) bool {
