@@ -46,6 +46,17 @@ func (c *Client) Close() {
 	}
 }
 
+// OpenConnections reports how many connections the client holds open (0
+// when it was made with its own dialer or transport).
+func (c *Client) OpenConnections() int {
+	if c.conns == nil {
+		return 0
+	}
+	c.conns.mu.Lock()
+	defer c.conns.mu.Unlock()
+	return len(c.conns.conns)
+}
+
 // connTracker dials for one client and remembers its connections, so that a
 // removed cluster leaves no connection (and no HTTP/2 read loop) behind.
 // A custom dialer also keeps client-go from sharing the transport with other
@@ -123,11 +134,20 @@ func NewClient(cfg *rest.Config) (*Client, error) {
 		conns = &connTracker{d: net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}, conns: map[net.Conn]struct{}{}}
 		cfg.Dial = conns.DialContext
 	}
-	kube, err := kubernetes.NewForConfig(cfg)
+	if cfg.UserAgent == "" {
+		cfg.UserAgent = rest.DefaultKubernetesUserAgent()
+	}
+	// One HTTP client for the typed and the dynamic clients: one transport,
+	// so one connection to the API server per cluster generation, not two.
+	hc, err := rest.HTTPClientFor(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("http client: %w", err)
+	}
+	kube, err := kubernetes.NewForConfigAndClient(cfg, hc)
 	if err != nil {
 		return nil, fmt.Errorf("kube client: %w", err)
 	}
-	dyn, err := dynamic.NewForConfig(cfg)
+	dyn, err := dynamic.NewForConfigAndClient(cfg, hc)
 	if err != nil {
 		return nil, fmt.Errorf("dynamic client: %w", err)
 	}
