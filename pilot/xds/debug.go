@@ -64,7 +64,7 @@ func (s *Server) configDump(w http.ResponseWriter, r *http.Request) {
 		Resources map[string]map[string]json.RawMessage `json:"resources"`
 	}{NodeID: id, Network: string(c.Network), Cluster: string(c.Cluster), Resources: map[string]map[string]json.RawMessage{}}
 	for _, t := range allTypes {
-		res := v.caches[t].GetResources()
+		res := v.cache(t).GetResources()
 		m := make(map[string]json.RawMessage, len(res))
 		for name, r := range res {
 			b, err := rawJSON(t, r)

@@ -98,7 +98,9 @@ func TestRebuildOnlyChangedKeys(t *testing.T) {
 	base := counter(t, e, "isthmus_xds_resources_changed_total")
 
 	w := *reg.Workload(model.WorkloadUID("c1", ns, "s7-0"))
-	w.Node = "elsewhere"
+	moved := *w.Placement // placements are shared: never assign through a workload
+	moved.Node = "elsewhere"
+	w.Placement = &moved
 	reg.SetWorkload(&w)
 	r := c.next()
 	require.Equal(t, []string{w.UID}, names(r))

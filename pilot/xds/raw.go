@@ -25,9 +25,14 @@ func toRaw(m proto.Message) (types.Resource, error) {
 	if err != nil {
 		return nil, err
 	}
+	return rawOf(b), nil
+}
+
+// rawOf wraps an encoding as a raw resource, sharing its bytes.
+func rawOf(b []byte) types.Resource {
 	r := &emptypb.Empty{}
 	r.ProtoReflect().SetUnknown(b)
-	return r, nil
+	return r
 }
 
 // rawBytes returns the encoding a raw resource carries; it must not be

@@ -19,8 +19,9 @@ import (
 // allTypes are the type URLs every view serves.
 var allTypes = append([]string{WorkloadType}, envoyTypes...)
 
-// view holds what one class of clients sees: one LinearCache per type URL,
-// combined by a MuxCache keyed by type URL.
+// view holds what one class of clients sees: the workload type in a
+// deltaCache, each Envoy type in a LinearCache, combined by a MuxCache
+// keyed by type URL.
 //
 // A view builds only the resources its clients ask for: the workload type
 // once a client of the class asks for it (ztunnels), the four Envoy types
@@ -32,7 +33,8 @@ var allTypes = append([]string{WorkloadType}, envoyTypes...)
 // by the builder, which holds Server.buildMu, and so is building; ready is
 // written under buildMu and read anywhere.
 type view struct {
-	class  class
+	class class
+	// caches are the Envoy types' LinearCaches.
 	caches map[string]*cache.LinearCache
 	// building is set per group of types (workloadGroup, envoyGroup) once a
 	// client asked for one of them: the builder keeps that group up to date.
@@ -40,8 +42,8 @@ type view struct {
 	// ready is set once a group's resources are in the caches, so that
 	// watches may be opened on them.
 	ready [2]atomic.Bool
-	// workloads fronts the workload LinearCache for wildcard delta clients.
-	workloads *wildcardDelta
+	// workloads serves the workload type.
+	workloads *deltaCache
 	mux       *cache.MuxCache
 
 	// current are the resources in the caches (raw, see raw.go), per type
@@ -67,6 +69,17 @@ func groupOf(typeURL string) int {
 	return envoyGroup
 }
 
+// cache returns the cache serving type t in v.
+func (v *view) cache(t string) interface {
+	UpdateResources(map[string]types.Resource, []string) error
+	GetResources() map[string]types.Resource
+} {
+	if t == WorkloadType {
+		return v.workloads
+	}
+	return v.caches[t]
+}
+
 // serves reports whether the builder keeps resources of type t up to date
 // in v. The caller holds Server.buildMu.
 func (v *view) serves(t string) bool { return v.building[groupOf(t)] }
@@ -84,12 +97,15 @@ func newView(c class, versionPrefix string, logger slogAdapter) *view {
 	}
 	muxed := make(map[string]cache.Cache, len(allTypes))
 	for _, t := range allTypes {
+		v.current[t] = make(map[string]types.Resource)
+		if t == WorkloadType {
+			continue
+		}
 		lc := cache.NewLinearCache(t, cache.WithVersionPrefix(versionPrefix), cache.WithLogger(logger))
 		v.caches[t] = lc
 		muxed[t] = lc
-		v.current[t] = make(map[string]types.Resource)
 	}
-	v.workloads = newWildcardDelta(WorkloadType, versionPrefix, v.caches[WorkloadType])
+	v.workloads = newDeltaCache(WorkloadType, versionPrefix, logger)
 	muxed[WorkloadType] = v.workloads
 	byType := func(t string) string { return t }
 	v.mux = &cache.MuxCache{
@@ -268,12 +284,7 @@ func (b *batch) flush() (int, error) {
 			continue
 		}
 		n += len(up) + len(del)
-		var u interface {
-			UpdateResources(map[string]types.Resource, []string) error
-		} = b.v.caches[t]
-		if t == WorkloadType {
-			u = b.v.workloads
-		}
+		u := b.v.cache(t)
 		if err := u.UpdateResources(up, slices.Collect(maps.Keys(del))); err != nil {
 			return n, fmt.Errorf("update %s cache of class %s: %w", t, b.v.class, err)
 		}

@@ -285,3 +285,30 @@ func TestDeltaLateAck(t *testing.T) {
 	reg.SetWorkload(xdstest.Pod("c1", "net1", ns, "d", ip("10.0.0.4")))
 	c.quiet(200 * time.Millisecond)
 }
+
+// TestSotwWorkloads proves the workload type is also served over SotW (from
+// a LinearCache made on the first such request): the whole state, then what
+// changed (go-control-plane treats a type it does not know as not
+// full-state).
+func TestSotwWorkloads(t *testing.T) {
+	reg := xdstest.New()
+	svc, ws := xdstest.Backing("echo", ns, tcp80, nil,
+		xdstest.Pod("c1", "net1", ns, "a", ip("10.0.0.1")), xdstest.Pod("c1", "net1", ns, "b", ip("10.0.0.2")))
+	publish(reg, svc, ws)
+	e := start(t, reg)
+	c := openSotw(t, dial(t, e.addr), node("zt-1", "net1", "c1"))
+	c.send(&discovery.DiscoveryRequest{TypeUrl: xds.WorkloadType})
+	r := c.next(xds.WorkloadType)
+	require.Len(t, r.GetResources(), 3, "two workloads and the service")
+	c.ack(r)
+
+	b := *ws[1]
+	b.Ready = false
+	reg.SetWorkload(&b)
+	r = c.next(xds.WorkloadType)
+	require.Len(t, r.GetResources(), 1)
+	addr := &workloadv1.Address{}
+	require.NoError(t, r.GetResources()[0].UnmarshalTo(addr))
+	require.Equal(t, "c1/default/b", addr.GetWorkload().GetUid())
+	require.Equal(t, workloadv1.WorkloadStatus_UNHEALTHY, addr.GetWorkload().GetStatus())
+}
