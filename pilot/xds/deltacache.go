@@ -9,21 +9,31 @@ import (
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/anypb"
 )
 
 // deltaCache serves every delta subscription of one type URL (the workload
 // type: ztunnels subscribe wildcard, and by name on demand) from one map of
-// wire-form resources and their versions. A change is pushed to a client
-// in sync by looking only at the changed names; a first request, a
-// reconnect with initial_resource_versions, a subscription change or a
-// client the change log no longer reaches is diffed against the whole map
-// (the subscribed names, for a client that is not wildcard). A LinearCache
-// would diff every client against the whole cache, and clone its version
-// map, on every ACK and push, under one exclusive lock (O(state) per client
-// per change), and keep ~500 bytes of its own per resource (a cached
-// resource, two once-closures, a marshaled copy and a hash): a LinearCache
-// is made only if a SotW client asks for the type.
+// wire-form resources and their versions.
+//
+// A client is tracked by one number: the update batch it is in sync with.
+// Its first request is diffed against the versions it says it holds
+// (initial_resource_versions, so a reconnect is sent nothing unchanged);
+// from then on it is told the names changed since its batch (from a log of
+// the last changeLogSize batches), the names it newly subscribes to, and
+// the names go-control-plane marks for a fresh answer. No per-resource
+// version map is kept per client: responses hand go-control-plane an empty
+// one, where a LinearCache (and go-control-plane's subscription with it)
+// keeps a name -> version entry per resource per stream (~50 B: 2.5 GB for
+// 1,000 ztunnels x 50,000 endpoints). A client the log no longer reaches
+// (it has not asked for changeLogSize batches) has its stream ended with
+// Aborted; it reconnects with its versions and is diffed again. A
+// LinearCache would also diff every client against the whole cache, and
+// clone its version map, on every ACK and push, under one exclusive lock,
+// and keep ~500 bytes of its own per resource: one is made only if a SotW
+// client asks for the type.
 //
 // Versions are go-control-plane's resource versions (a hash of the
 // encoding): stable across pilot restarts, so a ztunnel reconnecting to a
@@ -45,8 +55,8 @@ type deltaCache struct {
 	resources map[string]encoded
 	// changes are the names changed by the last batches, oldest first.
 	changes []changeBatch
-	// clients are the delta clients known to be in sync as of a seq, by
-	// response channel (one per stream).
+	// clients are the delta clients, by response channel (one per stream),
+	// with the batch each is in sync with.
 	clients map[chan cache.DeltaResponse]*syncedClient
 	// lastSweep is when orphaned clients were last dropped.
 	lastSweep time.Time
@@ -55,7 +65,7 @@ type deltaCache struct {
 }
 
 // changeLogSize bounds the batches kept to bring a client that ACKs late up
-// to date; an older client is diffed against every resource.
+// to date; an older client's stream is ended (it reconnects).
 const changeLogSize = 1024
 
 // orphanAfter is how long a client whose watch was cancelled without a new
@@ -74,7 +84,10 @@ type changeBatch struct {
 }
 
 type syncedClient struct {
+	// seq is the batch the client is in sync with.
 	seq uint64
+	// wildcard is whether its subscription was wildcard as of seq.
+	wildcard bool
 	// parked is the open watch, nil between a response and the next request.
 	parked *parkedWatch
 	// orphaned is when the last watch was cancelled (zero while in use).
@@ -128,7 +141,11 @@ func (w *deltaCache) UpdateResources(updated map[string]types.Resource, deleted 
 		if c.parked == nil {
 			continue
 		}
-		if resp := w.respond(c.parked.req, c.parked.sub, names, false); resp != nil {
+		var r reply
+		for _, name := range names {
+			r.tell(w, c.parked.sub, name, true)
+		}
+		if resp := r.response(w, c.parked.req, false); resp != nil {
 			c.parked = nil
 			ch <- resp
 		}
@@ -153,71 +170,57 @@ func (w *deltaCache) sweep() {
 	}
 }
 
-// respond builds the response bringing sub up to date on names, updating
-// its version map in place, or returns nil when it already is. A client
-// that is not wildcard gets only the names it subscribes to, and a known
-// name it no longer subscribes to is removed (as LinearCache does). The
-// map is the stream's own (go-control-plane hands the response's map back
-// as the subscription's), and the stream's goroutine does not touch it
-// while the watch is open or during CreateDeltaWatch. A name may appear
-// twice in names. evenIfEmpty makes a response of nothing rather than nil.
-// The caller holds mu.
-func (w *deltaCache) respond(req *cache.DeltaRequest, sub cache.Subscription, names []string, evenIfEmpty bool) cache.DeltaResponse {
-	known := sub.ReturnedResources()
-	wildcard, subscribed := sub.IsWildcard(), sub.SubscribedResources()
-	var out []*discovery.Resource
-	var removed []string
-	for _, name := range names {
-		r, ok := w.resources[name]
-		if ok && !wildcard {
-			_, ok = subscribed[name]
-		}
-		v, had := known[name]
-		switch {
-		case ok && v != r.version:
-			out = append(out, &discovery.Resource{Name: name, Version: r.version, Resource: &anypb.Any{TypeUrl: w.typeURL, Value: r.raw}})
-			known[name] = r.version
-		case !ok && had:
-			removed = append(removed, name)
-			delete(known, name)
-		}
+// reply collects what one response tells a client.
+type reply struct {
+	out     []*discovery.Resource
+	removed []string
+}
+
+// visible reports whether sub receives name: every name when wildcard, else
+// the names it subscribes to.
+func visible(sub cache.Subscription, name string) bool {
+	if sub.IsWildcard() {
+		return true
 	}
-	if len(out) == 0 && len(removed) == 0 && !evenIfEmpty {
+	_, ok := sub.SubscribedResources()[name]
+	return ok
+}
+
+// tell adds name, if sub receives it: the resource when it exists, else its
+// removal when the client may hold it. The caller holds mu.
+func (r *reply) tell(w *deltaCache, sub cache.Subscription, name string, mayHold bool) {
+	if !visible(sub, name) {
+		return
+	}
+	if e, ok := w.resources[name]; ok {
+		r.add(w, name, e)
+	} else if mayHold {
+		r.removed = append(r.removed, name)
+	}
+}
+
+func (r *reply) add(w *deltaCache, name string, e encoded) {
+	r.out = append(r.out, &discovery.Resource{Name: name, Version: e.version, Resource: &anypb.Any{TypeUrl: w.typeURL, Value: e.raw}})
+}
+
+// response wraps the reply, or returns nil when it says nothing (unless
+// evenIfEmpty). The caller holds mu.
+func (r *reply) response(w *deltaCache, req *cache.DeltaRequest, evenIfEmpty bool) cache.DeltaResponse {
+	if len(r.out) == 0 && len(r.removed) == 0 && !evenIfEmpty {
 		return nil
 	}
 	return &cache.DeltaPassthroughResponse{
-		DeltaRequest:   req,
-		NextVersionMap: known,
+		DeltaRequest: req,
+		// go-control-plane keeps this as the stream's known versions: the
+		// client is tracked by its batch here instead.
+		NextVersionMap: map[string]string{},
 		DeltaDiscoveryResponse: &discovery.DeltaDiscoveryResponse{
-			Resources:         out,
-			RemovedResources:  removed,
+			Resources:         r.out,
+			RemovedResources:  r.removed,
 			TypeUrl:           w.typeURL,
 			SystemVersionInfo: w.prefix + strconv.FormatUint(w.seq, 10),
 		},
 	}
-}
-
-// allNames returns every name sub may need to hear of: every resource (or,
-// for a client that is not wildcard, the names it subscribes to) and every
-// name it knows. The caller holds mu.
-func (w *deltaCache) allNames(sub cache.Subscription) []string {
-	known := sub.ReturnedResources()
-	var names []string
-	if sub.IsWildcard() {
-		names = make([]string, 0, len(w.resources)+len(known))
-		for name := range w.resources {
-			names = append(names, name)
-		}
-	} else {
-		names = make([]string, 0, len(sub.SubscribedResources())+len(known))
-		for name := range sub.SubscribedResources() {
-			names = append(names, name)
-		}
-	}
-	for name := range known {
-		names = append(names, name)
-	}
-	return names
 }
 
 // namesSince returns the names changed after seq, and false when the change
@@ -245,37 +248,91 @@ func (w *deltaCache) namesSince(seq uint64) ([]string, bool) {
 	return names, true
 }
 
-// steady reports whether req only acknowledges (or rejects) a response,
-// without changing its subscription.
-func steady(req *cache.DeltaRequest) bool {
-	return req.GetResponseNonce() != "" && len(req.GetResourceNamesSubscribe()) == 0 && len(req.GetResourceNamesUnsubscribe()) == 0
-}
-
-// CreateDeltaWatch answers req with what sub is missing, or parks the watch
-// until an update concerns it. A steady client in sync is brought up to date
-// from the change log; any other request is diffed against every resource.
+// CreateDeltaWatch answers req with what the client is missing, or parks
+// the watch until an update concerns it.
 func (w *deltaCache) CreateDeltaWatch(req *cache.DeltaRequest, sub cache.Subscription, ch chan cache.DeltaResponse) (func(), error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	known := sub.ReturnedResources()
+	var r reply
 	c := w.clients[ch]
-	var names []string
-	inLog := false
-	if c != nil && steady(req) {
-		names, inLog = w.namesSince(c.seq)
-	}
-	if !inLog {
-		names = w.allNames(sub)
-	}
+	evenIfEmpty := false
 	if c == nil {
+		// The stream's first request: diff against the versions the client
+		// holds. A wildcard client is always answered: its initial state is
+		// complete (ztunnel and Envoy wait for it), even when it has
+		// everything already.
+		if sub.IsWildcard() {
+			for name, e := range w.resources {
+				if known[name] != e.version {
+					r.add(w, name, e)
+				}
+			}
+		} else {
+			for name := range sub.SubscribedResources() {
+				if e, ok := w.resources[name]; ok && known[name] != e.version {
+					r.add(w, name, e)
+				}
+			}
+		}
+		for name := range known {
+			if _, ok := w.resources[name]; !ok || !visible(sub, name) {
+				r.removed = append(r.removed, name)
+			}
+		}
+		evenIfEmpty = sub.IsWildcard()
 		c = &syncedClient{}
 		w.clients[ch] = c
+	} else {
+		names, ok := w.namesSince(c.seq)
+		if !ok {
+			delete(w.clients, ch)
+			return nil, status.Errorf(codes.Aborted, "%s: this stream fell more than %d updates behind; reconnect with initial_resource_versions", w.typeURL, changeLogSize)
+		}
+		told := make(map[string]struct{}, len(names))
+		for _, name := range names {
+			told[name] = struct{}{}
+			r.tell(w, sub, name, true)
+		}
+		// Names newly subscribed to, which the client cannot hold yet.
+		for _, name := range req.GetResourceNamesSubscribe() {
+			if _, dup := told[name]; !dup {
+				told[name] = struct{}{}
+				r.tell(w, sub, name, false)
+			}
+		}
+		// Names go-control-plane marked for a fresh answer (a wildcard
+		// client unsubscribing a name explicitly must be told whether it
+		// exists).
+		for name := range known {
+			if _, dup := told[name]; !dup {
+				told[name] = struct{}{}
+				r.tell(w, sub, name, true)
+			}
+		}
+		switch {
+		case c.wildcard && !sub.IsWildcard():
+			// Leaving wildcard: it holds every resource; those it does not
+			// subscribe to now are removed.
+			for name := range w.resources {
+				if _, dup := told[name]; !dup && !visible(sub, name) {
+					r.removed = append(r.removed, name)
+				}
+			}
+		case !c.wildcard && sub.IsWildcard():
+			// Joining wildcard (rare): everything, the few resources it
+			// held by name included.
+			for name, e := range w.resources {
+				if _, dup := told[name]; !dup {
+					r.add(w, name, e)
+				}
+			}
+		}
 	}
+	c.wildcard = sub.IsWildcard()
 	c.orphaned = time.Time{}
 	c.seq = w.seq
-	// A wildcard client's first request is always answered: its initial
-	// state is complete (ztunnel and Envoy wait for it), even when it has
-	// everything already.
-	if resp := w.respond(req, sub, names, sub.IsWildcard() && req.GetResponseNonce() == ""); resp != nil {
+	if resp := r.response(w, req, evenIfEmpty); resp != nil {
 		c.parked = nil
 		ch <- resp
 	} else {
