@@ -2,6 +2,8 @@ package xds
 
 import (
 	"fmt"
+	"maps"
+	"math/rand/v2"
 	"testing"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
@@ -127,4 +129,151 @@ func TestDeltaCacheJoiningWildcard(t *testing.T) {
 	_, err = w.CreateDeltaWatch(join, &sub, ch)
 	require.NoError(t, err)
 	assert.ElementsMatch(t, []string{"a", "b", "c"}, names(recv(t, ch)))
+}
+
+// simClient is a delta client and its stream as go-control-plane's server
+// keeps it: what it holds, its subscription, its open watch.
+type simClient struct {
+	t      *testing.T
+	w      *deltaCache
+	sub    stream.Subscription
+	ch     chan cache.DeltaResponse
+	cancel func()
+	held   map[string]string
+	nonce  int
+}
+
+func newSimClient(t *testing.T, w *deltaCache, subscribe []string, held map[string]string) *simClient {
+	c := &simClient{t: t, w: w, ch: make(chan cache.DeltaResponse, 1), held: held}
+	c.sub = stream.NewDeltaSubscription(subscribe, nil, maps.Clone(held), true)
+	c.request(&discovery.DeltaDiscoveryRequest{TypeUrl: WorkloadType, ResourceNamesSubscribe: subscribe, InitialResourceVersions: held})
+	return c
+}
+
+// request sends req (the subscription already updated) and applies any
+// answers until the watch is parked.
+func (c *simClient) request(req *discovery.DeltaDiscoveryRequest) {
+	if c.cancel != nil {
+		c.cancel()
+	}
+	var err error
+	c.cancel, err = c.w.CreateDeltaWatch(req, &c.sub, c.ch)
+	require.NoError(c.t, err)
+	c.drain()
+}
+
+// drain applies a pending response, if any, and ACKs it.
+func (c *simClient) drain() {
+	select {
+	case resp := <-c.ch:
+		r, err := resp.GetDeltaDiscoveryResponse()
+		require.NoError(c.t, err)
+		for _, res := range r.GetResources() {
+			c.held[res.GetName()] = res.GetVersion()
+		}
+		for _, name := range r.GetRemovedResources() {
+			delete(c.held, name)
+		}
+		c.sub.SetReturnedResources(resp.GetNextVersionMap())
+		c.nonce++
+		c.request(&discovery.DeltaDiscoveryRequest{TypeUrl: WorkloadType, ResponseNonce: fmt.Sprint(c.nonce)})
+	default:
+	}
+}
+
+// change subscribes and unsubscribes names. The client drops what it
+// unsubscribes from by name itself: the protocol sends no removal for it,
+// and a wildcard client that had also subscribed to it by name must be
+// sent it again if it still exists.
+func (c *simClient) change(subscribe, unsubscribe []string) {
+	before := maps.Clone(c.sub.SubscribedResources())
+	c.sub.UpdateResourceSubscriptions(subscribe, unsubscribe)
+	for _, name := range unsubscribe {
+		if _, named := before[name]; named || !c.sub.IsWildcard() {
+			delete(c.held, name)
+		}
+	}
+	c.nonce++
+	c.request(&discovery.DeltaDiscoveryRequest{TypeUrl: WorkloadType, ResponseNonce: fmt.Sprint(c.nonce),
+		ResourceNamesSubscribe: subscribe, ResourceNamesUnsubscribe: unsubscribe})
+}
+
+// want is what the client should hold: every resource it receives, at
+// its version.
+func (c *simClient) want() map[string]string {
+	out := map[string]string{}
+	for name, e := range c.w.resources {
+		if visible(&c.sub, name) {
+			out[name] = e.version
+		}
+	}
+	return out
+}
+
+// TestDeltaCacheRandomized drives clients (wildcard and by name) through
+// random updates, deletions, subscription changes and reconnects, and
+// checks after every step that each holds exactly what it receives.
+func TestDeltaCacheRandomized(t *testing.T) {
+	for seed := range uint64(5) {
+		t.Run(fmt.Sprint("seed-", seed), func(t *testing.T) { randomDeltaRun(t, seed) })
+	}
+}
+
+func randomDeltaRun(t *testing.T, seed uint64) {
+	rng := rand.New(rand.NewPCG(seed, 2))
+	w := newDeltaCache(WorkloadType, "v-", slogAdapter{})
+	name := func() string { return fmt.Sprint("r", rng.IntN(40)) }
+	clients := []*simClient{
+		newSimClient(t, w, nil, map[string]string{}),
+		newSimClient(t, w, []string{"r1", "r2", "r3"}, map[string]string{}),
+		newSimClient(t, w, []string{"*", "r5"}, map[string]string{}),
+	}
+	for step := range 3000 {
+		switch op := rng.IntN(10); {
+		case op < 6: // an update batch
+			up := map[string]types.Resource{}
+			var del []string
+			for range 1 + rng.IntN(4) {
+				if rng.IntN(3) == 0 {
+					del = append(del, name())
+				} else {
+					up[name()] = rawString(t, fmt.Sprint(step, rng.IntN(3)))
+				}
+			}
+			for _, d := range del {
+				delete(up, d)
+			}
+			require.NoError(t, w.UpdateResources(up, del))
+			for _, c := range clients {
+				c.drain()
+			}
+		case op < 8: // a subscription change
+			c := clients[rng.IntN(len(clients))]
+			switch rng.IntN(4) {
+			case 0:
+				c.change([]string{name(), name()}, nil)
+			case 1:
+				c.change(nil, []string{name()})
+			case 2:
+				c.change([]string{"*"}, nil)
+			default:
+				c.change(nil, []string{"*"})
+			}
+		default: // a reconnect with what it holds
+			i := rng.IntN(len(clients))
+			old := clients[i]
+			old.cancel()
+			var subscribe []string
+			if old.sub.IsWildcard() {
+				subscribe = []string{"*"}
+			}
+			for n := range old.sub.SubscribedResources() {
+				subscribe = append(subscribe, n)
+			}
+			clients[i] = newSimClient(t, w, subscribe, old.held)
+		}
+		for i, c := range clients {
+			require.Equal(t, c.want(), c.held, "step %d, client %d (wildcard %v)", step, i, c.sub.IsWildcard())
+		}
+	}
 }
