@@ -51,7 +51,9 @@ type deltaCache struct {
 	// seq counts UpdateResources batches.
 	seq uint64
 	// resources are the current resources: their encoding (shared with the
-	// builder's raw resource) and version. Responses wrap them.
+	// builder's raw resource) and version. Responses wrap them. Only
+	// UpdateResources writes it, from the builder (which holds
+	// Server.buildMu); the builder also reads it without mu (view.stored).
 	resources map[string]encoded
 	// changes are the names changed by the last batches, oldest first.
 	changes []changeBatch
