@@ -129,6 +129,9 @@ type fleet struct {
 	phase  atomic.Pointer[fleetPhase]
 	cancel context.CancelFunc
 	done   sync.WaitGroup
+	// clusters, when set, gives subscriber i the cluster clusters[i%len]
+	// (default c1): one class per cluster, all on net1.
+	clusters []model.ClusterID
 }
 
 func (f *fleet) subscribe(b *testing.B, ctx context.Context, cc *grpc.ClientConn, i int) {
@@ -138,7 +141,11 @@ func (f *fleet) subscribe(b *testing.B, ctx context.Context, cc *grpc.ClientConn
 	if err != nil {
 		b.Fatal(err)
 	}
-	if err := s.SendMsg(wildcard(node(fmt.Sprintf("zt-%d", i), "net1", "c1"))); err != nil {
+	cluster := model.ClusterID("c1")
+	if len(f.clusters) > 0 {
+		cluster = f.clusters[i%len(f.clusters)]
+	}
+	if err := s.SendMsg(wildcard(node(fmt.Sprintf("zt-%d", i), "net1", cluster))); err != nil {
 		b.Fatal(err)
 	}
 	f.done.Add(1)
@@ -321,32 +328,47 @@ func waitTimeout(wg *sync.WaitGroup, d time.Duration) error {
 // BenchmarkClassBuild measures building the resources of one class (network
 // and cluster) for 50,000 endpoints when its first client connects: time to
 // the first response, and heap held by the server with that one client.
+// classes=2 adds a client of a second cluster on the same network: the
+// second class sees the same resources.
 // Run: go test -run '^$' -bench BenchmarkClassBuild -benchtime 1x ./pilot/xds/
 func BenchmarkClassBuild(b *testing.B) {
-	for range b.N {
-		reg, svcs, pods := fleetRegistry(50000)
-		base := heapMB()
-		e := start(b, reg)
-		cc, err := grpc.NewClient(e.addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-		if err != nil {
-			b.Fatal(err)
-		}
-		ctx, cancel := context.WithCancel(context.Background())
-		f := &fleet{cancel: cancel}
-		p := &fleetPhase{want: len(pods) + len(svcs), got: make([]atomic.Int64, 1)}
-		p.wg.Add(1)
-		f.phase.Store(p)
-		t0 := time.Now()
-		f.subscribe(b, ctx, cc, 0)
-		if err := waitTimeout(&p.wg, 5*time.Minute); err != nil {
-			b.Fatal(err)
-		}
-		b.ReportMetric(time.Since(t0).Seconds(), "first_push_s")
-		held := heapMB() - base
-		b.ReportMetric(held, "heap_MB")
-		b.ReportMetric(held*(1<<20)/float64(len(pods)), "heap_B/endpoint")
-		cancel()
-		f.done.Wait()
-		_ = cc.Close()
+	for _, classes := range []int{1, 2} {
+		b.Run(fmt.Sprint("classes=", classes), func(b *testing.B) {
+			for range b.N {
+				classBuild(b, classes)
+			}
+		})
 	}
+}
+
+func classBuild(b *testing.B, classes int) {
+	reg, svcs, pods := fleetRegistry(50000)
+	base := heapMB()
+	e := start(b, reg)
+	cc, err := grpc.NewClient(e.addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	f := &fleet{cancel: cancel}
+	for c := range classes {
+		f.clusters = append(f.clusters, model.ClusterID(fmt.Sprint("c", c+1)))
+	}
+	p := &fleetPhase{want: len(pods) + len(svcs), got: make([]atomic.Int64, classes)}
+	p.wg.Add(classes)
+	f.phase.Store(p)
+	t0 := time.Now()
+	for i := range classes {
+		f.subscribe(b, ctx, cc, i)
+	}
+	if err := waitTimeout(&p.wg, 5*time.Minute); err != nil {
+		b.Fatal(err)
+	}
+	b.ReportMetric(time.Since(t0).Seconds(), "first_push_s")
+	held := heapMB() - base
+	b.ReportMetric(held, "heap_MB")
+	b.ReportMetric(held*(1<<20)/float64(len(pods)), "heap_B/endpoint")
+	cancel()
+	f.done.Wait()
+	_ = cc.Close()
 }
