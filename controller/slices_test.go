@@ -178,3 +178,32 @@ func keys[V any](m map[string]V) []string {
 	}
 	return out
 }
+
+// TestSliceAddressInTwoSlices: an address listed by two slices (as while one
+// replaces another) is one endpoint, ready if either slice says so, and
+// stays the same workload however often the slices are refreshed.
+func TestSliceAddressInTwoSlices(t *testing.T) {
+	sink := &recordingSink{}
+	v := newView("c1", 1, model.DefaultDomain, "net1", sink)
+	v.mu.Lock()
+	v.putService(convertService("c1", &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "pg", Namespace: "db"},
+		Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "sql", Port: 5432}}}}))
+	v.putSlice(sliceOf("pg-a", sliceEP("10.0.0.1", "n1", false)))
+	v.putSlice(sliceOf("pg-b", sliceEP("10.0.0.1", "n1", true)))
+	v.finish()
+	v.mu.Unlock()
+	v.activate()
+	k := model.ServiceKey{Namespace: "db", Name: "pg"}
+	require.Len(t, sink.shards[k], 1)
+	w := sink.shards[k][0].Workload
+	assert.True(t, w.Ready)
+	for range 20 {
+		v.mu.Lock()
+		sink.last = nil
+		v.refreshSlices(k)
+		v.finish()
+		v.mu.Unlock()
+		assert.Nil(t, sink.last, "a refresh of unchanged slices changes nothing")
+	}
+	assert.Same(t, w, sink.shards[k][0].Workload)
+}

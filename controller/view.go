@@ -629,7 +629,8 @@ func (v *view) refreshSlices(k model.ServiceKey) {
 		host := v.hostname(k)
 		places := map[string]*model.Placement{} // by node
 		network := v.nsNetworkOr()
-		for _, sl := range v.slicesBy[k] {
+		for _, name := range slices.Sorted(maps.Keys(v.slicesBy[k])) {
+			sl := v.slicesBy[k][name]
 			ports := v.internPorts(slicePorts(s, sl))
 			services := v.internServices(map[string][]model.PortMapping{host: ports})
 			for i := range sl.endpoints {
@@ -659,8 +660,20 @@ func (v *view) refreshSlices(k model.ServiceKey) {
 			}
 		}
 		slices.SortStableFunc(eps, func(a, b model.Endpoint) int { return strings.Compare(a.Workload.UID, b.Workload.UID) })
-		// An address in two slices is one endpoint (the last slice's).
-		eps = slices.CompactFunc(eps, func(a, b model.Endpoint) bool { return a.Workload.UID == b.Workload.UID })
+		// An address in two slices (as while one replaces another) is one
+		// endpoint: a ready one if any, else the first slice's by name, so
+		// the choice does not flap between refreshes.
+		out := eps[:0]
+		for _, e := range eps {
+			if n := len(out); n > 0 && out[n-1].Workload.UID == e.Workload.UID {
+				if !out[n-1].Workload.Ready && e.Workload.Ready {
+					out[n-1] = e
+				}
+				continue
+			}
+			out = append(out, e)
+		}
+		eps = out
 	}
 	// Workload changes: made workloads that went, came or changed.
 	for i := range old {
