@@ -53,16 +53,3 @@ func forget(p Placement) {
 		delete(places.m, p)
 	}
 }
-
-// placedIn reports how many placements of cluster are interned (for tests).
-func placedIn(cluster ClusterID) int {
-	places.mu.Lock()
-	defer places.mu.Unlock()
-	n := 0
-	for p := range places.m {
-		if p.Cluster == cluster {
-			n++
-		}
-	}
-	return n
-}

@@ -47,3 +47,16 @@ func TestSliceWorkloadService(t *testing.T) {
 	_, ok = SliceWorkloadService("c1/db/pg-0")
 	assert.False(t, ok)
 }
+
+// placedIn reports how many placements of cluster are interned (for tests).
+func placedIn(cluster ClusterID) int {
+	places.mu.Lock()
+	defer places.mu.Unlock()
+	n := 0
+	for p := range places.m {
+		if p.Cluster == cluster {
+			n++
+		}
+	}
+	return n
+}
