@@ -300,7 +300,7 @@ func (sh *shard) own() {
 }
 
 func (sh *shard) find(uid string) (int, bool) {
-	return slices.BinarySearchFunc(sh.eps, uid, func(e model.Endpoint, uid string) int { return strings.Compare(e.Workload.UID, uid) })
+	return model.FindEndpoint(sh.eps, uid)
 }
 
 // setEndpoint records the endpoint of workload uid in service k's shard
@@ -678,14 +678,14 @@ func (v *view) refreshSlices(k model.ServiceKey) {
 	// Workload changes: made workloads that went, came or changed.
 	for i := range old {
 		if w := old[i].Workload; w.FromSlice {
-			if _, ok := slices.BinarySearchFunc(eps, w.UID, byUID); !ok {
+			if _, ok := model.FindEndpoint(eps, w.UID); !ok {
 				v.noteWorkload(w.UID, nil)
 			}
 		}
 	}
 	for i := range eps {
 		if w := eps[i].Workload; w.FromSlice {
-			if j, ok := slices.BinarySearchFunc(old, w.UID, byUID); !ok || old[j].Workload != w {
+			if j, ok := model.FindEndpoint(old, w.UID); !ok || old[j].Workload != w {
 				v.noteWorkload(w.UID, w)
 			}
 		}
@@ -705,8 +705,6 @@ func (v *view) refreshSlices(k model.ServiceKey) {
 	}
 	v.markShard(k)
 }
-
-func byUID(e model.Endpoint, uid string) int { return strings.Compare(e.Workload.UID, uid) }
 
 // sameServices reports whether two services maps are equal.
 func sameServices(a, b map[string][]model.PortMapping) bool {

@@ -199,6 +199,12 @@ type Endpoint struct {
 }
 
 // Address is the endpoint's IP.
+// FindEndpoint returns where workload uid's endpoint is, or would be, in
+// eps (a shard: sorted by workload UID), and whether it is there.
+func FindEndpoint(eps []Endpoint, uid string) (int, bool) {
+	return slices.BinarySearchFunc(eps, uid, func(e Endpoint, uid string) int { return strings.Compare(e.Workload.UID, uid) })
+}
+
 func (e *Endpoint) Address() netip.Addr { return e.Workload.Addresses[0] }
 
 // WorkloadUID is the uid of the endpoint's workload.

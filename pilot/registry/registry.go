@@ -127,9 +127,7 @@ func (cs *clusterState) workload(uid string) *model.Workload {
 		return nil
 	}
 	eps := cs.shards[k]
-	if i, found := slices.BinarySearchFunc(eps, uid, func(e model.Endpoint, uid string) int {
-		return strings.Compare(e.Workload.UID, uid)
-	}); found && eps[i].Workload.FromSlice {
+	if i, found := model.FindEndpoint(eps, uid); found && eps[i].Workload.FromSlice {
 		return eps[i].Workload
 	}
 	return nil
