@@ -160,9 +160,12 @@ func convertService(cluster model.ClusterID, svc *corev1.Service) *svcInfo {
 	return info
 }
 
-// gatewayOf returns the east-west gateway a Service labelled with a network
-// describes: its HBONE port (15008, or the port named tls-hbone) and its
-// address (load balancer ingress, else external IP). nil when it has none.
+// gatewayOf returns the east-west gateway candidate a Service labelled with
+// a network describes: its HBONE port (15008, or the port named tls-hbone),
+// its address (load balancer ingress, else external IP; none yet is
+// possible) and the service accounts an operator annotated. nil when it has
+// no HBONE port. Whether the candidate is trusted, and the identities of its
+// pods, are the view's to decide (gatewayList).
 func gatewayOf(cluster model.ClusterID, net model.Network, svc *corev1.Service) *model.NetworkGateway {
 	var port uint16
 	for _, sp := range svc.Spec.Ports {
@@ -175,6 +178,15 @@ func gatewayOf(cluster model.ClusterID, net model.Network, svc *corev1.Service) 
 		return nil
 	}
 	gw := &model.NetworkGateway{Network: net, Cluster: cluster, HBONEPort: port, Source: svc.Namespace + "/" + svc.Name}
+	if v := svc.Annotations[model.GatewayServiceAccountsAnnotation]; v != "" {
+		for sa := range strings.SplitSeq(v, ",") {
+			if sa = strings.TrimSpace(sa); sa != "" {
+				gw.ServiceAccounts = append(gw.ServiceAccounts, sa)
+			}
+		}
+		slices.Sort(gw.ServiceAccounts)
+		gw.ServiceAccounts = slices.Compact(gw.ServiceAccounts)
+	}
 	for _, ing := range svc.Status.LoadBalancer.Ingress {
 		if a, err := netip.ParseAddr(ing.IP); err == nil {
 			gw.Address = a
@@ -191,7 +203,7 @@ func gatewayOf(cluster model.ClusterID, net model.Network, svc *corev1.Service) 
 			return gw
 		}
 	}
-	return nil
+	return gw
 }
 
 func serviceEqual(a, b *svcInfo) bool {
@@ -208,7 +220,7 @@ func gatewayEqual(a, b *model.NetworkGateway) bool {
 	if a == nil || b == nil {
 		return a == b
 	}
-	return *a == *b
+	return a.Equal(*b)
 }
 
 func convertNode(n *corev1.Node) model.Locality {

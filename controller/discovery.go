@@ -31,6 +31,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/watch"
@@ -49,6 +50,15 @@ type Config struct {
 	Domain string
 	// WatchServiceExports watches MCS ServiceExports (for export mode).
 	WatchServiceExports bool
+	// GatewayNamespaces are the namespaces whose Services may be east-west
+	// gateways (default: the control-plane namespace). A Service elsewhere
+	// labelled with a network is reported as an ignored candidate: any
+	// tenant can label a Service and give it external IPs.
+	GatewayNamespaces []string
+	// GatewayNamespaceSelector, if set, also trusts the namespaces whose
+	// labels it matches (namespace labels are the cluster administrator's,
+	// unlike Service labels). It is watched on the API server.
+	GatewayNamespaceSelector labels.Selector
 	// Logger (default slog.Default()).
 	Logger *slog.Logger
 }
@@ -59,6 +69,9 @@ func (c *Config) defaults() {
 	}
 	if c.Domain == "" {
 		c.Domain = model.DefaultDomain
+	}
+	if len(c.GatewayNamespaces) == 0 {
+		c.GatewayNamespaces = []string{c.ControlPlaneNamespace}
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -130,6 +143,9 @@ func start(parent context.Context, cfg Config, c *multicluster.Cluster, sink Sin
 	kube := c.Client.Kube
 	log := cfg.Logger.With("cluster", c.ID, "generation", c.Generation)
 	v := d.v
+	for _, ns := range cfg.GatewayNamespaces {
+		v.gatewayNS[ns] = true
+	}
 
 	d.watch(ctx, "pods", &corev1.Pod{}, lw(
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
@@ -168,6 +184,19 @@ func start(parent context.Context, cfg Config, c *multicluster.Cluster, sink Sin
 		}),
 		func(obj any) { v.setNamespaceNetwork(model.Network(obj.(*corev1.Namespace).Labels[NetworkLabel])) },
 		func(string) { v.setNamespaceNetwork("") })
+	if sel := cfg.GatewayNamespaceSelector; sel != nil && !sel.Empty() {
+		d.watch(ctx, "gateway-namespaces", &corev1.Namespace{}, lw(
+			func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+				o.LabelSelector = sel.String()
+				return kube.CoreV1().Namespaces().List(ctx, o)
+			},
+			func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+				o.LabelSelector = sel.String()
+				return kube.CoreV1().Namespaces().Watch(ctx, o)
+			}),
+			func(obj any) { v.setGatewayNamespaceSelected(obj.(*corev1.Namespace).Name, true) },
+			func(key string) { v.setGatewayNamespaceSelected(key, false) })
+	}
 	d.watch(ctx, "endpointslices", &discoveryv1.EndpointSlice{}, lw(
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 			return kube.DiscoveryV1().EndpointSlices("").List(ctx, o)

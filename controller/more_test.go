@@ -46,8 +46,10 @@ func TestGatewaysAndSelectorlessServices(t *testing.T) {
 	require.EventuallyWithT(t, func(c *assert.CollectT) {
 		gws := f.reg.GatewaysOf("network-7")
 		require.Len(c, gws, 1)
+		// Outside the control-plane namespace: a candidate only (see
+		// gateway_trust_test.go for trusted gateways).
 		require.Equal(c, model.NetworkGateway{Network: "network-7", Cluster: "cluster-2", Address: netip.MustParseAddr("127.77.0.1"),
-			HBONEPort: 15008, Source: "gw/eastwest"}, gws[0])
+			HBONEPort: 15008, Source: "gw/eastwest", Capacity: 1, Ignored: model.GatewayIgnoredUntrustedNamespace}, gws[0])
 	}, 10*time.Second, 5*time.Millisecond)
 
 	// A selector-less service with an EndpointSlice (addresses used as data only).

@@ -45,6 +45,11 @@ type view struct {
 	slices    map[string]*sliceInfo                      // ns/name
 	slicesBy  map[model.ServiceKey]map[string]*sliceInfo // service -> slice name
 	exported  map[model.ServiceKey]bool
+	// gatewayNS are the namespaces whose Services may be east-west
+	// gateways; selectedNS those that the operator's namespace selector
+	// matches (maintained by a watch). A candidate elsewhere is ignored.
+	gatewayNS  map[string]bool
+	selectedNS map[string]bool
 
 	// Derived state, as the sink has it. Workloads made from EndpointSlice
 	// addresses are kept only in their service's shard, not in workloads:
@@ -67,7 +72,7 @@ func newView(cluster model.ClusterID, gen uint64, domain string, network model.N
 		podsByNS: map[string]map[string]*podInfo{},
 		services: map[model.ServiceKey]*svcInfo{}, svcsByNS: map[string]map[string]*svcInfo{},
 		nodes: map[string]model.Locality{}, slices: map[string]*sliceInfo{}, slicesBy: map[model.ServiceKey]map[string]*sliceInfo{},
-		exported:  map[model.ServiceKey]bool{},
+		exported:  map[model.ServiceKey]bool{}, gatewayNS: map[string]bool{}, selectedNS: map[string]bool{},
 		workloads: map[string]*model.Workload{}, shards: map[model.ServiceKey]*shard{},
 		portLists: map[string][]model.PortMapping{},
 		labelSets: map[string]map[string]string{}, serviceMaps: map[string]map[string][]model.PortMapping{},
@@ -350,6 +355,12 @@ func (v *view) finish() {
 		if sh := v.shards[k]; sh != nil {
 			v.delta.Shards[k] = sh.publish()
 		}
+		if s := v.services[k]; s != nil && s.gateway != nil {
+			v.gatewaysChanged() // its identities or capacity may have changed
+		}
+	}
+	if v.delta.GatewaysChanged {
+		v.delta.Gateways = v.gatewayList()
 	}
 	v.flush()
 }
@@ -732,20 +743,73 @@ func slicePorts(s *svcInfo, sl *sliceInfo) []model.PortMapping {
 	return out
 }
 
-func (v *view) gatewaysChanged() {
-	v.delta.GatewaysChanged = true
-	v.delta.Gateways = v.gatewayList()
-}
+// gatewaysChanged notes that the gateway list must be sent again; finish
+// resolves it once the callback's other changes (shards) are in.
+func (v *view) gatewaysChanged() { v.delta.GatewaysChanged = true }
 
+// gatewayList returns every gateway candidate of the cluster, resolved:
+// trusted or ignored (with the reason), with its identities and capacity.
 func (v *view) gatewayList() []model.NetworkGateway {
 	var out []model.NetworkGateway
-	for _, s := range v.services {
+	for k, s := range v.services {
 		if s.gateway != nil {
-			out = append(out, *s.gateway)
+			out = append(out, v.resolveGateway(k, *s.gateway))
 		}
 	}
 	slices.SortFunc(out, func(a, b model.NetworkGateway) int { return cmp.Compare(a.Key(), b.Key()) })
 	return out
+}
+
+// resolveGateway decides whether the candidate g of Service k is trusted:
+// only Services in the operator's gateway namespaces qualify (any tenant can
+// label a Service and give it external IPs), and only with an address and a
+// known identity. The identities are the annotated service accounts, else
+// those of the pods the Service selects; the capacity is its ready pods.
+func (v *view) resolveGateway(k model.ServiceKey, g model.NetworkGateway) model.NetworkGateway {
+	var ready uint32
+	var podAccounts []string
+	if sh := v.shards[k]; sh != nil {
+		for i := range sh.eps {
+			e := &sh.eps[i]
+			if e.Ready() && !e.Terminating() {
+				ready++
+			}
+			podAccounts = append(podAccounts, cmp.Or(e.ServiceAccount(), "default"))
+		}
+	}
+	if len(g.ServiceAccounts) == 0 {
+		slices.Sort(podAccounts)
+		g.ServiceAccounts = slices.Compact(podAccounts)
+	}
+	g.Capacity = max(ready, 1)
+	switch {
+	case !v.gatewayNS[k.Namespace] && !v.selectedNS[k.Namespace]:
+		g.Ignored = model.GatewayIgnoredUntrustedNamespace
+	case !g.Address.IsValid() && g.Hostname == "":
+		g.Ignored = model.GatewayIgnoredNoAddress
+	case len(g.ServiceAccounts) == 0:
+		g.Ignored = model.GatewayIgnoredNoIdentity
+	}
+	return g
+}
+
+// setGatewayNamespaceSelected records whether namespace ns matches the
+// operator's gateway namespace selector.
+func (v *view) setGatewayNamespaceSelected(ns string, selected bool) {
+	if v.selectedNS[ns] == selected {
+		return
+	}
+	if selected {
+		v.selectedNS[ns] = true
+	} else {
+		delete(v.selectedNS, ns)
+	}
+	for k, s := range v.services {
+		if k.Namespace == ns && s.gateway != nil {
+			v.gatewaysChanged()
+			return
+		}
+	}
 }
 
 // ---- helpers ----

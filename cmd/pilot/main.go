@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
@@ -29,6 +30,7 @@ type options struct {
 	logLevel, logFormat     string
 	namespace, clusterID    string
 	network                 string
+	gatewaySelector         string
 	cfg                     server.Config
 }
 
@@ -69,6 +71,10 @@ func newCommand() *cobra.Command {
 	f.DurationVar(&o.cfg.Registry.StaleGrace, "stale-grace", 0, "how long an unreachable cluster's last state is kept (0: forever)")
 	f.DurationVar(&o.cfg.Registry.QuietPeriod, "debounce-quiet", 100*time.Millisecond, "changes closer than this are merged")
 	f.DurationVar(&o.cfg.Registry.MaxDelay, "debounce-max", time.Second, "longest a change waits for a burst to end")
+	f.StringSliceVar(&o.cfg.Discovery.GatewayNamespaces, "gateway-namespaces", nil,
+		"namespaces whose Services may be east-west gateways (default: --namespace); a Service labelled with a network elsewhere is ignored and reported")
+	f.StringVar(&o.gatewaySelector, "gateway-namespace-selector", "",
+		"label selector of further namespaces whose Services may be east-west gateways (e.g. isthmus.io/gateways=trusted)")
 	f.StringVar(&o.cfg.CA.TrustDomain, "trust-domain", "cluster.local", "SPIFFE trust domain")
 	f.StringSliceVar(&o.cfg.CA.ServingSANs, "serving-san", nil, "DNS names or IPs of pilot's serving certificate (default isthmusd.<namespace>.svc)")
 	f.BoolVar(&o.cfg.NoLeaderElection, "no-leader-election", false, "write cluster status without a leader Lease (single replica only)")
@@ -89,6 +95,13 @@ func (o *options) run(ctx context.Context) error {
 		return err
 	}
 	o.cfg.Namespace, o.cfg.ClusterID, o.cfg.Network = o.namespace, model.ClusterID(o.clusterID), model.Network(o.network)
+	if o.gatewaySelector != "" {
+		sel, err := labels.Parse(o.gatewaySelector)
+		if err != nil {
+			return fmt.Errorf("--gateway-namespace-selector: %w", err)
+		}
+		o.cfg.Discovery.GatewayNamespaceSelector = sel
+	}
 	o.cfg.Logger = logger
 	srv, err := server.New(o.cfg, rc, nil)
 	if err != nil {

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/netip"
 	"os"
 	"os/signal"
 	"strings"
@@ -66,6 +67,7 @@ func newCommand(stderr io.Writer, run runFunc) *cobra.Command {
 	cfg := node.Config{}
 	lc := logConfig{Format: "json", Level: "info"}
 	var mode, inboundPlaintext string
+	var nodeIPs []string
 	cmd := &cobra.Command{
 		Use:           "ztunnel",
 		Short:         "Isthmus node proxy and east-west gateway",
@@ -78,6 +80,13 @@ func newCommand(stderr io.Writer, run runFunc) *cobra.Command {
 				return err
 			}
 			cfg.Mode = node.Mode(mode)
+			for _, ip := range nodeIPs {
+				a, err := netip.ParseAddr(strings.TrimSpace(ip))
+				if err != nil {
+					return fmt.Errorf("--node-ip %q: %w", ip, err)
+				}
+				cfg.NodeIPs = append(cfg.NodeIPs, a.Unmap())
+			}
 			if inboundPlaintext != node.Disabled && inboundPlaintext != "" {
 				log.Warn("--inbound-plaintext-addr is accepted but not served: this ztunnel has no plaintext inbound capture", "addr", inboundPlaintext)
 			}
@@ -88,6 +97,7 @@ func newCommand(stderr io.Writer, run runFunc) *cobra.Command {
 	f := cmd.Flags()
 	f.StringVar(&mode, "mode", string(d.Mode), "node (node proxy) or gateway (east-west gateway)")
 	f.StringVar(&cfg.NodeName, "node", os.Getenv("NODE_NAME"), "Kubernetes node this ztunnel runs on (default $NODE_NAME)")
+	f.StringSliceVar(&nodeIPs, "node-ip", splitEnv("HOST_IPS"), "the node's addresses, never a source identity or destination (default $HOST_IPS, comma separated)")
 	f.StringVar(&cfg.ClusterID, "cluster-id", "", "ID of the cluster this ztunnel runs in")
 	f.StringVar(&cfg.Network, "network", "", "network this ztunnel is on")
 	f.StringVar(&cfg.TrustDomain, "trust-domain", d.TrustDomain, "mesh trust domain")
@@ -122,4 +132,11 @@ func envOr(key, def string) string {
 		return v
 	}
 	return def
+}
+
+func splitEnv(key string) []string {
+	if v := os.Getenv(key); v != "" {
+		return strings.Split(v, ",")
+	}
+	return nil
 }

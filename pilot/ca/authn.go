@@ -2,16 +2,22 @@ package ca
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/base64"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
+	"golang.org/x/time/rate"
 	"google.golang.org/grpc/metadata"
 	authnv1 "k8s.io/api/authentication/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/utils/lru"
 )
 
 // gRPC metadata keys read by the TokenReview authenticator (Istio's names).
@@ -41,7 +47,8 @@ type Caller struct {
 
 // TokenReviewAuthenticator authenticates a Kubernetes ServiceAccount token from the
 // "authorization: Bearer" metadata with a TokenReview in the cluster named by the "clusterid"
-// metadata (DefaultCluster when absent). Safe for concurrent use; the token is never logged.
+// metadata (DefaultCluster when absent). Verdicts are cached by a digest of (cluster, token), and
+// reviews are rate-limited per cluster. Safe for concurrent use; the token is never logged nor kept.
 type TokenReviewAuthenticator struct {
 	// Clusters gives the client of the cluster the caller names.
 	Clusters Clusters
@@ -52,8 +59,99 @@ type TokenReviewAuthenticator struct {
 	Audiences []string
 	// Timeout bounds the review (0: none beyond the request's own deadline).
 	Timeout time.Duration
+	// CacheTTL is how long a verdict is reused (0: DefaultReviewCacheTTL; negative: no cache);
+	// a success never past the token's exp claim, a refusal for a sixth of it.
+	CacheTTL time.Duration
+	// Rate and Burst bound the reviews sent per cluster (0: DefaultReviewRate, DefaultReviewBurst).
+	Rate  float64
+	Burst int
 	// Now is the clock used to tell an expired token from an otherwise invalid one.
 	Now func() time.Time
+
+	once     sync.Once
+	mu       sync.Mutex
+	verdicts *lru.Cache               // [sha256.Size]byte -> verdict
+	limiters map[string]*rate.Limiter // per cluster
+}
+
+// verdict is a cached review outcome: a caller or a refusal.
+type verdict struct {
+	caller  *Caller
+	err     error
+	expires time.Time
+}
+
+// reviewCacheSize bounds the cached verdicts (a few MB at most).
+const reviewCacheSize = 10000
+
+func (a *TokenReviewAuthenticator) init() {
+	a.once.Do(func() {
+		a.verdicts = lru.New(reviewCacheSize)
+		a.limiters = map[string]*rate.Limiter{}
+	})
+}
+
+func (a *TokenReviewAuthenticator) cacheTTL() time.Duration {
+	if a.CacheTTL == 0 {
+		return DefaultReviewCacheTTL
+	}
+	return a.CacheTTL
+}
+
+// cached returns a live verdict on key.
+func (a *TokenReviewAuthenticator) cached(key [sha256.Size]byte) (*verdict, bool) {
+	v, ok := a.verdicts.Get(key)
+	if !ok {
+		return nil, false
+	}
+	vd := v.(*verdict)
+	if !a.now().Before(vd.expires) {
+		a.verdicts.Remove(key)
+		return nil, false
+	}
+	return vd, true
+}
+
+// remember caches the verdict of a review on token.
+func (a *TokenReviewAuthenticator) remember(key [sha256.Size]byte, token string, c *Caller, err error) {
+	ttl := a.cacheTTL()
+	if ttl < 0 {
+		return
+	}
+	var re *RefusalError
+	if err != nil {
+		if !errors.As(err, &re) || re.Reason == ReasonReviewUnavailable || re.Reason == ReasonReviewRateLimited {
+			return // a transient failure says nothing about the token
+		}
+		ttl /= 6
+	}
+	expires := a.now().Add(ttl)
+	if claims := unverifiedClaims(token); err == nil && claims != nil && claims.Exp != 0 {
+		// The API server vouched for the token, so its exp claim holds.
+		if exp := time.Unix(claims.Exp, 0); exp.Before(expires) {
+			expires = exp
+		}
+	}
+	a.verdicts.Add(key, &verdict{caller: c, err: err, expires: expires})
+}
+
+// allow reports whether a review may be sent to cluster now.
+func (a *TokenReviewAuthenticator) allow(cluster string) bool {
+	a.mu.Lock()
+	l := a.limiters[cluster]
+	if l == nil {
+		r, b := a.Rate, a.Burst
+		if r <= 0 {
+			r = DefaultReviewRate
+		}
+		if b <= 0 {
+			b = DefaultReviewBurst
+		}
+		l = rate.NewLimiter(rate.Limit(r), b)
+		a.limiters[cluster] = l
+	}
+	a.mu.Unlock()
+	return l.Allow()
 }
 
 // Authenticate implements Authenticator.
@@ -71,6 +169,21 @@ func (a *TokenReviewAuthenticator) Authenticate(ctx context.Context) (*Caller, e
 	if !ok {
 		return nil, refuse(ReasonUnknownCluster, "cluster %q is not federated", cluster)
 	}
+	a.init()
+	key := sha256.Sum256([]byte(cluster + "\x00" + token))
+	if v, ok := a.cached(key); ok {
+		return v.caller, v.err
+	}
+	if !a.allow(cluster) {
+		return nil, refuse(ReasonReviewRateLimited, "too many token reviews for cluster %q; retry later", cluster)
+	}
+	c, err := a.review(ctx, client, cluster, token)
+	a.remember(key, token, c, err)
+	return c, err
+}
+
+// review asks cluster's API server about token.
+func (a *TokenReviewAuthenticator) review(ctx context.Context, client kubernetes.Interface, cluster, token string) (*Caller, error) {
 	if a.Timeout > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, a.Timeout)

@@ -81,6 +81,9 @@ func New(cfg Config, deps Deps) (*CA, error) {
 			DefaultCluster: cfg.ClusterID,
 			Audiences:      cfg.Audiences,
 			Timeout:        cfg.ReviewTimeout,
+			CacheTTL:       cfg.ReviewCacheTTL,
+			Rate:           cfg.ReviewRate,
+			Burst:          cfg.ReviewBurst,
 			Now:            deps.Now,
 		}
 	}

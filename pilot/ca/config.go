@@ -9,6 +9,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"k8s.io/client-go/kubernetes"
+
+	"github.com/isthmus-mesh/isthmus/internal/spiffe"
 )
 
 // Defaults applied by Config.withDefaults; exported so cmd/ can show them in flag help.
@@ -23,6 +25,9 @@ const (
 	DefaultRootTTL          = 10 * 365 * 24 * time.Hour
 	DefaultServingTTL       = 24 * time.Hour
 	DefaultReviewTimeout    = 10 * time.Second
+	DefaultReviewCacheTTL   = 30 * time.Second
+	DefaultReviewRate       = 50
+	DefaultReviewBurst      = 100
 )
 
 // RootCertKey is the key of the root bundle in the published ConfigMap and in the CA Secrets.
@@ -63,6 +68,16 @@ type Config struct {
 	ServingTTL time.Duration
 	// ReviewTimeout bounds one TokenReview or pod lookup (default 10 s).
 	ReviewTimeout time.Duration
+	// ReviewCacheTTL is how long a TokenReview's verdict on a token is
+	// reused (default 30 s; never past the token's expiry; refusals are
+	// kept a sixth of it). Negative turns the cache off.
+	ReviewCacheTTL time.Duration
+	// ReviewRate and ReviewBurst bound the TokenReviews sent to one
+	// cluster's API server (defaults 50 per second, bursts of 100): past
+	// them a request is refused as review_rate_limited, so unauthenticated
+	// callers cannot turn pilot into a load generator against a cluster.
+	ReviewRate  float64
+	ReviewBurst int
 }
 
 // withDefaults returns cfg with every unset field given its default; it is the only place
@@ -110,6 +125,15 @@ func (cfg Config) withDefaults() Config {
 	if cfg.ReviewTimeout <= 0 {
 		cfg.ReviewTimeout = DefaultReviewTimeout
 	}
+	if cfg.ReviewCacheTTL == 0 {
+		cfg.ReviewCacheTTL = DefaultReviewCacheTTL
+	}
+	if cfg.ReviewRate <= 0 {
+		cfg.ReviewRate = DefaultReviewRate
+	}
+	if cfg.ReviewBurst <= 0 {
+		cfg.ReviewBurst = DefaultReviewBurst
+	}
 	return cfg
 }
 
@@ -126,7 +150,7 @@ func (cfg Config) validate() error {
 			errs = append(errs, err)
 		}
 	}
-	if err := validTrustDomain(cfg.TrustDomain); err != nil {
+	if err := spiffe.ValidateTrustDomain(cfg.TrustDomain); err != nil {
 		errs = append(errs, err)
 	}
 	return errors.Join(errs...)

@@ -28,6 +28,9 @@ const (
 	ReasonNotServiceAccount Reason = "not_service_account"
 	// ReasonReviewUnavailable: the caller's API server could not be asked.
 	ReasonReviewUnavailable Reason = "review_unavailable"
+	// ReasonReviewRateLimited: too many TokenReviews to the caller's cluster
+	// right now (Config.ReviewRate).
+	ReasonReviewRateLimited Reason = "review_rate_limited"
 	// ReasonMalformedCSR: the CSR is not a well-signed PEM CERTIFICATE REQUEST with a usable key.
 	ReasonMalformedCSR Reason = "malformed_csr"
 	// ReasonIdentityMismatch: the CSR names an identity other than the one being issued.
@@ -60,6 +63,8 @@ func (r Reason) Code() codes.Code {
 		return codes.PermissionDenied
 	case ReasonReviewUnavailable, ReasonNotReady:
 		return codes.Unavailable
+	case ReasonReviewRateLimited:
+		return codes.ResourceExhausted
 	default:
 		return codes.Internal
 	}

@@ -13,8 +13,8 @@ func TestParseIdentity(t *testing.T) {
 		want    Identity
 		wantErr bool
 	}{
-		{in: "spiffe://cluster.local/ns/app/sa/web", want: Identity{"cluster.local", "app", "web"}},
-		{in: "spiffe://cluster.local/ns/app/sa/web.v1", want: Identity{"cluster.local", "app", "web.v1"}},
+		{in: "spiffe://cluster.local/ns/app/sa/web", want: Identity{TrustDomain: "cluster.local", Namespace: "app", ServiceAccount: "web"}},
+		{in: "spiffe://cluster.local/ns/app/sa/web.v1", want: Identity{TrustDomain: "cluster.local", Namespace: "app", ServiceAccount: "web.v1"}},
 		{in: "https://cluster.local/ns/app/sa/web", wantErr: true},
 		{in: "spiffe:///ns/app/sa/web", wantErr: true},
 		{in: "spiffe://cluster.local/ns/app/sa/web/extra", wantErr: true},
@@ -33,7 +33,7 @@ func TestParseIdentity(t *testing.T) {
 			}
 			require.NoError(t, err)
 			require.Equal(t, tc.want, got)
-			require.Equal(t, tc.in, got.SPIFFEID())
+			require.Equal(t, tc.in, got.String())
 		})
 	}
 }

@@ -76,13 +76,13 @@ func (c *CA) createCertificate(ctx context.Context, req *pb.IstioCertificateRequ
 	if err != nil {
 		return nil, nil, "", reasonOf(err, ReasonTokenInvalid)
 	}
-	id := Identity{TrustDomain: c.cfg.TrustDomain, Namespace: caller.Namespace, ServiceAccount: caller.ServiceAccount}.SPIFFEID()
+	id := Identity{TrustDomain: c.cfg.TrustDomain, Namespace: caller.Namespace, ServiceAccount: caller.ServiceAccount}.String()
 	if imp := req.GetMetadata().GetFields()[ImpersonatedIdentityMetadata].GetStringValue(); imp != "" && imp != id {
 		want, err := c.authorizeImpersonation(ctx, caller, imp)
 		if err != nil {
 			return nil, caller, "", err
 		}
-		id = want.SPIFFEID() // canonical form, whatever encoding the request used
+		id = want.String() // canonical form, whatever encoding the request used
 	}
 	csr, err := parseCSR(req.GetCsr())
 	if err != nil {

@@ -110,30 +110,6 @@ func WorkloadUID(cluster ClusterID, ns, name string) string {
 	return string(cluster) + "/" + ns + "/" + name
 }
 
-// SpiffeID returns spiffe://<trustDomain>/ns/<ns>/sa/<sa>.
-func SpiffeID(trustDomain, ns, sa string) string {
-	if trustDomain == "" {
-		trustDomain = DefaultDomain
-	}
-	if sa == "" {
-		sa = "default"
-	}
-	return "spiffe://" + trustDomain + "/ns/" + ns + "/sa/" + sa
-}
-
-// ParseSpiffeID splits a SPIFFE ID of the form spiffe://td/ns/<ns>/sa/<sa>.
-func ParseSpiffeID(id string) (trustDomain, ns, sa string, ok bool) {
-	rest, found := strings.CutPrefix(id, "spiffe://")
-	if !found {
-		return "", "", "", false
-	}
-	parts := strings.Split(rest, "/")
-	if len(parts) != 5 || parts[1] != "ns" || parts[3] != "sa" || parts[0] == "" || parts[2] == "" || parts[4] == "" {
-		return "", "", "", false
-	}
-	return parts[0], parts[2], parts[4], true
-}
-
 // PortMapping maps a service port to the target port on one workload.
 type PortMapping struct {
 	ServicePort uint16
@@ -270,7 +246,9 @@ func (w *Workload) Equal(o *Workload) bool {
 }
 
 // NetworkGateway is an east-west gateway through which other networks reach
-// the workloads of Network.
+// the workloads of Network, or a candidate for one that pilot does not
+// trust (Ignored says why). Discovery reports every candidate so that
+// operators can see the ignored ones; only trusted gateways reach xDS.
 type NetworkGateway struct {
 	Network Network
 	Cluster ClusterID
@@ -281,6 +259,52 @@ type NetworkGateway struct {
 	HBONEPort uint16
 	// Source names the Service the gateway was discovered from (ns/name).
 	Source string
+	// ServiceAccounts are the accounts, in the Service's namespace, whose
+	// identities the gateway may present: those an operator annotated
+	// (GatewayServiceAccountsAnnotation), else those of the pods the
+	// Service selects. Sorted, without duplicates.
+	ServiceAccounts []string
+	// Capacity weighs the gateway against the other gateways of its
+	// network: its ready instances, at least 1.
+	Capacity uint32
+	// Ignored is why the candidate is not a gateway ("" for a trusted one):
+	// one of the GatewayIgnored* reasons.
+	Ignored string
+}
+
+// Reasons a gateway candidate is ignored.
+const (
+	// GatewayIgnoredUntrustedNamespace: the Service is outside the
+	// namespaces pilot trusts to hold gateways.
+	GatewayIgnoredUntrustedNamespace = "untrusted_namespace"
+	// GatewayIgnoredNoAddress: the Service has no load-balancer address or
+	// external IP yet.
+	GatewayIgnoredNoAddress = "no_address"
+	// GatewayIgnoredNoIdentity: neither an annotation nor a selected pod
+	// says which identity the gateway presents, so clients could not
+	// verify it.
+	GatewayIgnoredNoIdentity = "no_identity"
+)
+
+// GatewayServiceAccountsAnnotation on a gateway Service lists (comma
+// separated) the service accounts of its namespace whose identities the
+// gateway presents, overriding those of its pods.
+const GatewayServiceAccountsAnnotation = "networking.isthmus.io/gateway-service-accounts"
+
+// Namespace returns the namespace of the gateway's Service.
+func (g NetworkGateway) Namespace() string {
+	ns, _, _ := strings.Cut(g.Source, "/")
+	return ns
+}
+
+// Trusted reports whether g is a gateway clients may use.
+func (g NetworkGateway) Trusted() bool { return g.Ignored == "" }
+
+// Equal reports whether g and o are the same gateway in every field.
+func (g NetworkGateway) Equal(o NetworkGateway) bool {
+	return g.Network == o.Network && g.Cluster == o.Cluster && g.Address == o.Address && g.Hostname == o.Hostname &&
+		g.HBONEPort == o.HBONEPort && g.Source == o.Source && slices.Equal(g.ServiceAccounts, o.ServiceAccounts) &&
+		g.Capacity == o.Capacity && g.Ignored == o.Ignored
 }
 
 // Key identifies the gateway within its network.

@@ -65,14 +65,15 @@ func (r *Registry) Workload(uid string) *model.Workload {
 	return nil
 }
 
-// Gateways returns every network gateway, sorted.
+// Gateways returns every east-west gateway candidate, trusted or ignored
+// (model.NetworkGateway.Ignored says why), sorted.
 func (r *Registry) Gateways() []model.NetworkGateway {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
 	return slices.Clone(r.gateways)
 }
 
-// GatewaysOf returns the gateways of network n.
+// GatewaysOf returns the gateway candidates of network n.
 func (r *Registry) GatewaysOf(n model.Network) []model.NetworkGateway {
 	var out []model.NetworkGateway
 	for _, g := range r.Gateways() {

@@ -231,7 +231,7 @@ func (r *Registry) Activate(cluster model.ClusterID, gen uint64, st *model.Clust
 	for k := range svcKeys {
 		changes = r.rebuildService(changes, k)
 	}
-	if !slices.Equal(old.gateways, next.gateways) {
+	if !gatewaysEqual(old.gateways, next.gateways) {
 		changes = r.rebuildGateways(changes)
 	}
 	r.feed.add(changes)
@@ -286,7 +286,7 @@ func (r *Registry) Update(cluster model.ClusterID, gen uint64, d *model.ClusterD
 	for k := range svcKeys {
 		changes = r.rebuildService(changes, k)
 	}
-	if d.GatewaysChanged && !slices.Equal(cs.gateways, d.Gateways) {
+	if d.GatewaysChanged && !gatewaysEqual(cs.gateways, d.Gateways) {
 		cs.gateways = d.Gateways
 		changes = r.rebuildGateways(changes)
 	}
@@ -499,6 +499,25 @@ func (r *Registry) rebuildService(changes []model.Change, k model.ServiceKey) []
 	return append(changes, model.Change{Kind: model.ServiceChange, Op: op, Key: host})
 }
 
+func gatewaysEqual(a, b []model.NetworkGateway) bool {
+	return slices.EqualFunc(a, b, model.NetworkGateway.Equal)
+}
+
+// logIgnoredGateways logs each candidate that becomes ignored, or ignored
+// for another reason, as the registry takes in next.
+func (r *Registry) logIgnoredGateways(next []model.NetworkGateway) {
+	was := map[string]string{}
+	for _, g := range r.gateways {
+		was[g.Key()] = g.Ignored
+	}
+	for _, g := range next {
+		if g.Ignored != "" && was[g.Key()] != g.Ignored {
+			r.log.Warn("ignoring east-west gateway candidate", "cluster", g.Cluster, "service", g.Source,
+				"network", g.Network, "reason", g.Ignored)
+		}
+	}
+}
+
 // rebuildGateways recomputes the gateway list and reports the networks
 // whose gateways changed.
 func (r *Registry) rebuildGateways(changes []model.Change) []model.Change {
@@ -515,6 +534,7 @@ func (r *Registry) rebuildGateways(changes []model.Change) []model.Change {
 	for _, g := range all {
 		after[g.Network] = append(after[g.Network], g)
 	}
+	r.logIgnoredGateways(all)
 	r.gateways = all
 	nets := map[model.Network]bool{}
 	for n := range before {
@@ -526,7 +546,7 @@ func (r *Registry) rebuildGateways(changes []model.Change) []model.Change {
 	for _, n := range slices.Sorted(maps.Keys(nets)) {
 		b, a := before[n], after[n]
 		switch {
-		case slices.Equal(b, a):
+		case gatewaysEqual(b, a):
 		case len(a) == 0:
 			changes = append(changes, model.Change{Kind: model.GatewayChange, Op: model.Removed, Key: string(n)})
 		case len(b) == 0:

@@ -71,6 +71,8 @@ type Config struct {
 	NoLeaderElection bool
 	// Identity of this replica in leader election (default hostname-pid).
 	Identity string
+	// GRPCLimits bound what a client of the TLS gRPC port may cost.
+	GRPCLimits GRPCLimits
 	// ShutdownTimeout bounds the graceful shutdown of HTTP servers (default 5 s).
 	ShutdownTimeout time.Duration
 	// Logger (default slog.Default()).
@@ -103,6 +105,7 @@ func (c *Config) defaults() {
 	if c.ShutdownTimeout == 0 {
 		c.ShutdownTimeout = 5 * time.Second
 	}
+	c.GRPCLimits = c.GRPCLimits.withDefaults()
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -143,6 +146,8 @@ type Server struct {
 	debugLn   net.Listener
 	monitorLn net.Listener
 	ready     chan struct{}
+
+	handshakeFailures *prometheus.CounterVec
 }
 
 // New assembles a pilot for the config cluster reached by configREST;
@@ -161,6 +166,7 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 		return nil, err
 	}
 	r := registry.New(cfg.Registry)
+	reg.MustRegister(newGatewayCollector(r))
 	mc.AddComponent("discovery", controller.NewBuilder(cfg.Discovery, r))
 	mc.Subscribe(func(s multicluster.Status) {
 		switch s.State {
@@ -184,7 +190,8 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 	mc.AddComponent("ca-root-publisher", func(ctx context.Context, c *multicluster.Cluster) (multicluster.Component, error) {
 		return authority.PublishRoots(ctx, string(c.ID), c.Client.Kube)
 	})
-	return &Server{cfg: cfg, log: cfg.Logger, Metrics: reg, Multicluster: mc, Registry: r, CA: authority, XDS: xs, local: local, ready: make(chan struct{})}, nil
+	return &Server{cfg: cfg, log: cfg.Logger, Metrics: reg, Multicluster: mc, Registry: r, CA: authority, XDS: xs, local: local,
+		ready: make(chan struct{}), handshakeFailures: newHandshakeFailures(reg)}, nil
 }
 
 // kubeClients adapts the multicluster controller to the CA's Clusters.
@@ -317,7 +324,7 @@ func (s *Server) Run(ctx context.Context) error {
 	}
 	serve("debug", s.debugLn, httpServe(s.DebugMux()))
 	serve("monitoring", s.monitorLn, httpServe(s.MonitoringMux()))
-	tlsSrv := grpc.NewServer(grpc.Creds(credentials.NewTLS(s.CA.ServerTLSConfig())))
+	tlsSrv := grpc.NewServer(s.cfg.GRPCLimits.options(credentials.NewTLS(s.CA.ServerTLSConfig()), s.handshakeFailures)...)
 	s.CA.Register(tlsSrv)
 	s.XDS.Register(tlsSrv)
 	serve("grpc", s.grpcLn, grpcServe(tlsSrv))

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/x509"
 	"fmt"
-	"net/url"
 	"slices"
 	"strings"
 
@@ -16,6 +15,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/structpb"
 
+	"github.com/isthmus-mesh/isthmus/internal/spiffe"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 )
 
@@ -70,22 +70,17 @@ func peerOf(ctx context.Context, trustDomain string) peerIdentity {
 	return peerIdentity{tls: true, ns: ns, sa: sa, spiffe: id}
 }
 
-// spiffeOf returns the workload identity of a leaf certificate: exactly one
-// URI SAN spiffe://<trustDomain>/ns/<ns>/sa/<sa>.
+// spiffeOf returns the workload identity of a leaf certificate (exactly one
+// URI SAN, spiffe://<trustDomain>/ns/<ns>/sa/<sa>).
 func spiffeOf(leaf *x509.Certificate, trustDomain string) (ns, sa, id string, err error) {
-	if len(leaf.URIs) != 1 {
-		return "", "", "", fmt.Errorf("client certificate has %d URI SANs, want one SPIFFE ID", len(leaf.URIs))
+	wid, err := spiffe.FromCertificate(leaf)
+	if err != nil {
+		return "", "", "", fmt.Errorf("client certificate identity: %w", err)
 	}
-	u := leaf.URIs[0]
-	id = u.String()
-	parts := strings.Split(u.Path, "/")
-	if u.Scheme != "spiffe" || len(parts) != 5 || parts[1] != "ns" || parts[3] != "sa" || parts[2] == "" || parts[4] == "" {
-		return "", "", "", fmt.Errorf("client certificate identity %q is not spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>", id)
+	if wid.TrustDomain != trustDomain {
+		return "", "", "", fmt.Errorf("client certificate identity %q is not of trust domain %q", wid, trustDomain)
 	}
-	if u.Host != trustDomain {
-		return "", "", "", fmt.Errorf("client certificate identity %q is not of trust domain %q", id, trustDomain)
-	}
-	return parts[2], parts[4], (&url.URL{Scheme: "spiffe", Host: u.Host, Path: u.Path}).String(), nil
+	return wid.Namespace, wid.ServiceAccount, wid.String(), nil
 }
 
 // refusal is an authorization failure: a gRPC status and a metrics reason.

@@ -175,7 +175,7 @@ const (
 // net2.
 func authRegistry() *xdstest.Registry {
 	reg := xdstest.New()
-	reg.SetGateway(model.NetworkGateway{Network: "net2", Cluster: "c2", Address: ip("10.2.255.1"), HBONEPort: 15008, Source: "istio-system/eastwest"})
+	reg.SetGateway(model.NetworkGateway{Network: "net2", Cluster: "c2", Address: ip("10.2.255.1"), HBONEPort: 15008, Source: "istio-system/eastwest", ServiceAccounts: []string{"eastwest"}})
 	zt := xdstest.Pod("c1", "net1", "istio-system", "ztunnel-n1", ip("10.1.9.1"))
 	zt.ServiceAccount, zt.Node, zt.HostNetwork = "ztunnel", "c1-n1", true
 	svc, ws := xdstest.Backing("echo", ns, tcp80, nil,

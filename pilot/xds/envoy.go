@@ -148,9 +148,10 @@ type remoteKey struct {
 
 // loadAssignment builds the ClusterLoadAssignment of port of s for clients of
 // c, grouped by locality. Endpoints on c's network are listed directly;
-// the ready endpoints of another network are replaced, per locality, by one
-// endpoint at that network's gateway weighted by their number. A network
-// whose gateway has no IP is left out (EDS endpoints must be addresses).
+// the ready endpoints of another network are replaced, per locality, by the
+// network's trusted gateways, their number spread over the gateways by
+// capacity. Gateways without an IP are left out (EDS endpoints must be
+// addresses).
 func loadAssignment(c class, s *model.Service, port uint16, name string, gws gatewayIndex) *endpointv3.ClusterLoadAssignment {
 	groups := map[model.Locality][]*endpointv3.LbEndpoint{}
 	remote := map[remoteKey]uint32{}
@@ -190,17 +191,7 @@ func loadAssignment(c class, s *model.Service, port uint16, name string, gws gat
 		}
 	}
 	for k, n := range remote {
-		gw, ok := gws[k.network]
-		if !ok || !gw.Address.IsValid() {
-			continue
-		}
-		groups[k.locality] = append(groups[k.locality], &endpointv3.LbEndpoint{
-			HostIdentifier: &endpointv3.LbEndpoint_Endpoint{Endpoint: &endpointv3.Endpoint{
-				Address: socketAddress(gw.Address, uint32(cmp.Or(gw.HBONEPort, model.HBONEPort))),
-			}},
-			HealthStatus:        corev3.HealthStatus_HEALTHY,
-			LoadBalancingWeight: wrapperspb.UInt32(n),
-		})
+		groups[k.locality] = append(groups[k.locality], gatewayEndpoints(gws[k.network], n)...)
 	}
 	localities := make([]model.Locality, 0, len(groups))
 	for l := range groups {
@@ -225,4 +216,31 @@ func loadAssignment(c class, s *model.Service, port uint16, name string, gws gat
 		})
 	}
 	return cla
+}
+
+// gatewayEndpoints stands for n ready endpoints behind gws: one endpoint per
+// gateway with an IP, weighted by its share of the gateways' capacity (at
+// least 1).
+func gatewayEndpoints(gws []model.NetworkGateway, n uint32) []*endpointv3.LbEndpoint {
+	var total uint64
+	for _, gw := range gws {
+		if gw.Address.IsValid() {
+			total += uint64(max(gw.Capacity, 1))
+		}
+	}
+	var out []*endpointv3.LbEndpoint
+	for _, gw := range gws {
+		if !gw.Address.IsValid() {
+			continue
+		}
+		w := max(uint32(uint64(n)*uint64(max(gw.Capacity, 1))/total), 1)
+		out = append(out, &endpointv3.LbEndpoint{
+			HostIdentifier: &endpointv3.LbEndpoint_Endpoint{Endpoint: &endpointv3.Endpoint{
+				Address: socketAddress(gw.Address, uint32(cmp.Or(gw.HBONEPort, model.HBONEPort))),
+			}},
+			HealthStatus:        corev3.HealthStatus_HEALTHY,
+			LoadBalancingWeight: wrapperspb.UInt32(w),
+		})
+	}
+	return out
 }

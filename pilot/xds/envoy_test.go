@@ -97,7 +97,7 @@ func unpack[T any, P interface {
 // twoNetworks publishes echo with two ready pods on net1/c1 (locality
 // r1/z1) and two on net2/c2, and net2's gateway.
 func twoNetworks(reg *xdstest.Registry) model.NetworkGateway {
-	gw2 := model.NetworkGateway{Network: "net2", Cluster: "c2", Address: ip("10.2.255.1"), HBONEPort: 15008, Source: "istio-system/eastwest"}
+	gw2 := model.NetworkGateway{Network: "net2", Cluster: "c2", Address: ip("10.2.255.1"), HBONEPort: 15008, Source: "istio-system/eastwest", ServiceAccounts: []string{"eastwest"}}
 	reg.SetGateway(gw2)
 	l1, l2 := xdstest.Pod("c1", "net1", ns, "l1", ip("10.1.0.1")), xdstest.Pod("c1", "net1", ns, "l2", ip("10.1.0.2"))
 	l1.Locality = model.Locality{Region: "r1", Zone: "z1"}

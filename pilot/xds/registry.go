@@ -42,7 +42,8 @@ type Registry interface {
 	// HasCluster reports whether cluster's state is in the registry (the
 	// cluster has synced).
 	HasCluster(cluster string) bool
-	// Gateways returns the east-west gateways of every network.
+	// Gateways returns the east-west gateway candidates of every network;
+	// only trusted ones (Ignored == "") reach clients.
 	Gateways() []model.NetworkGateway
 	// Subscribe calls fn, serially from one goroutine, with each debounced
 	// batch of changes (model.ChangeSet; Key = hostname for ServiceChange, uid

@@ -9,6 +9,7 @@ import (
 
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 
+	"github.com/isthmus-mesh/isthmus/internal/spiffe"
 	workloadv1 "github.com/isthmus-mesh/isthmus/pilot/api/workload/v1"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 )
@@ -57,19 +58,27 @@ func visibility(s *model.Service) string {
 	return v
 }
 
-// gatewayIndex is the gateway through which each network is reached. When a
-// network has several, the one with the smallest Key is used, so every build
-// picks the same one.
-type gatewayIndex map[model.Network]model.NetworkGateway
+// gatewayIndex lists, per network, the trusted gateways through which it is
+// reached, sorted by Key so that every build sends them in the same order.
+// Ignored candidates never enter it.
+type gatewayIndex map[model.Network][]model.NetworkGateway
 
 func newGatewayIndex(gws []model.NetworkGateway) gatewayIndex {
 	idx := make(gatewayIndex, len(gws))
 	for _, g := range gws {
-		if cur, ok := idx[g.Network]; !ok || g.Key() < cur.Key() {
-			idx[g.Network] = g
+		if g.Trusted() {
+			idx[g.Network] = append(idx[g.Network], g)
 		}
 	}
+	for _, l := range idx {
+		slices.SortFunc(l, func(a, b model.NetworkGateway) int { return cmp.Compare(a.Key(), b.Key()) })
+	}
 	return idx
+}
+
+// spiffeID returns the SPIFFE URI of service account sa in namespace ns.
+func spiffeID(trustDomain, ns, sa string) string {
+	return spiffe.Identity{TrustDomain: trustDomain, Namespace: ns, ServiceAccount: sa}.String()
 }
 
 // ServiceResourceName is the workload discovery resource name of the service
@@ -123,6 +132,7 @@ func buildWorkload(c class, w *model.Workload, trustDomain string, service func(
 	}
 	if w.HostNetwork {
 		out.TunnelProtocol = workloadv1.TunnelProtocol_NONE
+		out.HostNetwork = true
 	}
 	if w.Locality != (model.Locality{}) {
 		out.Locality = &workloadv1.Locality{Region: w.Locality.Region, Zone: w.Locality.Zone, Subzone: w.Locality.Subzone}
@@ -175,6 +185,11 @@ func buildServiceAddresses(c class, s *model.Service, gws gatewayIndex, trustDom
 	if s.Scope == model.ScopeClusterLocal {
 		svc.Scope = workloadv1.ServiceScope_CLUSTER_LOCAL
 	}
+	for _, cl := range slices.Sorted(maps.Keys(s.LocalClusters)) {
+		if s.LocalClusters[cl] {
+			svc.LocalClusters = append(svc.LocalClusters, string(cl))
+		}
+	}
 	clusters := make([]model.ClusterID, 0, len(s.VIPs))
 	for cl := range s.VIPs {
 		if c.seesShard(s, cl) {
@@ -195,18 +210,25 @@ func buildServiceAddresses(c class, s *model.Service, gws gatewayIndex, trustDom
 	}
 	out[ServiceResourceName(s.Namespace, s.Hostname)] = &workloadv1.Address{Type: &workloadv1.Address_Service{Service: svc}}
 
-	for nw, n := range remoteReady(c, s) {
-		gw, ok := gws[nw]
-		if !ok {
+	for nw, r := range remoteReady(c, s, trustDomain) {
+		gws := gws[nw]
+		if len(gws) == 0 {
 			continue
 		}
-		out[SplitHorizonUID(nw, s.Namespace, s.Hostname)] = splitWorkload(s, nw, gw, n, trustDomain)
+		out[SplitHorizonUID(nw, s.Namespace, s.Hostname)] = splitWorkload(s, nw, gws, r, trustDomain)
 	}
 }
 
-// remoteReady counts the ready endpoints of s per network other than c's.
-func remoteReady(c class, s *model.Service) map[model.Network]uint32 {
-	var out map[model.Network]uint32
+// remoteEndpoints summarises the ready endpoints of a service on one remote
+// network: how many there are and which identities they run as.
+type remoteEndpoints struct {
+	ready      uint32
+	identities map[string]struct{}
+}
+
+// remoteReady summarises the ready endpoints of s per network other than c's.
+func remoteReady(c class, s *model.Service, trustDomain string) map[model.Network]*remoteEndpoints {
+	var out map[model.Network]*remoteEndpoints
 	for cl, shard := range s.Shards {
 		if !c.seesShard(s, cl) {
 			continue
@@ -217,38 +239,58 @@ func remoteReady(c class, s *model.Service) map[model.Network]uint32 {
 				continue
 			}
 			if out == nil {
-				out = make(map[model.Network]uint32)
+				out = make(map[model.Network]*remoteEndpoints)
 			}
-			out[e.Network()]++
+			r := out[e.Network()]
+			if r == nil {
+				r = &remoteEndpoints{identities: map[string]struct{}{}}
+				out[e.Network()] = r
+			}
+			r.ready++
+			r.identities[spiffeID(trustDomain, e.Namespace(), cmp.Or(e.ServiceAccount(), "default"))] = struct{}{}
 		}
 	}
 	return out
 }
 
-// splitWorkload is the synthetic workload standing for the n ready endpoints
-// of s on network nw, reached through gw. Its ports map every service port to
-// itself: the gateway is asked for <hostname>:<service port>.
-func splitWorkload(s *model.Service, nw model.Network, gw model.NetworkGateway, n uint32, trustDomain string) *workloadv1.Address {
-	ga := &workloadv1.GatewayAddress{HboneMtlsPort: uint32(cmp.Or(gw.HBONEPort, model.HBONEPort))}
+// gatewayAddress is how a client reaches and verifies gateway gw.
+func gatewayAddress(gw model.NetworkGateway, trustDomain string) *workloadv1.GatewayAddress {
+	ga := &workloadv1.GatewayAddress{HboneMtlsPort: uint32(cmp.Or(gw.HBONEPort, model.HBONEPort)), Capacity: gw.Capacity}
 	if gw.Address.IsValid() {
 		ga.Destination = &workloadv1.GatewayAddress_Address{Address: addrBytes(gw.Address)}
 	} else {
 		ga.Destination = &workloadv1.GatewayAddress_Hostname{Hostname: gw.Hostname}
 	}
+	for _, sa := range gw.ServiceAccounts {
+		ga.Identities = append(ga.Identities, spiffeID(trustDomain, gw.Namespace(), sa))
+	}
+	return ga
+}
+
+// splitWorkload is the synthetic workload standing for the ready endpoints
+// of s on network nw, reached through gws (every trusted gateway of nw). It
+// names the identities those endpoints run as, which the end-to-end TLS peer
+// must present. Its ports map every service port to itself: the gateway is
+// asked for <hostname>:<service port>.
+func splitWorkload(s *model.Service, nw model.Network, gws []model.NetworkGateway, r *remoteEndpoints, trustDomain string) *workloadv1.Address {
 	pl := &workloadv1.PortList{Ports: make([]*workloadv1.Port, 0, len(s.Ports))}
 	for _, p := range s.Ports {
 		pl.Ports = append(pl.Ports, &workloadv1.Port{ServicePort: uint32(p.Port), TargetPort: uint32(p.Port)})
 	}
-	return &workloadv1.Address{Type: &workloadv1.Address_Workload{Workload: &workloadv1.Workload{
+	w := &workloadv1.Workload{
 		Uid:            SplitHorizonUID(nw, s.Namespace, s.Hostname),
 		Name:           s.Hostname,
 		Namespace:      s.Namespace,
 		Network:        string(nw),
 		TrustDomain:    trustDomain,
 		TunnelProtocol: workloadv1.TunnelProtocol_HBONE,
-		NetworkGateway: ga,
 		Services:       map[string]*workloadv1.PortList{ServiceResourceName(s.Namespace, s.Hostname): pl},
 		Status:         workloadv1.WorkloadStatus_HEALTHY,
-		Capacity:       n,
-	}}}
+		Capacity:       r.ready,
+		Identities:     slices.Sorted(maps.Keys(r.identities)),
+	}
+	for _, gw := range gws {
+		w.NetworkGateways = append(w.NetworkGateways, gatewayAddress(gw, trustDomain))
+	}
+	return &workloadv1.Address{Type: &workloadv1.Address_Workload{Workload: w}}
 }

@@ -127,12 +127,21 @@ func TestDeltaOnDemand(t *testing.T) {
 
 // TestSplitHorizon proves a network-1 client never receives a network-2 pod
 // address, and does receive one synthetic workload per (service, network 2)
-// with network 2's gateway and the number of ready endpoints behind it; a
-// service with no local endpoint is still reachable.
+// with network 2's trusted gateways (each with the identities it may
+// present and its capacity), the number of ready endpoints behind them and
+// the identities those endpoints run as; an ignored gateway candidate is
+// never sent; a service with no local endpoint is still reachable.
 func TestSplitHorizon(t *testing.T) {
 	reg := xdstest.New()
-	gw2 := model.NetworkGateway{Network: "net2", Cluster: "c2", Address: ip("10.2.255.1"), HBONEPort: 15008, Source: "istio-system/eastwest"}
+	gw2 := model.NetworkGateway{Network: "net2", Cluster: "c2", Address: ip("10.2.255.1"), HBONEPort: 15008, Source: "istio-system/eastwest",
+		ServiceAccounts: []string{"eastwest"}, Capacity: 2}
+	gw2b := model.NetworkGateway{Network: "net2", Cluster: "c2", Hostname: "gw.example.com", HBONEPort: 15443, Source: "istio-system/eastwest-b",
+		ServiceAccounts: []string{"eastwest-b"}, Capacity: 1}
+	tenant := model.NetworkGateway{Network: "net2", Cluster: "c2", Address: ip("10.2.255.66"), HBONEPort: 15008, Source: "aaa/evil",
+		ServiceAccounts: []string{"evil"}, Capacity: 9, Ignored: model.GatewayIgnoredUntrustedNamespace}
 	reg.SetGateway(gw2)
+	reg.SetGateway(gw2b)
+	reg.SetGateway(tenant)
 	remote := []*model.Workload{
 		xdstest.Pod("c2", "net2", ns, "r1", ip("10.2.0.1")),
 		xdstest.Pod("c2", "net2", ns, "r2", ip("10.2.0.2")),
@@ -171,8 +180,16 @@ func TestSplitHorizon(t *testing.T) {
 	require.Empty(t, sw.GetAddresses())
 	require.Equal(t, uint32(2), sw.GetCapacity())
 	require.Equal(t, "net2", sw.GetNetwork())
-	require.Equal(t, []byte(gw2.Address.AsSlice()), sw.GetNetworkGateway().GetAddress())
-	require.Equal(t, uint32(15008), sw.GetNetworkGateway().GetHboneMtlsPort())
+	gws := sw.GetNetworkGateways()
+	require.Len(t, gws, 2, "both trusted gateways, never the tenant's")
+	require.Equal(t, "gw.example.com", gws[0].GetHostname(), "sorted by key")
+	require.Equal(t, uint32(15443), gws[0].GetHboneMtlsPort())
+	require.Equal(t, []string{"spiffe://cluster.local/ns/istio-system/sa/eastwest-b"}, gws[0].GetIdentities())
+	require.Equal(t, []byte(gw2.Address.AsSlice()), gws[1].GetAddress())
+	require.Equal(t, uint32(15008), gws[1].GetHboneMtlsPort())
+	require.Equal(t, []string{"spiffe://cluster.local/ns/istio-system/sa/eastwest"}, gws[1].GetIdentities())
+	require.Equal(t, uint32(2), gws[1].GetCapacity())
+	require.Equal(t, []string{"spiffe://cluster.local/ns/default/sa/default"}, sw.GetIdentities())
 	require.Contains(t, sw.GetServices(), echoName)
 
 	// The third remote pod becomes ready: capacity 3, still no address.
@@ -185,8 +202,9 @@ func TestSplitHorizon(t *testing.T) {
 	c.apply(r)
 	require.Equal(t, uint32(3), c.resources[split].GetWorkload().GetCapacity())
 
-	// The network-2 gateway goes: no way to reach network 2, split workloads removed.
-	reg.Update(func(tx *xdstest.Tx) { tx.RemoveGateway(gw2) })
+	// The network-2 gateways go: no way to reach network 2, split workloads
+	// removed (the ignored candidate does not keep them).
+	reg.Update(func(tx *xdstest.Tx) { tx.RemoveGateway(gw2); tx.RemoveGateway(gw2b) })
 	r = c.next()
 	require.ElementsMatch(t, []string{split, xds.SplitHorizonUID("net2", ns, onlyHost)}, r.GetRemovedResources())
 

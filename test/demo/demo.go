@@ -162,7 +162,7 @@ func Start(ctx context.Context, cfg Config) (d *Demo, err error) {
 			"--ca-token", token, "--root-cert", roots, "--admin-addr", z.ip + ":15000", "--readiness-addr", z.ip + ":15021",
 			"--metrics-addr", z.ip + ":15020", "--log-level", "info"}
 		if z.mode == "node" {
-			args = append(args, "--socks5-addr", z.ip+":15080", "--outbound-addr", z.ip+":15001")
+			args = append(args, "--socks5-addr", z.ip+":15080", "--outbound-addr", z.ip+":15001", "--node-ip", z.ip)
 		} else {
 			args = append(args, "--gateway-addr", z.ip+":15008")
 		}
@@ -459,7 +459,10 @@ func (d *Demo) ztunnelCredentials(ctx context.Context, c *framework.Cluster, nam
 	if _, err := c.Client.CoreV1().ServiceAccounts(ns).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: sa, Namespace: ns}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return "", "", err
 	}
-	pod, err := c.CreatePod(ctx, framework.PodOptions{Namespace: ns, Name: name, ServiceAccount: sa, Node: node, IP: ip, HostNetwork: true, Ready: true})
+	// The gateway Service selects its pods by app=<service account>: their
+	// service account is the identity clients verify the gateway by.
+	pod, err := c.CreatePod(ctx, framework.PodOptions{Namespace: ns, Name: name, ServiceAccount: sa, Node: node, IP: ip, HostNetwork: true, Ready: true,
+		Labels: map[string]string{"app": sa}})
 	if err != nil {
 		return "", "", err
 	}

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/netip"
 	"net/url"
+	"strings"
 	"sync"
 	"time"
 
@@ -73,9 +74,10 @@ type Underlay func(ctx context.Context) (conn net.Conn, label string, err error)
 type DialRequest struct {
 	// Source is the identity whose certificate the client presents.
 	Source identity.Identity
-	// Peer is the identity the server must present; zero accepts any
-	// identity of Source's trust domain.
-	Peer identity.Identity
+	// Peers are the identities the server may present; required (a client
+	// that would accept any identity of the trust domain lets any workload
+	// certificate terminate its tunnel).
+	Peers []identity.Identity
 	// Addr is the HBONE address to dial over TCP when Underlay is nil.
 	Addr netip.AddrPort
 	// Underlay, if set, replaces the TCP dial; UnderlayKey then names the
@@ -124,9 +126,25 @@ type Client struct {
 }
 
 type poolKey struct {
-	src, peer identity.Identity
-	addr      netip.AddrPort
-	via       string
+	src   identity.Identity
+	peers string // the accepted identities, joined
+	addr  netip.AddrPort
+	via   string
+}
+
+// ErrNoPeerIdentity means a dial named no identity the server must present.
+var ErrNoPeerIdentity = errors.New("hbone: no peer identity to verify")
+
+func peersKey(peers []identity.Identity) string {
+	if len(peers) == 1 {
+		return peers[0].String()
+	}
+	var b strings.Builder
+	for _, p := range peers {
+		b.WriteString(p.String())
+		b.WriteByte(' ')
+	}
+	return b.String()
 }
 
 type pooledConn struct {
@@ -167,7 +185,10 @@ func NewClient(cfg ClientConfig, deps ClientDeps) (*Client, error) {
 // stream slot or opening a new one. ctx bounds only the dial, not the
 // stream's lifetime.
 func (c *Client) Dial(ctx context.Context, req DialRequest) (*Stream, error) {
-	key := poolKey{src: req.Source, peer: req.Peer, addr: req.Addr, via: req.UnderlayKey}
+	if len(req.Peers) == 0 {
+		return nil, ErrNoPeerIdentity
+	}
+	key := poolKey{src: req.Source, peers: peersKey(req.Peers), addr: req.Addr, via: req.UnderlayKey}
 	var lastErr error
 	for range 3 {
 		pc, err := c.acquire(ctx, key, req)
@@ -266,7 +287,7 @@ func (c *Client) newConn(ctx context.Context, req DialRequest) (*http2.ClientCon
 	if err != nil {
 		return nil, nil, "", fmt.Errorf("hbone dial %s%s: %w", req.Addr, req.UnderlayKey, err)
 	}
-	tc := newTLSConn(raw, clientTLS(cert, c.certs, req.Peer, req.Source.TrustDomain), true)
+	tc := newTLSConn(raw, clientTLS(cert, c.certs, req.Peers, req.Source.TrustDomain), true)
 	if err := tc.HandshakeContext(ctx); err != nil {
 		raw.Close()
 		return nil, nil, "", fmt.Errorf("hbone handshake %s%s: %w", req.Addr, req.UnderlayKey, err)

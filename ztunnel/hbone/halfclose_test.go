@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/stretchr/testify/require"
 )
 
@@ -46,7 +47,7 @@ func halfClosingApp(t *testing.T, greeting string) (netip.AddrPort, <-chan []byt
 func TestHalfCloseServerToClientKeepsUpload(t *testing.T) {
 	e := newEnv(t, ClientConfig{})
 	app, got := halfClosingApp(t, "bye")
-	s, err := e.client.Dial(t.Context(), DialRequest{Source: clientID, Peer: serverID, Addr: e.addr, Authority: app.String()})
+	s, err := e.client.Dial(t.Context(), DialRequest{Source: clientID, Peers: []identity.Identity{serverID}, Addr: e.addr, Authority: app.String()})
 	require.NoError(t, err)
 	defer s.Close()
 
@@ -80,7 +81,7 @@ func TestHalfCloseServerToClientKeepsUpload(t *testing.T) {
 func TestHalfCloseServerToClientEndsWhenClientIsSilent(t *testing.T) {
 	e := newEnvConfig(t, ServerConfig{HalfCloseTimeout: 100 * time.Millisecond}, ClientConfig{})
 	app, got := halfClosingApp(t, "bye")
-	s, err := e.client.Dial(t.Context(), DialRequest{Source: clientID, Peer: serverID, Addr: e.addr, Authority: app.String()})
+	s, err := e.client.Dial(t.Context(), DialRequest{Source: clientID, Peers: []identity.Identity{serverID}, Addr: e.addr, Authority: app.String()})
 	require.NoError(t, err)
 	defer s.Close()
 	_, err = s.Write([]byte("request"))
@@ -148,9 +149,9 @@ func TestResetOuterStreamEndsInnerStreams(t *testing.T) {
 	// Two inner streams share one inner HTTP/2 connection over one outer
 	// stream.
 	req := DialRequest{
-		Source: clientID, Peer: serverID, Authority: inner.echo.String(), UnderlayKey: "via gw",
+		Source: clientID, Peers: []identity.Identity{serverID}, Authority: inner.echo.String(), UnderlayKey: "via gw",
 		Underlay: func(ctx context.Context) (net.Conn, string, error) {
-			outer, err := inner.client.Dial(ctx, DialRequest{Source: clientID, Peer: serverID, Addr: gwAddr, Authority: inner.addr.String()})
+			outer, err := inner.client.Dial(ctx, DialRequest{Source: clientID, Peers: []identity.Identity{serverID}, Addr: gwAddr, Authority: inner.addr.String()})
 			return outer, "", err
 		},
 	}

@@ -119,7 +119,7 @@ func newEnvConfig(t *testing.T, scfg ServerConfig, ccfg ClientConfig) *env {
 }
 
 func (e *env) dial(t *testing.T) *Stream {
-	s, err := e.client.Dial(t.Context(), DialRequest{Source: clientID, Peer: serverID, Addr: e.addr, Authority: e.echo.String()})
+	s, err := e.client.Dial(t.Context(), DialRequest{Source: clientID, Peers: []identity.Identity{serverID}, Addr: e.addr, Authority: e.echo.String()})
 	require.NoError(t, err)
 	return s
 }
@@ -203,7 +203,7 @@ func TestIdleConnectionsAreClosed(t *testing.T) {
 func TestClientVerifiesServerIdentity(t *testing.T) {
 	e := newEnv(t, ClientConfig{})
 	other := identity.Identity{TrustDomain: "cluster.local", Namespace: "default", ServiceAccount: "someone-else"}
-	_, err := e.client.Dial(t.Context(), DialRequest{Source: clientID, Peer: other, Addr: e.addr, Authority: e.echo.String()})
+	_, err := e.client.Dial(t.Context(), DialRequest{Source: clientID, Peers: []identity.Identity{other}, Addr: e.addr, Authority: e.echo.String()})
 	require.ErrorIs(t, err, identity.ErrUnexpectedIdentity)
 	require.Equal(t, PoolStats{}, e.client.Stats())
 }

@@ -22,6 +22,7 @@ import (
 
 	"golang.org/x/net/http2"
 
+	"github.com/isthmus-mesh/isthmus/internal/conntrack"
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
 )
@@ -38,6 +39,9 @@ const (
 	ReasonMethod           = "method_not_connect"
 	ReasonHeadersTooLarge  = "headers_too_large"
 	ReasonBadAuthority     = "bad_authority"
+	ReasonConnLimit        = "connection_limit"
+	ReasonPeerConnLimit    = "peer_connection_limit"
+	ReasonInternal         = "internal_error"
 )
 
 // Refusal is an error a Handler returns to refuse a CONNECT with an HTTP
@@ -118,6 +122,10 @@ type ServerConfig struct {
 	// cost 0.5 MB on the client side, at the 16 KiB default 16 KiB, with no
 	// measurable throughput change (see ztunnel/BENCHMARKS.md).
 	MaxFrameSize uint32
+	// MaxConns caps HBONE connections in total, MaxConnsPerPeer those from
+	// one remote address; a connection over either is closed at once and
+	// counted (connection_limit, peer_connection_limit).
+	MaxConns, MaxConnsPerPeer int
 	// HalfCloseTimeout is how long a stream stays open, after the upstream
 	// side has ended its direction, for request bytes the client still
 	// sends; each byte received restarts it. The client sees the end of the
@@ -135,6 +143,8 @@ var DefaultServerConfig = ServerConfig{
 	StreamWindow:         4 << 20,
 	ConnWindow:           16 << 20,
 	MaxFrameSize:         16 << 10,
+	MaxConns:             16384,
+	MaxConnsPerPeer:      1024,
 	HalfCloseTimeout:     5 * time.Second,
 }
 
@@ -167,6 +177,12 @@ func (c ServerConfig) withDefaults() ServerConfig {
 	if c.HalfCloseTimeout <= 0 {
 		c.HalfCloseTimeout = d.HalfCloseTimeout
 	}
+	if c.MaxConns <= 0 {
+		c.MaxConns = d.MaxConns
+	}
+	if c.MaxConnsPerPeer <= 0 {
+		c.MaxConnsPerPeer = d.MaxConnsPerPeer
+	}
 	return c
 }
 
@@ -184,19 +200,16 @@ type ServerDeps struct {
 // concurrent use; Close is idempotent and waits for all connections and
 // streams to end.
 type Server struct {
-	cfg   ServerConfig
-	deps  ServerDeps
-	log   *slog.Logger
-	tls   *tls.Config
-	h2    *http2.Server
-	h1    *http.Server
-	ctx   context.Context
-	stop  context.CancelFunc
-	wg    sync.WaitGroup
-	mu    sync.Mutex
-	lns   map[net.Listener]struct{}
-	conns map[net.Conn]struct{}
-	done  bool
+	cfg  ServerConfig
+	deps ServerDeps
+	log  *slog.Logger
+	tls  *tls.Config
+	h2   *http2.Server
+	h1   *http.Server
+	ctx  context.Context
+	stop context.CancelFunc
+	t    *conntrack.Tracker
+	once sync.Once
 }
 
 // NewServer returns a Server.
@@ -225,9 +238,8 @@ func NewServer(cfg ServerConfig, deps ServerDeps) (*Server, error) {
 		},
 		// The HTTP/2 layer enforces a hard cap well above MaxHeaderBytes;
 		// the handler enforces MaxHeaderBytes itself so refusals are counted.
-		h1:    &http.Server{MaxHeaderBytes: 4 * cfg.MaxHeaderBytes, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)},
-		lns:   map[net.Listener]struct{}{},
-		conns: map[net.Conn]struct{}{},
+		h1: &http.Server{MaxHeaderBytes: 4 * cfg.MaxHeaderBytes, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)},
+		t:  conntrack.New(conntrack.Limits{MaxConns: cfg.MaxConns, MaxPerPeer: cfg.MaxConnsPerPeer}),
 	}
 	return s, nil
 }
@@ -235,93 +247,29 @@ func NewServer(cfg ServerConfig, deps ServerDeps) (*Server, error) {
 // Serve accepts HBONE connections on ln until ln fails or the server is
 // closed. The server owns ln and closes it.
 func (s *Server) Serve(ln net.Listener) error {
-	s.mu.Lock()
-	if s.done {
-		s.mu.Unlock()
+	if s.t.Closed() {
 		ln.Close()
 		return net.ErrClosed
 	}
-	s.lns[ln] = struct{}{}
-	s.wg.Add(1)
-	s.mu.Unlock()
-	defer s.wg.Done()
-	defer func() {
-		s.mu.Lock()
-		delete(s.lns, ln)
-		s.mu.Unlock()
-		ln.Close()
-	}()
-	for {
-		c, err := ln.Accept()
-		if err != nil {
-			if s.ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
-				return nil
-			}
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() {
-				continue
-			}
-			return fmt.Errorf("hbone accept on %s: %w", ln.Addr(), err)
+	err := s.t.Serve(ln, s.serveConn, func(c net.Conn, err error) {
+		reason := ReasonConnLimit
+		if errors.Is(err, conntrack.ErrPeerLimit) {
+			reason = ReasonPeerConnLimit
 		}
-		if !s.track(c) {
-			c.Close()
-			return nil
-		}
-		go func() {
-			defer s.wg.Done()
-			defer s.untrack(c)
-			s.serveConn(c)
-		}()
+		s.deps.Metrics.Refused(s.cfg.Reporter, reason)
+		s.log.Debug("hbone connection refused", "remote", c.RemoteAddr(), "reason", reason)
+	})
+	if err != nil {
+		return fmt.Errorf("hbone accept on %s: %w", ln.Addr(), err)
 	}
-}
-
-func (s *Server) track(c net.Conn) bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.done {
-		return false
-	}
-	s.conns[c] = struct{}{}
-	s.wg.Add(1)
-	return true
-}
-
-// enter registers a stream handler unless the server is closing. Because
-// Close sets done under the same lock before waiting, every successful enter
-// happens before Close waits.
-func (s *Server) enter() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.done {
-		return false
-	}
-	s.wg.Add(1)
-	return true
-}
-
-func (s *Server) untrack(c net.Conn) {
-	c.Close()
-	s.mu.Lock()
-	delete(s.conns, c)
-	s.mu.Unlock()
+	return nil
 }
 
 // Close stops all listeners and connections and waits for them. It is
 // idempotent.
 func (s *Server) Close() error {
-	s.mu.Lock()
-	if !s.done {
-		s.done = true
-		s.stop()
-		for ln := range s.lns {
-			ln.Close()
-		}
-		for c := range s.conns {
-			c.Close()
-		}
-	}
-	s.mu.Unlock()
-	s.wg.Wait()
+	s.once.Do(s.stop)
+	s.t.Close()
 	return nil
 }
 
@@ -348,11 +296,11 @@ func (s *Server) serveConn(c net.Conn) {
 		Context:    s.ctx,
 		BaseConfig: s.h1,
 		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if !s.enter() {
+			if !s.t.Enter() {
 				w.WriteHeader(http.StatusServiceUnavailable)
 				return
 			}
-			defer s.wg.Done()
+			defer s.t.Leave()
 			s.serveStream(ci, w, r)
 		}),
 	})
@@ -418,6 +366,9 @@ func (s *Server) serveStream(ci *connInfo, w http.ResponseWriter, r *http.Reques
 		s.refuse(w, ref)
 		return
 	}
+	// Whatever happens from here on (a reset, a panic), the upstream the
+	// handler dialled is closed with the stream.
+	defer up.Conn.Close()
 	for k, v := range up.Header {
 		w.Header()[k] = v
 	}
@@ -446,9 +397,7 @@ func (s *Server) relayStream(r *http.Request, w http.ResponseWriter, fl http.Flu
 	var lastRecv atomic.Int64
 	lastRecv.Store(time.Now().UnixNano())
 	reqDone := make(chan error, 1)
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
+	started := s.t.Go(func() {
 		_, err := copyHalf(up, bodyConn{r.Body}, func(n int) {
 			lastRecv.Store(time.Now().UnixNano())
 			mc.AddReceived(n)
@@ -457,7 +406,11 @@ func (s *Server) relayStream(r *http.Request, w http.ResponseWriter, fl http.Flu
 			up.Close()
 		}
 		reqDone <- err
-	}()
+	})
+	if !started { // the server is closing
+		up.Close()
+		reqDone <- net.ErrClosed
+	}
 	_, rerr := pump(up, func(b []byte) error {
 		if _, err := w.Write(b); err != nil {
 			return err

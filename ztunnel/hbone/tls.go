@@ -50,9 +50,8 @@ func serverTLS(sel CertSelector, src identity.CertSource, trustDomain string) *t
 }
 
 // clientTLS returns the TLS 1.3 configuration of an HBONE client presenting
-// cert and accepting only peer (or, if peer is zero, any identity of
-// trustDomain).
-func clientTLS(cert *tls.Certificate, src identity.CertSource, peer identity.Identity, trustDomain string) *tls.Config {
+// cert and accepting only a peer of the identities peers.
+func clientTLS(cert *tls.Certificate, src identity.CertSource, peers []identity.Identity, trustDomain string) *tls.Config {
 	return &tls.Config{
 		MinVersion:                  tls.VersionTLS13,
 		NextProtos:                  []string{ALPN},
@@ -66,7 +65,7 @@ func clientTLS(cert *tls.Certificate, src identity.CertSource, peer identity.Ide
 		InsecureSkipVerify: true, //nolint:gosec // verified in VerifyConnection
 		VerifyConnection: func(cs tls.ConnectionState) error {
 			_, err := identity.VerifyPeer(cs.PeerCertificates, identity.PeerPolicy{
-				Roots: src.Roots(), TrustDomain: trustDomain, Expected: peer,
+				Roots: src.Roots(), TrustDomain: trustDomain, Allowed: peers,
 			}, time.Now())
 			return err
 		},

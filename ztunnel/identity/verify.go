@@ -4,6 +4,8 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"time"
 )
 
@@ -23,12 +25,12 @@ var (
 )
 
 // PeerPolicy says which peer certificates are acceptable. Roots is required.
-// If Expected is set the peer must be exactly that identity; otherwise, if
-// TrustDomain is set, the peer must belong to it.
+// If Allowed is not empty the peer must be one of those identities;
+// otherwise, if TrustDomain is set, the peer must belong to it.
 type PeerPolicy struct {
 	Roots       *x509.CertPool
 	TrustDomain string
-	Expected    Identity
+	Allowed     []Identity
 }
 
 // VerifyPeer verifies a peer chain (leaf first) against p at time now and
@@ -54,9 +56,9 @@ func VerifyPeer(chain []*x509.Certificate, p PeerPolicy, now time.Time) (Identit
 	if err != nil {
 		return Identity{}, fmt.Errorf("%w: %w", ErrNoIdentity, err)
 	}
-	if !p.Expected.IsZero() {
-		if id != p.Expected {
-			return id, fmt.Errorf("%w: got %s, want %s", ErrUnexpectedIdentity, id, p.Expected)
+	if len(p.Allowed) > 0 {
+		if !slices.Contains(p.Allowed, id) {
+			return id, fmt.Errorf("%w: got %s, want %s", ErrUnexpectedIdentity, id, describe(p.Allowed))
 		}
 		return id, nil
 	}
@@ -64,4 +66,19 @@ func VerifyPeer(chain []*x509.Certificate, p PeerPolicy, now time.Time) (Identit
 		return id, fmt.Errorf("%w: %s not in %s", ErrWrongTrustDomain, id, p.TrustDomain)
 	}
 	return id, nil
+}
+
+// describe renders an identity list for an error, naming at most three.
+func describe(ids []Identity) string {
+	var b strings.Builder
+	for i, id := range ids[:min(len(ids), 3)] {
+		if i > 0 {
+			b.WriteString(" or ")
+		}
+		b.WriteString(id.String())
+	}
+	if len(ids) > 3 {
+		fmt.Fprintf(&b, " (or %d more)", len(ids)-3)
+	}
+	return b.String()
 }

@@ -6,6 +6,8 @@
 package metrics
 
 import (
+	"unicode/utf8"
+
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -69,9 +71,30 @@ type ConnLabels struct {
 	DestinationNetwork   string
 }
 
+// Unknown is the label value of anything the registry does not vouch for.
+const Unknown = "unknown"
+
+// maxLabelLen bounds a label value; identities and names are far shorter.
+const maxLabelLen = 253
+
 func (l ConnLabels) values() []string {
-	return []string{l.Reporter, l.SourcePrincipal, l.DestinationPrincipal, l.SourceCluster,
+	v := []string{l.Reporter, l.SourcePrincipal, l.DestinationPrincipal, l.SourceCluster,
 		l.DestinationCluster, l.SourceNetwork, l.DestinationNetwork}
+	for i := range v {
+		v[i] = safe(v[i])
+	}
+	return v
+}
+
+// safe returns v, or Unknown when v could not be a label value (invalid
+// UTF-8 makes the client library panic) or is implausibly long. Callers
+// pass values from the registry, never from requests; this is the last
+// line of defence.
+func safe(v string) string {
+	if len(v) > maxLabelLen || !utf8.ValidString(v) {
+		return Unknown
+	}
+	return v
 }
 
 // Conn accounts for one open connection. Its methods are safe for
@@ -115,14 +138,14 @@ func (c *Conn) Close() {
 // Refused counts a refused connection or request.
 func (m *Metrics) Refused(reporter, reason string) {
 	if m != nil {
-		m.refused.WithLabelValues(reporter, reason).Inc()
+		m.refused.WithLabelValues(safe(reporter), safe(reason)).Inc()
 	}
 }
 
 // HandshakeError counts a failed TLS handshake.
 func (m *Metrics) HandshakeError(reporter, reason string) {
 	if m != nil {
-		m.tlsErrs.WithLabelValues(reporter, reason).Inc()
+		m.tlsErrs.WithLabelValues(safe(reporter), safe(reason)).Inc()
 	}
 }
 

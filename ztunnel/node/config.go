@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/netip"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -47,6 +48,9 @@ type Config struct {
 	ServiceAccount string
 	// NodeID is the xDS node id; default "ztunnel~<NodeName>.<Namespace>".
 	NodeID string
+	// NodeIPs are the node's addresses (status.hostIPs): never a source
+	// identity, never a destination (see proxy.Config.NodeIPs).
+	NodeIPs []netip.Addr
 
 	// XDSAddress is pilot's xDS address. XDSPlaintext selects plaintext
 	// (15010, development only) instead of mTLS with the node's certificate
@@ -85,24 +89,31 @@ type Config struct {
 	GatewayListen string
 	// ShutdownTimeout bounds the graceful stop of the HTTP servers.
 	ShutdownTimeout time.Duration
+	// HTTPReadHeaderTimeout and HTTPIdleTimeout bound the admin, readiness
+	// and metrics servers' wait for a request's headers and for the next
+	// request on an idle connection.
+	HTTPReadHeaderTimeout time.Duration
+	HTTPIdleTimeout       time.Duration
 }
 
 // DefaultConfig holds the defaults.
 var DefaultConfig = Config{
-	Mode:                ModeNode,
-	TrustDomain:         "cluster.local",
-	Namespace:           "isthmus-system",
-	ServiceAccount:      "ztunnel",
-	TokenFile:           "/var/run/secrets/tokens/isthmus-token",
-	RootCertFile:        "/var/run/secrets/isthmus/root-cert.pem",
-	RootsReloadInterval: 10 * time.Second,
-	HBONEPort:           15008,
-	OutboundListen:      "127.0.0.1:15001",
-	SOCKS5Listen:        "127.0.0.1:15080",
-	AdminListen:         "127.0.0.1:15000",
-	ReadinessListen:     "0.0.0.0:15021",
-	MetricsListen:       "0.0.0.0:15020",
-	ShutdownTimeout:     5 * time.Second,
+	Mode:                  ModeNode,
+	TrustDomain:           "cluster.local",
+	Namespace:             "isthmus-system",
+	ServiceAccount:        "ztunnel",
+	TokenFile:             "/var/run/secrets/tokens/isthmus-token",
+	RootCertFile:          "/var/run/secrets/isthmus/root-cert.pem",
+	RootsReloadInterval:   10 * time.Second,
+	HBONEPort:             15008,
+	OutboundListen:        "127.0.0.1:15001",
+	SOCKS5Listen:          "127.0.0.1:15080",
+	AdminListen:           "127.0.0.1:15000",
+	ReadinessListen:       "0.0.0.0:15021",
+	MetricsListen:         "0.0.0.0:15020",
+	ShutdownTimeout:       5 * time.Second,
+	HTTPReadHeaderTimeout: 10 * time.Second,
+	HTTPIdleTimeout:       60 * time.Second,
 }
 
 func (c Config) withDefaults() Config {
@@ -137,6 +148,12 @@ func (c Config) withDefaults() Config {
 	or(&c.GatewayListen, fmt.Sprintf("0.0.0.0:%d", c.HBONEPort))
 	if c.ShutdownTimeout <= 0 {
 		c.ShutdownTimeout = d.ShutdownTimeout
+	}
+	if c.HTTPReadHeaderTimeout <= 0 {
+		c.HTTPReadHeaderTimeout = d.HTTPReadHeaderTimeout
+	}
+	if c.HTTPIdleTimeout <= 0 {
+		c.HTTPIdleTimeout = d.HTTPIdleTimeout
 	}
 	return c
 }

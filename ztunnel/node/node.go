@@ -131,7 +131,7 @@ func (n *Node) buildProxies() error {
 	if err != nil {
 		return fmt.Errorf("ztunnel metrics: %w", err)
 	}
-	pcfg := proxy.Config{Node: n.cfg.NodeName, TrustDomain: n.cfg.TrustDomain, HBONEPort: n.cfg.HBONEPort}
+	pcfg := proxy.Config{Node: n.cfg.NodeName, TrustDomain: n.cfg.TrustDomain, HBONEPort: n.cfg.HBONEPort, NodeIPs: n.cfg.NodeIPs}
 	pdeps := proxy.Deps{Store: n.store, Certs: n.certs, Metrics: m, Log: n.log, Listen: n.deps.Listen}
 	if n.cfg.Mode == ModeGateway {
 		n.gw, err = proxy.NewGateway(proxy.GatewayConfig{Config: pcfg, Network: n.cfg.Network, Cluster: n.cfg.ClusterID, Identity: n.id}, pdeps, state.Selector{})
@@ -247,7 +247,11 @@ func (n *Node) Run(ctx context.Context) error {
 		if ln == nil {
 			return
 		}
-		srv := &http.Server{Handler: h, ErrorLog: slog.NewLogLogger(n.log.Handler(), slog.LevelWarn)}
+		if n.out != nil {
+			n.out.AddSelf(ln.Addr())
+		}
+		srv := &http.Server{Handler: h, ErrorLog: slog.NewLogLogger(n.log.Handler(), slog.LevelWarn),
+			ReadHeaderTimeout: n.cfg.HTTPReadHeaderTimeout, IdleTimeout: n.cfg.HTTPIdleTimeout, MaxHeaderBytes: 64 << 10}
 		servers = append(servers, srv)
 		g.Go(func() error {
 			if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {

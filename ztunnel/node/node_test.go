@@ -5,7 +5,6 @@ import (
 	"crypto/x509"
 	"encoding/binary"
 	"encoding/json"
-	"github.com/isthmus-mesh/isthmus/ztunnel/internal/testnet"
 	"io"
 	"log/slog"
 	"net"
@@ -13,6 +12,8 @@ import (
 	"net/netip"
 	"testing"
 	"time"
+
+	"github.com/isthmus-mesh/isthmus/ztunnel/internal/testnet"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"

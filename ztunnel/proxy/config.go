@@ -6,11 +6,15 @@
 package proxy
 
 import (
+	"net/http"
+	"net/netip"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/isthmus-mesh/isthmus/ztunnel/hbone"
+	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
+	"github.com/isthmus-mesh/isthmus/ztunnel/state"
 )
 
 // Headers used by ztunnel's HBONE requests and responses.
@@ -40,6 +44,15 @@ type Config struct {
 	DialTimeout time.Duration
 	// SOCKSHandshakeTimeout bounds the SOCKS5 negotiation.
 	SOCKSHandshakeTimeout time.Duration
+	// NodeIPs are this node's addresses (those hostNetwork workloads and
+	// the node proxy itself share). They are never a connection's source
+	// identity nor a destination: a connection to them would loop back
+	// into ztunnel or leave under another workload's identity.
+	NodeIPs []netip.Addr
+	// MaxClientConns caps connections accepted on the outbound listeners
+	// (SOCKS5, captured) in total, MaxClientConnsPerSource those from one
+	// client address; over either, a connection is closed and counted.
+	MaxClientConns, MaxClientConnsPerSource int
 	// Server configures HBONE servers (inbound and gateway).
 	Server hbone.ServerConfig
 	// Client configures the pooled HBONE client.
@@ -48,10 +61,12 @@ type Config struct {
 
 // DefaultConfig holds the defaults.
 var DefaultConfig = Config{
-	TrustDomain:           "cluster.local",
-	HBONEPort:             15008,
-	DialTimeout:           5 * time.Second,
-	SOCKSHandshakeTimeout: 10 * time.Second,
+	TrustDomain:             "cluster.local",
+	HBONEPort:               15008,
+	DialTimeout:             5 * time.Second,
+	SOCKSHandshakeTimeout:   10 * time.Second,
+	MaxClientConns:          16384,
+	MaxClientConnsPerSource: 4096,
 }
 
 func (c Config) withDefaults() Config {
@@ -67,6 +82,12 @@ func (c Config) withDefaults() Config {
 	}
 	if c.SOCKSHandshakeTimeout <= 0 {
 		c.SOCKSHandshakeTimeout = d.SOCKSHandshakeTimeout
+	}
+	if c.MaxClientConns <= 0 {
+		c.MaxClientConns = d.MaxClientConns
+	}
+	if c.MaxClientConnsPerSource <= 0 {
+		c.MaxClientConnsPerSource = d.MaxClientConnsPerSource
 	}
 	c.Server.TrustDomain = c.TrustDomain
 	return c
@@ -115,4 +136,19 @@ func parseBaggage(s string) baggage {
 
 func forwarded(src, host string) string {
 	return "for=" + strconv.Quote(src) + ";host=" + host
+}
+
+// sourcePlace returns the cluster and network a request's baggage claims for
+// its source, each kept only when the mesh knows it (metrics.Unknown
+// otherwise): request data never becomes a label value of its own.
+func sourcePlace(snap *state.Snapshot, h http.Header) (cluster, network string) {
+	bg := parseBaggage(h.Get(HeaderBaggage))
+	cluster, network = metrics.Unknown, metrics.Unknown
+	if bg.cluster != "" && snap.KnownCluster(bg.cluster) {
+		cluster = bg.cluster
+	}
+	if bg.network != "" && snap.KnownNetwork(bg.network) {
+		network = bg.network
+	}
+	return cluster, network
 }

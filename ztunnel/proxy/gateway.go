@@ -20,6 +20,9 @@ const (
 	ReasonUnknownService  = "unknown_service"
 	ReasonUnknownPort     = "unknown_port"
 	ReasonNoLocalEndpoint = "no_local_endpoint"
+	// ReasonNotVisible: the service's endpoints on this network may not be
+	// reached from other clusters (cluster-local, or not exported).
+	ReasonNotVisible = "service_not_visible"
 )
 
 // GatewayConfig configures an east-west Gateway.
@@ -91,8 +94,22 @@ func (g *Gateway) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstre
 	if !svc.HasPort(uint16(port)) {
 		return hbone.Upstream{}, hbone.Refuse(http.StatusNotFound, ReasonUnknownPort, "service %s port %d", host, port)
 	}
-	ep, err := g.sel.Select(snap, svc, uint16(port), state.Source{Network: g.cfg.Network, Cluster: g.cfg.Cluster})
-	if err != nil || ep.Workload.Network != g.cfg.Network || len(ep.Workload.Addresses) == 0 || ep.Workload.Protocol != state.TunnelHBONE {
+	if svc.ClusterLocal {
+		// Tunnels through a gateway come from other networks, so from other
+		// clusters: the same visibility rule as EDS.
+		return hbone.Upstream{}, hbone.Refuse(http.StatusForbidden, ReasonNotVisible, "service %s is cluster-local", host)
+	}
+	local := func(w *state.Workload) bool {
+		return w.Network == g.cfg.Network && len(w.Addresses) > 0 && w.Protocol == state.TunnelHBONE
+	}
+	src := state.Source{Network: g.cfg.Network, Cluster: g.cfg.Cluster}
+	ep, err := g.sel.SelectWhere(snap, svc, uint16(port), src, func(w *state.Workload) bool {
+		return local(w) && svc.ReachableFromOtherClusters(w.Cluster)
+	})
+	if err != nil {
+		if _, lerr := g.sel.SelectWhere(snap, svc, uint16(port), src, local); lerr == nil {
+			return hbone.Upstream{}, hbone.Refuse(http.StatusForbidden, ReasonNotVisible, "service %s: its endpoints on %s are not exported", host, g.cfg.Network)
+		}
 		// Never bounce a tunnel to another network.
 		return hbone.Upstream{}, hbone.Refuse(http.StatusServiceUnavailable, ReasonNoLocalEndpoint, "service %s: no ready endpoint on %s", host, g.cfg.Network)
 	}
@@ -104,7 +121,7 @@ func (g *Gateway) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstre
 	if err != nil {
 		return hbone.Upstream{}, hbone.Refuse(http.StatusServiceUnavailable, ReasonUpstreamConnect, "dial %s: %v", addr, err)
 	}
-	bg := parseBaggage(req.Header.Get(HeaderBaggage))
+	srcCluster, srcNetwork := sourcePlace(snap, req.Header)
 	return hbone.Upstream{
 		Conn:   c,
 		Header: http.Header{HeaderEndpoint: {netip.AddrPortFrom(w.Addresses[0], ep.TargetPort).String()}},
@@ -112,9 +129,9 @@ func (g *Gateway) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstre
 			Reporter:             metrics.ReporterGateway,
 			SourcePrincipal:      req.Peer.String(),
 			DestinationPrincipal: w.Identity().String(),
-			SourceCluster:        bg.cluster,
+			SourceCluster:        srcCluster,
 			DestinationCluster:   w.Cluster,
-			SourceNetwork:        bg.network,
+			SourceNetwork:        srcNetwork,
 			DestinationNetwork:   w.Network,
 		},
 	}, nil

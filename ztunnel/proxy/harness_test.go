@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
-	"github.com/isthmus-mesh/isthmus/ztunnel/internal/testnet"
 	"io"
 	"log/slog"
 	"net"
@@ -13,6 +12,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/isthmus-mesh/isthmus/ztunnel/internal/testnet"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/assert"
@@ -209,11 +210,11 @@ func newMesh(t testing.TB, tweak func(*mesh)) *mesh {
 	}
 	svc := &state.Service{Name: "echo", Namespace: "default", VIPs: []netip.Addr{m.vip}, Ports: []uint16{svcPort}}
 	gwID := identity.Identity{TrustDomain: trustDomain, Namespace: "istio-system", ServiceAccount: "eastwest"}
-	gw := &state.NetworkGateway{Network: "n2", Address: m.gwAddr, HBONEPort: 15008, Identity: gwID}
+	gw := &state.NetworkGateway{Network: "n2", Address: m.gwAddr, HBONEPort: 15008, Identities: []identity.Identity{gwID}}
 	seenFromN1 := gw
 	m.resolver = &fakeResolver{names: map[string][]netip.Addr{}}
 	if m.gwHostname != "" {
-		seenFromN1 = &state.NetworkGateway{Network: "n2", Hostname: m.gwHostname, HBONEPort: 15008, Identity: gwID}
+		seenFromN1 = &state.NetworkGateway{Network: "n2", Hostname: m.gwHostname, HBONEPort: 15008, Identities: []identity.Identity{gwID}}
 		m.resolver.names[m.gwHostname] = []netip.Addr{netip.MustParseAddr("::1"), m.gwAddr} // IPv4 preferred
 	}
 	m.n1.Update(func(tx *state.Tx) {
@@ -222,12 +223,11 @@ func newMesh(t testing.TB, tweak func(*mesh)) *mesh {
 		client.Services = nil
 		tx.UpsertWorkload(client)
 		tx.UpsertWorkload(pod("b1", m.b1, "node-b", "n1", "c1", "echo"))
-		tx.UpsertGateway(seenFromN1)
 		if !m.withoutRemote {
 			tx.UpsertWorkload(&state.Workload{
 				UID: "n2/echo", Name: "echo", Namespace: "default", Network: "n2",
-				TrustDomain: trustDomain, ServiceAccount: "echo", Protocol: state.TunnelHBONE,
-				Gateway: seenFromN1, Status: state.StatusReady, Capacity: 1,
+				TrustDomain: trustDomain, Protocol: state.TunnelHBONE, Identities: []identity.Identity{workloadID("echo")},
+				Gateways: []*state.NetworkGateway{seenFromN1}, Status: state.StatusReady, Capacity: 1,
 				Services: map[string]state.PortMap{echoKey: {svcPort: appPort}},
 			})
 		}
@@ -235,7 +235,6 @@ func newMesh(t testing.TB, tweak func(*mesh)) *mesh {
 	m.n2.Update(func(tx *state.Tx) {
 		tx.UpsertService(svc)
 		tx.UpsertWorkload(pod("c1", m.c1, "node-c", "n2", "c2", "echo"))
-		tx.UpsertGateway(gw)
 	})
 	startEcho(t, m.b1)
 	startEcho(t, m.c1)

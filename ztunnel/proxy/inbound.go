@@ -223,14 +223,14 @@ func (in *Inbound) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstr
 	if err != nil {
 		return hbone.Upstream{}, hbone.Refuse(http.StatusServiceUnavailable, ReasonUpstreamConnect, "dial %s: %v", req.Authority, err)
 	}
-	bg := parseBaggage(req.Header.Get(HeaderBaggage))
+	srcCluster, srcNetwork := sourcePlace(in.deps.Store.Load(), req.Header)
 	return hbone.Upstream{Conn: c, Labels: metrics.ConnLabels{
 		Reporter:             metrics.ReporterDestination,
 		SourcePrincipal:      req.Peer.String(),
 		DestinationPrincipal: tw.Identity().String(),
-		SourceCluster:        bg.cluster,
+		SourceCluster:        srcCluster,
 		DestinationCluster:   tw.Cluster,
-		SourceNetwork:        bg.network,
+		SourceNetwork:        srcNetwork,
 		DestinationNetwork:   tw.Network,
 	}}, nil
 }

@@ -4,12 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/netip"
 	"slices"
 	"strconv"
+	"sync"
 
+	"github.com/isthmus-mesh/isthmus/internal/conntrack"
 	"github.com/isthmus-mesh/isthmus/ztunnel/hbone"
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
@@ -22,11 +25,35 @@ const (
 	ReasonNoRoute            = "no_route"
 	ReasonSOCKSProtocol      = "socks_protocol"
 	ReasonUpstreamUnavailble = "upstream_unavailable"
+	// ReasonSelfDestination: the destination is this node or one of
+	// ztunnel's own listeners.
+	ReasonSelfDestination = "self_destination"
+	// ReasonNoPeerIdentity: the destination has no identity to verify.
+	ReasonNoPeerIdentity = "no_peer_identity"
+	// ReasonGatewayIdentity: a gateway presented an identity it may not.
+	ReasonGatewayIdentity = "gateway_identity_mismatch"
+	// ReasonPeerIdentity: the destination (directly, or end to end behind
+	// a gateway) presented an identity it may not.
+	ReasonPeerIdentity = "peer_identity_mismatch"
+	// ReasonConnLimit and ReasonSourceConnLimit: the outbound listeners'
+	// connection caps.
+	ReasonConnLimit       = "connection_limit"
+	ReasonSourceConnLimit = "source_connection_limit"
 )
 
-// ErrNoRoute means the destination is neither a known service nor a known
-// workload, or cannot be reached from the source's network.
-var ErrNoRoute = errors.New("no route to destination")
+// Errors of Outbound.Dial, matched with errors.Is.
+var (
+	// ErrNoRoute means the destination is neither a known service nor a
+	// known workload, or cannot be reached from the source's network.
+	ErrNoRoute = errors.New("no route to destination")
+	// ErrSelfDestination means the destination is this node or one of
+	// ztunnel's own listeners.
+	ErrSelfDestination = errors.New("destination is this node")
+	// ErrNoPeerIdentity means the destination names no identity to verify.
+	ErrNoPeerIdentity = errors.New("destination has no identity to verify")
+	// ErrGatewayIdentity means a gateway presented an identity it may not.
+	ErrGatewayIdentity = errors.New("gateway identity mismatch")
+)
 
 // Target is an outbound destination: a hostname or an address, and a port.
 type Target struct {
@@ -52,7 +79,10 @@ type Outbound struct {
 	deps   Deps
 	client *hbone.Client
 	sel    state.Selector
-	t      *tracker
+	t      *conntrack.Tracker
+
+	selfMu sync.RWMutex
+	self   map[netip.AddrPort]bool // ztunnel's own listeners
 }
 
 // NewOutbound returns an Outbound. sel customises endpoint selection (its
@@ -67,7 +97,47 @@ func NewOutbound(cfg Config, deps Deps, sel state.Selector) (*Outbound, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Outbound{cfg: cfg, deps: deps, client: client, sel: sel, t: newTracker()}, nil
+	return &Outbound{cfg: cfg, deps: deps, client: client, sel: sel, self: map[netip.AddrPort]bool{},
+		t: conntrack.New(conntrack.Limits{MaxConns: cfg.MaxClientConns, MaxPerPeer: cfg.MaxClientConnsPerSource})}, nil
+}
+
+// AddSelf records the address of one of ztunnel's own listeners: Outbound
+// never dials it (the listeners it serves are recorded by themselves).
+func (o *Outbound) AddSelf(addr net.Addr) {
+	ap, ok := hbone.AddrPortOf(addr)
+	if !ok {
+		return
+	}
+	o.selfMu.Lock()
+	o.self[ap] = true
+	o.selfMu.Unlock()
+}
+
+// isSelf reports whether dialling ap would reach this node or ztunnel: a
+// node address, a listener's address, or a loopback address with the port
+// of a listener bound to all addresses.
+func (o *Outbound) isSelf(ap netip.AddrPort) bool {
+	a := ap.Addr().Unmap()
+	if slices.Contains(o.cfg.NodeIPs, a) {
+		return true
+	}
+	o.selfMu.RLock()
+	defer o.selfMu.RUnlock()
+	if o.self[netip.AddrPortFrom(a, ap.Port())] {
+		return true
+	}
+	if a.IsLoopback() || a.IsUnspecified() {
+		return o.self[netip.AddrPortFrom(netip.IPv4Unspecified(), ap.Port())] || o.self[netip.AddrPortFrom(netip.IPv6Unspecified(), ap.Port())]
+	}
+	return false
+}
+
+// checkDial refuses a destination that is this node or ztunnel itself.
+func (o *Outbound) checkDial(ap netip.AddrPort) error {
+	if o.isSelf(ap) {
+		return fmt.Errorf("%w: %s", ErrSelfDestination, ap)
+	}
+	return nil
 }
 
 // Client returns the pooled HBONE client (for stats).
@@ -76,21 +146,39 @@ func (o *Outbound) Client() *hbone.Client { return o.client }
 // Close stops listeners, ends connections, closes pooled HBONE connections
 // and waits; idempotent.
 func (o *Outbound) Close() error {
-	o.t.close()
+	o.t.Close()
 	return o.client.Close()
 }
 
-// source returns the local workload owning the client address of c.
+// source returns the local workload owning the client address of c. A node
+// address is nobody's: hostNetwork workloads, and ztunnel itself, share it.
 func (o *Outbound) source(c net.Conn) (*state.Workload, error) {
 	ap, ok := hbone.AddrPortOf(c.RemoteAddr())
 	if !ok {
 		return nil, fmt.Errorf("%w: client address %s", ErrNoRoute, c.RemoteAddr())
 	}
+	if slices.Contains(o.cfg.NodeIPs, ap.Addr()) {
+		return nil, fmt.Errorf("client %s is a node address, not a workload", ap.Addr())
+	}
 	w, ok := o.deps.Store.Load().WorkloadByAddr(ap.Addr())
-	if !ok || w.Node != o.cfg.Node || w.Synthetic() {
+	if !ok || w.Node != o.cfg.Node || w.Synthetic() || w.HostNetwork {
 		return nil, fmt.Errorf("client %s is not a workload of node %s", ap.Addr(), o.cfg.Node)
 	}
 	return w, nil
+}
+
+// serve accepts client connections on ln through the tracker (with its
+// caps, counted when hit) and records ln as one of ztunnel's own.
+func (o *Outbound) serve(ln net.Listener, handle func(net.Conn)) error {
+	o.AddSelf(ln.Addr())
+	return o.t.Serve(ln, handle, func(c net.Conn, err error) {
+		reason := ReasonConnLimit
+		if errors.Is(err, conntrack.ErrPeerLimit) {
+			reason = ReasonSourceConnLimit
+		}
+		o.deps.Metrics.Refused(metrics.ReporterSource, reason)
+		o.deps.Log.Debug("outbound connection refused", "client", c.RemoteAddr(), "reason", reason)
+	})
 }
 
 // route is a resolved destination.
@@ -132,7 +220,11 @@ func (o *Outbound) resolve(snap *state.Snapshot, src *state.Workload, t Target) 
 	return route{dst: w, targetPort: t.Port}, nil
 }
 
-// Dial connects src (a local workload) to t the way ztunnel would.
+// Dial connects src (a local workload) to t the way ztunnel would. Every
+// HBONE hop verifies its peer against the identities xDS says may answer:
+// a workload's own identity on the same network; through a gateway, one of
+// the gateway's identities for the outer tunnel and one of the remote
+// endpoints' identities end to end.
 func (o *Outbound) Dial(ctx context.Context, src *state.Workload, t Target) (net.Conn, metrics.ConnLabels, error) {
 	snap := o.deps.Store.Load()
 	r, err := o.resolve(snap, src, t)
@@ -156,18 +248,10 @@ func (o *Outbound) Dial(ctx context.Context, src *state.Workload, t Target) (net
 	bg := baggage{cluster: src.Cluster, namespace: src.Namespace, name: src.Name, network: src.Network}.String()
 
 	if dst.Synthetic() || dst.Network != src.Network {
-		gw := dst.Gateway
-		if gw == nil {
-			g, ok := snap.Gateway(dst.Network)
-			if !ok {
-				return nil, labels, fmt.Errorf("%w: no gateway for network %s", ErrNoRoute, dst.Network)
-			}
-			gw = g
-		}
-		if r.svc == nil {
+		if !dst.Synthetic() || r.svc == nil {
 			return nil, labels, fmt.Errorf("%w: %s is on network %s and not addressed as a service", ErrNoRoute, t, dst.Network)
 		}
-		c, err := o.dialDouble(ctx, src, dst, gw, r, t, srcAddr, bg)
+		c, err := o.dialDouble(ctx, src, dst, r, t, srcAddr, bg)
 		return c, labels, err
 	}
 	if len(dst.Addresses) == 0 {
@@ -175,15 +259,26 @@ func (o *Outbound) Dial(ctx context.Context, src *state.Workload, t Target) (net
 	}
 	addr := netip.AddrPortFrom(dst.Addresses[0], r.targetPort)
 	if dst.Protocol != state.TunnelHBONE {
+		if err := o.checkDial(addr); err != nil {
+			return nil, labels, err
+		}
 		dctx, cancel := context.WithTimeout(ctx, o.cfg.DialTimeout)
 		defer cancel()
 		c, err := o.deps.Dialer.DialContext(dctx, "tcp", addr.String())
 		return c, labels, err
 	}
+	peers := dst.PeerIdentities()
+	if len(peers) == 0 {
+		return nil, labels, fmt.Errorf("%w: workload %s", ErrNoPeerIdentity, dst.UID)
+	}
+	hboneAddr := netip.AddrPortFrom(dst.Addresses[0], o.cfg.HBONEPort)
+	if err := o.checkDial(hboneAddr); err != nil {
+		return nil, labels, err
+	}
 	c, err := o.client.Dial(ctx, hbone.DialRequest{
 		Source:    src.Identity(),
-		Peer:      dst.Identity(),
-		Addr:      netip.AddrPortFrom(dst.Addresses[0], o.cfg.HBONEPort),
+		Peers:     peers,
+		Addr:      hboneAddr,
 		Authority: addr.String(),
 		Header: http.Header{
 			HeaderForwarded: {forwarded(srcAddr, t.String())},
@@ -196,21 +291,81 @@ func (o *Outbound) Dial(ctx context.Context, src *state.Workload, t Target) (net
 	return c, labels, nil
 }
 
+// gatewayOrder returns dst's gateways in the order to try them: a random
+// order weighted by capacity, so that new tunnels spread over the gateways
+// and each failure falls over to the next.
+func (o *Outbound) gatewayOrder(gws []*state.NetworkGateway) []*state.NetworkGateway {
+	rest := slices.Clone(gws)
+	out := make([]*state.NetworkGateway, 0, len(rest))
+	rnd := o.sel.Rand
+	if rnd == nil {
+		rnd = rand.Uint64N
+	}
+	for len(rest) > 0 {
+		var total uint64
+		for _, g := range rest {
+			total += g.Weight()
+		}
+		pick := rnd(total)
+		i := 0
+		for ; i < len(rest)-1; i++ {
+			if pick < rest[i].Weight() {
+				break
+			}
+			pick -= rest[i].Weight()
+		}
+		out = append(out, rest[i])
+		rest = slices.Delete(rest, i, i+1)
+	}
+	return out
+}
+
 // dialDouble opens an end-to-end HBONE stream to an endpoint of r.svc on a
-// remote network, tunnelled through that network's gateway. Inner HTTP/2
-// connections are pooled: streams to the same service through the same
-// gateway share one outer stream while it has room.
-func (o *Outbound) dialDouble(ctx context.Context, src, dst *state.Workload, gw *state.NetworkGateway, r route, t Target, srcAddr, bg string) (net.Conn, error) {
+// remote network, tunnelled through one of that network's gateways, trying
+// the next gateway when one cannot be reached or does not verify. Inner
+// HTTP/2 connections are pooled: streams to the same service through the
+// same gateway share one outer stream while it has room.
+func (o *Outbound) dialDouble(ctx context.Context, src, dst *state.Workload, r route, t Target, srcAddr, bg string) (net.Conn, error) {
+	if len(dst.Identities) == 0 {
+		return nil, fmt.Errorf("%w: %s behind network %s", ErrNoPeerIdentity, r.svc.Hostname, dst.Network)
+	}
+	order := o.gatewayOrder(dst.Gateways)
+	var errs []error
+	for i, gw := range order {
+		c, err := o.dialVia(ctx, src, dst, gw, r, t, srcAddr, bg)
+		if err == nil {
+			return c, nil
+		}
+		errs = append(errs, err)
+		if ctx.Err() != nil || i == len(order)-1 {
+			break
+		}
+		// Counted here, as the connection goes on through the next
+		// gateway; a last failure is counted by the caller.
+		o.deps.Metrics.Refused(metrics.ReporterSource, dialReason(err))
+		o.deps.Log.Debug("gateway failed, trying the next", "gateway", gw.Target(), "network", gw.Network, "err", err)
+	}
+	return nil, errors.Join(errs...)
+}
+
+// dialVia is dialDouble through gateway gw.
+func (o *Outbound) dialVia(ctx context.Context, src, dst *state.Workload, gw *state.NetworkGateway, r route, t Target, srcAddr, bg string) (net.Conn, error) {
 	outerAuthority := net.JoinHostPort(r.svc.Hostname, strconv.Itoa(int(t.Port)))
 	srcID := src.Identity()
+	if len(gw.Identities) == 0 {
+		return nil, fmt.Errorf("%w: gateway %s names no identity", ErrGatewayIdentity, gw.Target())
+	}
 	underlay := func(ctx context.Context) (net.Conn, string, error) {
 		gwAddr, err := o.gatewayAddr(ctx, gw)
 		if err != nil {
 			return nil, "", err
 		}
+		if err := o.checkDial(gwAddr); err != nil {
+			return nil, "", err
+		}
 		s, err := o.client.Dial(ctx, hbone.DialRequest{
 			Source:    srcID,
-			Peer:      gw.Identity,
+			Peers:     gw.Identities,
 			Addr:      gwAddr,
 			Authority: outerAuthority,
 			Header: http.Header{
@@ -218,6 +373,9 @@ func (o *Outbound) dialDouble(ctx context.Context, src, dst *state.Workload, gw 
 				HeaderBaggage:   {bg},
 			},
 		})
+		if errors.Is(err, identity.ErrUnexpectedIdentity) {
+			err = fmt.Errorf("%w: %w", ErrGatewayIdentity, err)
+		}
 		if err != nil {
 			return nil, "", fmt.Errorf("outer hbone to gateway %s: %w", gw.Target(), err)
 		}
@@ -232,7 +390,7 @@ func (o *Outbound) dialDouble(ctx context.Context, src, dst *state.Workload, gw 
 	}
 	return o.client.Dial(ctx, hbone.DialRequest{
 		Source:       srcID,
-		Peer:         innerPeer(dst),
+		Peers:        dst.Identities,
 		Underlay:     underlay,
 		UnderlayKey:  "via " + gw.Target() + " " + outerAuthority,
 		AuthorityFor: func(ep string) string { return ep },
@@ -265,20 +423,12 @@ func (o *Outbound) gatewayAddr(ctx context.Context, gw *state.NetworkGateway) (n
 	return netip.AddrPortFrom(ip.Unmap(), gw.HBONEPort), nil
 }
 
-// innerPeer is the identity the end-to-end tunnel must reach: the remote
-// workloads' identity when the control plane gives one, else (zero) any
-// identity of the trust domain.
-func innerPeer(dst *state.Workload) identity.Identity { return dst.Identity() }
-
 // handle proxies one captured client connection to t.
 func (o *Outbound) handle(ctx context.Context, c net.Conn, src *state.Workload, t Target, onConnected func(error) error) {
 	up, labels, err := o.Dial(ctx, src, t)
 	if err != nil {
 		// Counted before the client hears of it.
-		reason := ReasonUpstreamUnavailble
-		if errors.Is(err, ErrNoRoute) || errors.Is(err, state.ErrNoEndpoint) {
-			reason = ReasonNoRoute
-		}
+		reason := dialReason(err)
 		o.deps.Metrics.Refused(metrics.ReporterSource, reason)
 		o.deps.Log.Debug("outbound dial failed", "src", src.UID, "dst", t.String(), "err", err)
 		_ = onConnected(err)
@@ -294,5 +444,23 @@ func (o *Outbound) handle(ctx context.Context, c net.Conn, src *state.Workload, 
 	_, _, err = hbone.Relay(c, up, mc.AddReceived, mc.AddSent)
 	if err != nil {
 		o.deps.Log.Debug("outbound relay ended", "src", src.UID, "dst", t.String(), "err", err)
+	}
+}
+
+// dialReason is the refusal reason of a failed Dial.
+func dialReason(err error) string {
+	switch {
+	case errors.Is(err, ErrNoRoute), errors.Is(err, state.ErrNoEndpoint):
+		return ReasonNoRoute
+	case errors.Is(err, ErrSelfDestination):
+		return ReasonSelfDestination
+	case errors.Is(err, ErrNoPeerIdentity), errors.Is(err, hbone.ErrNoPeerIdentity):
+		return ReasonNoPeerIdentity
+	case errors.Is(err, ErrGatewayIdentity):
+		return ReasonGatewayIdentity
+	case errors.Is(err, identity.ErrUnexpectedIdentity):
+		return ReasonPeerIdentity
+	default:
+		return ReasonUpstreamUnavailble
 	}
 }

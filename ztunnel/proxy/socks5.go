@@ -36,7 +36,7 @@ const (
 // ServeSOCKS5 serves SOCKS5 CONNECT (IPv4, IPv6 and domain names, no
 // authentication) on ln until ln or the Outbound is closed.
 func (o *Outbound) ServeSOCKS5(ln net.Listener) error {
-	return o.t.serve(ln, o.handleSOCKS)
+	return o.serve(ln, o.handleSOCKS)
 }
 
 func (o *Outbound) handleSOCKS(c net.Conn) {
@@ -168,7 +168,7 @@ func readSOCKSAddr(c net.Conn, atyp byte) (Target, error) {
 // destination is the SO_ORIGINAL_DST of each connection, or its local
 // address when it was not redirected.
 func (o *Outbound) ServeTransparent(ln net.Listener) error {
-	return o.t.serve(ln, o.handleTransparent)
+	return o.serve(ln, o.handleTransparent)
 }
 
 func (o *Outbound) handleTransparent(c net.Conn) {

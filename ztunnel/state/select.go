@@ -42,6 +42,11 @@ type Selector struct {
 // same cluster, then the same region, zone and subzone; within the best tier
 // it picks at random weighted by capacity.
 func (sel Selector) Select(snap *Snapshot, svc *Service, port uint16, src Source) (Endpoint, error) {
+	return sel.SelectWhere(snap, svc, port, src, nil)
+}
+
+// SelectWhere is Select among the workloads keep accepts (all when nil).
+func (sel Selector) SelectWhere(snap *Snapshot, svc *Service, port uint16, src Source, keep func(*Workload) bool) (Endpoint, error) {
 	if !svc.HasPort(port) {
 		return Endpoint{}, fmt.Errorf("service %s has no port %d: %w", svc.Hostname, port, ErrNoEndpoint)
 	}
@@ -52,10 +57,10 @@ func (sel Selector) Select(snap *Snapshot, svc *Service, port uint16, src Source
 		total     uint64
 	)
 	for _, w := range snap.Endpoints(key) {
-		if w.Status != StatusReady {
+		if w.Status != StatusReady || (keep != nil && !keep(w)) {
 			continue
 		}
-		if len(w.Addresses) == 0 && w.Gateway == nil {
+		if len(w.Addresses) == 0 && len(w.Gateways) == 0 {
 			continue
 		}
 		tp, ok := w.TargetPort(key, port)

@@ -34,7 +34,8 @@ func TestStoreIndexesAndRemovals(t *testing.T) {
 		tx.UpsertService(svcFoo())
 		tx.UpsertWorkload(pod("a", "10.1.0.1", "n1", "c1", Locality{}))
 		tx.UpsertWorkload(pod("b", "10.1.0.2", "n1", "c1", Locality{}))
-		tx.UpsertGateway(&NetworkGateway{Network: "n2", Address: netip.MustParseAddr("10.2.0.100"), HBONEPort: 15008})
+		tx.UpsertWorkload(&Workload{UID: "split/n2/foo", Name: "foo", Namespace: "default", Network: "n2",
+			Gateways: []*NetworkGateway{{Network: "n2", Address: netip.MustParseAddr("10.2.0.100"), HBONEPort: 15008}}})
 	})
 	select {
 	case <-first.Stale():
@@ -52,9 +53,9 @@ func TestStoreIndexesAndRemovals(t *testing.T) {
 	require.True(t, ok)
 	require.Equal(t, "b", w.UID)
 	require.Len(t, snap.Endpoints(fooKey), 2)
-	g, ok := snap.Gateway("n2")
-	require.True(t, ok)
-	require.Equal(t, "10.2.0.100:15008", g.AddrPort().String())
+	gws := snap.Gateways()
+	require.Len(t, gws, 1)
+	require.Equal(t, "10.2.0.100:15008", gws[0].AddrPort().String())
 
 	// Move b to a new address, remove a and the service VIP changes.
 	snap2 := st.Update(func(tx *Tx) {
@@ -63,7 +64,7 @@ func TestStoreIndexesAndRemovals(t *testing.T) {
 		s := svcFoo()
 		s.VIPs = []netip.Addr{netip.MustParseAddr("10.0.0.11")}
 		tx.UpsertService(s)
-		tx.RemoveGateway("n2")
+		tx.RemoveWorkload("split/n2/foo")
 	})
 	_, ok = snap2.WorkloadByAddr(netip.MustParseAddr("10.1.0.1"))
 	require.False(t, ok)
@@ -76,8 +77,7 @@ func TestStoreIndexesAndRemovals(t *testing.T) {
 	_, ok = snap2.ServiceByVIP(netip.MustParseAddr("10.0.0.11"))
 	require.True(t, ok)
 	require.Len(t, snap2.Endpoints(fooKey), 1)
-	_, ok = snap2.Gateway("n2")
-	require.False(t, ok)
+	require.Empty(t, snap2.Gateways())
 
 	// The old snapshot is untouched.
 	require.Len(t, snap.Endpoints(fooKey), 2)
@@ -103,7 +103,7 @@ func TestSelectPreference(t *testing.T) {
 	src := Source{Network: "n1", Cluster: "c1", Locality: Locality{Region: "r1", Zone: "z1", Subzone: "s1"}}
 	synthetic := &Workload{
 		UID: "n2/foo", Name: "foo", Namespace: "default", Network: "n2", Status: StatusReady, Capacity: 3,
-		Gateway:  &NetworkGateway{Network: "n2", Address: netip.MustParseAddr("10.2.0.100"), HBONEPort: 15008},
+		Gateways: []*NetworkGateway{{Network: "n2", Address: netip.MustParseAddr("10.2.0.100"), HBONEPort: 15008}},
 		Services: map[string]PortMap{fooKey: {80: 8080}},
 	}
 	tests := []struct {
@@ -241,4 +241,52 @@ func TestConcurrentReadersSeeWholeSnapshots(t *testing.T) {
 	require.Len(t, st.Load().Workloads(), 200)
 	require.Zero(t, torn.Load())
 	require.Positive(t, reads.Load())
+}
+
+// TestAddressClaims: two workloads claiming one address (a misbehaving or
+// lagging control plane) never leave the address to nobody: the owner is
+// the smallest UID whatever the order of writes, and removing either
+// claimant leaves the other's entry. hostNetwork workloads claim nothing.
+func TestAddressClaims(t *testing.T) {
+	addr := netip.MustParseAddr("10.1.0.7")
+	for _, order := range [][]string{{"a", "b"}, {"b", "a"}} {
+		st := NewStore()
+		for _, uid := range order {
+			st.Update(func(tx *Tx) { tx.UpsertWorkload(pod(uid, addr.String(), "n1", "c1", Locality{})) })
+		}
+		snap := st.Load()
+		w, ok := snap.WorkloadByAddr(addr)
+		require.True(t, ok)
+		require.Equal(t, "a", w.UID, "order %v", order)
+		require.Equal(t, map[netip.Addr][]string{addr: {"a", "b"}}, snap.Contested())
+
+		// Removing the owner passes the address to the other claimant.
+		snap = st.Update(func(tx *Tx) { tx.RemoveWorkload("a") })
+		w, ok = snap.WorkloadByAddr(addr)
+		require.True(t, ok)
+		require.Equal(t, "b", w.UID)
+		require.Empty(t, snap.Contested())
+
+		// Removing the other instead keeps the owner.
+		st.Update(func(tx *Tx) { tx.UpsertWorkload(pod("a", addr.String(), "n1", "c1", Locality{})) })
+		snap = st.Update(func(tx *Tx) { tx.RemoveWorkload("b") })
+		w, ok = snap.WorkloadByAddr(addr)
+		require.True(t, ok)
+		require.Equal(t, "a", w.UID)
+		snap = st.Update(func(tx *Tx) { tx.RemoveWorkload("a") })
+		_, ok = snap.WorkloadByAddr(addr)
+		require.False(t, ok)
+	}
+
+	st := NewStore()
+	hn := pod("ztunnel", "10.0.0.1", "n1", "c1", Locality{})
+	hn.HostNetwork = true
+	snap := st.Update(func(tx *Tx) { tx.UpsertWorkload(hn) })
+	_, ok := snap.WorkloadByAddr(netip.MustParseAddr("10.0.0.1"))
+	require.False(t, ok, "a hostNetwork workload owns no address")
+	require.True(t, snap.KnownCluster("c1"))
+	require.True(t, snap.KnownNetwork("n1"))
+	require.False(t, snap.KnownCluster("c9"))
+	snap = st.Update(func(tx *Tx) { tx.RemoveWorkload("ztunnel") })
+	require.False(t, snap.KnownCluster("c1"), "a cluster no workload names is forgotten")
 }

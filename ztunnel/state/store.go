@@ -14,24 +14,35 @@ import (
 type Snapshot struct {
 	version   uint64
 	workloads map[string]*Workload // by UID
+	// byAddr holds the owner of each address. Pilot sends one workload per
+	// address and network; should two claim one anyway, contested lists
+	// every claimant (sorted by UID; the first owns the address), so that
+	// removing one never drops the other's entry. hostNetwork workloads
+	// share their node's address and claim none.
 	byAddr    map[netip.Addr]*Workload
+	contested map[netip.Addr][]*Workload
 	services  map[string]*Service // by key <ns>/<hostname>
 	byVIP     map[netip.Addr]*Service
 	byHost    map[string]*Service
 	endpoints map[string][]*Workload // service key -> backing workloads, by UID
-	gateways  map[string]*NetworkGateway
-	stale     chan struct{}
+	// clusters and networks count the workloads naming each: the clusters
+	// and networks the mesh knows, the only values metrics may carry.
+	clusters map[string]int
+	networks map[string]int
+	stale    chan struct{}
 }
 
 func emptySnapshot() *Snapshot {
 	return &Snapshot{
 		workloads: map[string]*Workload{},
 		byAddr:    map[netip.Addr]*Workload{},
+		contested: map[netip.Addr][]*Workload{},
 		services:  map[string]*Service{},
 		byVIP:     map[netip.Addr]*Service{},
 		byHost:    map[string]*Service{},
 		endpoints: map[string][]*Workload{},
-		gateways:  map[string]*NetworkGateway{},
+		clusters:  map[string]int{},
+		networks:  map[string]int{},
 		stale:     make(chan struct{}),
 	}
 }
@@ -49,11 +60,30 @@ func (s *Snapshot) Workload(uid string) (*Workload, bool) {
 }
 
 // WorkloadByAddr returns the workload owning addr. Addresses are unique in a
-// node's view: remote networks are represented by synthetic workloads.
+// node's view: remote networks are represented by synthetic workloads, and
+// hostNetwork workloads own no address.
 func (s *Snapshot) WorkloadByAddr(addr netip.Addr) (*Workload, bool) {
 	w, ok := s.byAddr[addr.Unmap()]
 	return w, ok
 }
+
+// Contested returns, for each address more than one workload claims, the
+// claimants' UIDs (the owner first).
+func (s *Snapshot) Contested() map[netip.Addr][]string {
+	out := make(map[netip.Addr][]string, len(s.contested))
+	for a, ws := range s.contested {
+		for _, w := range ws {
+			out[a] = append(out[a], w.UID)
+		}
+	}
+	return out
+}
+
+// KnownCluster reports whether some workload runs in cluster.
+func (s *Snapshot) KnownCluster(cluster string) bool { return s.clusters[cluster] > 0 }
+
+// KnownNetwork reports whether some workload is on network.
+func (s *Snapshot) KnownNetwork(network string) bool { return s.networks[network] > 0 }
 
 // ServiceByVIP returns the service with virtual IP vip.
 func (s *Snapshot) ServiceByVIP(vip netip.Addr) (*Service, bool) {
@@ -71,12 +101,6 @@ func (s *Snapshot) ServiceByHostname(host string) (*Service, bool) {
 // sorted by UID.
 func (s *Snapshot) Endpoints(svcKey string) []*Workload { return s.endpoints[svcKey] }
 
-// Gateway returns the gateway of network.
-func (s *Snapshot) Gateway(network string) (*NetworkGateway, bool) {
-	g, ok := s.gateways[network]
-	return g, ok
-}
-
 // Workloads returns all workloads sorted by UID.
 func (s *Snapshot) Workloads() []*Workload {
 	return sortedValues(s.workloads, func(a, b *Workload) int { return cmp.Compare(a.UID, b.UID) })
@@ -87,9 +111,19 @@ func (s *Snapshot) Services() []*Service {
 	return sortedValues(s.services, func(a, b *Service) int { return cmp.Compare(a.Key(), b.Key()) })
 }
 
-// Gateways returns all network gateways sorted by network.
+// Gateways returns the gateways the synthetic workloads name, once each,
+// sorted by network and target. It scans every workload (for the admin
+// view, not the data path).
 func (s *Snapshot) Gateways() []*NetworkGateway {
-	return sortedValues(s.gateways, func(a, b *NetworkGateway) int { return cmp.Compare(a.Network, b.Network) })
+	seen := map[string]*NetworkGateway{}
+	for _, w := range s.workloads {
+		for _, g := range w.Gateways {
+			seen[g.Network+" "+g.Target()] = g
+		}
+	}
+	return sortedValues(seen, func(a, b *NetworkGateway) int {
+		return cmp.Or(cmp.Compare(a.Network, b.Network), cmp.Compare(a.Target(), b.Target()))
+	})
 }
 
 // LocalWorkloads returns the workloads scheduled on node, sorted by UID.
@@ -130,7 +164,6 @@ func (st *Store) Load() *Snapshot { return st.cur.Load() }
 type Tx struct {
 	workloads map[string]*Workload // nil value = removal
 	services  map[string]*Service
-	gateways  map[string]*NetworkGateway
 }
 
 // UpsertWorkload adds or replaces the workload with w.UID. w is copied.
@@ -149,20 +182,11 @@ func (tx *Tx) UpsertService(svc *Service) {
 // RemoveService removes the service with key <ns>/<hostname>.
 func (tx *Tx) RemoveService(key string) { tx.services[key] = nil }
 
-// UpsertGateway adds or replaces the gateway of g.Network. g is copied.
-func (tx *Tx) UpsertGateway(g *NetworkGateway) {
-	c := *g
-	tx.gateways[g.Network] = &c
-}
-
-// RemoveGateway removes the gateway of network.
-func (tx *Tx) RemoveGateway(network string) { tx.gateways[network] = nil }
-
 // Update runs fn to collect changes and publishes one new snapshot holding
 // them. Indexes are rebuilt only for the changed keys; the maps themselves
 // are copied, so an update costs O(size) map copying plus O(change) work.
 func (st *Store) Update(fn func(tx *Tx)) *Snapshot {
-	tx := &Tx{workloads: map[string]*Workload{}, services: map[string]*Service{}, gateways: map[string]*NetworkGateway{}}
+	tx := &Tx{workloads: map[string]*Workload{}, services: map[string]*Service{}}
 	fn(tx)
 	st.mu.Lock()
 	defer st.mu.Unlock()
@@ -178,21 +202,19 @@ func apply(old *Snapshot, tx *Tx) *Snapshot {
 		version:   old.version + 1,
 		workloads: maps.Clone(old.workloads),
 		byAddr:    maps.Clone(old.byAddr),
+		contested: maps.Clone(old.contested),
 		services:  maps.Clone(old.services),
 		byVIP:     maps.Clone(old.byVIP),
 		byHost:    maps.Clone(old.byHost),
 		endpoints: maps.Clone(old.endpoints),
-		gateways:  maps.Clone(old.gateways),
+		clusters:  maps.Clone(old.clusters),
+		networks:  maps.Clone(old.networks),
 		stale:     make(chan struct{}),
 	}
 	dirty := map[string]bool{} // service keys whose endpoint lists change
 	for uid, w := range tx.workloads {
 		if prev, ok := n.workloads[uid]; ok {
-			for _, a := range prev.Addresses {
-				if n.byAddr[a] == prev {
-					delete(n.byAddr, a)
-				}
-			}
+			n.unindex(prev)
 			for k := range prev.Services {
 				dirty[k] = true
 			}
@@ -204,8 +226,8 @@ func apply(old *Snapshot, tx *Tx) *Snapshot {
 		n.workloads[uid] = w
 		for i, a := range w.Addresses {
 			w.Addresses[i] = a.Unmap()
-			n.byAddr[a.Unmap()] = w
 		}
+		n.index(w)
 		for k := range w.Services {
 			dirty[k] = true
 		}
@@ -230,13 +252,6 @@ func apply(old *Snapshot, tx *Tx) *Snapshot {
 			n.byVIP[v.Unmap()] = svc
 		}
 	}
-	for network, g := range tx.gateways {
-		if g == nil {
-			delete(n.gateways, network)
-			continue
-		}
-		n.gateways[network] = g
-	}
 	if len(dirty) > 0 {
 		rebuildEndpoints(n, dirty)
 	}
@@ -260,5 +275,68 @@ func rebuildEndpoints(n *Snapshot, dirty map[string]bool) {
 		}
 		slices.SortFunc(l, func(a, b *Workload) int { return cmp.Compare(a.UID, b.UID) })
 		n.endpoints[k] = l
+	}
+}
+
+// index records w's address claims and its cluster and network.
+func (n *Snapshot) index(w *Workload) {
+	count(n.clusters, w.Cluster, 1)
+	count(n.networks, w.Network, 1)
+	if w.HostNetwork {
+		return
+	}
+	for _, a := range w.Addresses {
+		cur, ok := n.byAddr[a]
+		if !ok {
+			n.byAddr[a] = w
+			continue
+		}
+		claims := n.contested[a]
+		if claims == nil {
+			claims = []*Workload{cur}
+		}
+		claims = append(slices.Clone(claims), w)
+		slices.SortFunc(claims, func(x, y *Workload) int { return cmp.Compare(x.UID, y.UID) })
+		n.contested[a], n.byAddr[a] = claims, claims[0]
+	}
+}
+
+// unindex withdraws w's address claims: an address another workload still
+// claims passes to it.
+func (n *Snapshot) unindex(w *Workload) {
+	count(n.clusters, w.Cluster, -1)
+	count(n.networks, w.Network, -1)
+	if w.HostNetwork {
+		return
+	}
+	for _, a := range w.Addresses {
+		claims, ok := n.contested[a]
+		if !ok {
+			if n.byAddr[a] == w {
+				delete(n.byAddr, a)
+			}
+			continue
+		}
+		claims = slices.DeleteFunc(slices.Clone(claims), func(x *Workload) bool { return x == w })
+		if len(claims) == 0 { // not a claimant after all
+			delete(n.byAddr, a)
+			delete(n.contested, a)
+			continue
+		}
+		n.byAddr[a] = claims[0]
+		if len(claims) == 1 {
+			delete(n.contested, a)
+		} else {
+			n.contested[a] = claims
+		}
+	}
+}
+
+func count(m map[string]int, key string, d int) {
+	if key == "" {
+		return
+	}
+	if m[key] += d; m[key] <= 0 {
+		delete(m, key)
 	}
 }

@@ -96,7 +96,7 @@ type Locality struct {
 	Subzone string `json:"subzone,omitempty"`
 }
 
-// NetworkGateway is the HBONE entry point of a network.
+// NetworkGateway is an HBONE entry point of a network.
 type NetworkGateway struct {
 	// Network is the network the gateway fronts.
 	Network string `json:"network"`
@@ -106,10 +106,17 @@ type NetworkGateway struct {
 	Address   netip.Addr `json:"address,omitzero"`
 	Hostname  string     `json:"hostname,omitempty"`
 	HBONEPort uint16     `json:"hbonePort"`
-	// Identity, if set, is the SPIFFE identity the gateway must present;
-	// otherwise any identity of the trust domain is accepted.
-	Identity identity.Identity `json:"-"`
+	// Identities are the SPIFFE identities the gateway may present; a
+	// tunnel to a gateway presenting any other is refused. Never empty for
+	// a gateway from xDS.
+	Identities []identity.Identity `json:"identities"`
+	// Capacity weighs the gateway against the others of its network; 0
+	// means 1.
+	Capacity uint32 `json:"capacity,omitempty"`
 }
+
+// Weight returns the capacity used to spread tunnels (at least 1).
+func (g *NetworkGateway) Weight() uint64 { return uint64(max(g.Capacity, 1)) }
 
 // AddrPort returns the gateway's HBONE address (not valid for a gateway
 // known by Hostname).
@@ -143,8 +150,15 @@ type Workload struct {
 	ServiceAccount string         `json:"serviceAccount,omitempty"`
 	Locality       Locality       `json:"locality"`
 	Protocol       TunnelProtocol `json:"protocol"`
-	// Gateway is set for synthetic workloads reached through a network gateway.
-	Gateway *NetworkGateway `json:"gateway,omitempty"`
+	// Gateways are set for synthetic workloads: the trusted gateways of
+	// their network, through which they are reached.
+	Gateways []*NetworkGateway `json:"gateways,omitempty"`
+	// Identities are, for a synthetic workload, the identities its
+	// endpoints run as: the end-to-end peer must present one of them.
+	Identities []identity.Identity `json:"identities,omitempty"`
+	// HostNetwork workloads share their node's address: they are never a
+	// connection's source and are not indexed by address.
+	HostNetwork bool `json:"hostNetwork,omitempty"`
 	// Services maps "<ns>/<hostname>" of each service the workload backs to
 	// its port mapping.
 	Services map[string]PortMap `json:"services,omitempty"`
@@ -161,8 +175,22 @@ func (w *Workload) Identity() identity.Identity {
 	return identity.Identity{TrustDomain: w.TrustDomain, Namespace: w.Namespace, ServiceAccount: w.ServiceAccount}
 }
 
-// Synthetic reports whether w stands for remote endpoints behind a gateway.
-func (w *Workload) Synthetic() bool { return len(w.Addresses) == 0 && w.Gateway != nil }
+// Synthetic reports whether w stands for remote endpoints behind gateways.
+func (w *Workload) Synthetic() bool { return len(w.Addresses) == 0 && len(w.Gateways) > 0 }
+
+// PeerIdentities returns the identities an HBONE peer standing for w may
+// present: its own identity, or for a synthetic workload those of the
+// endpoints it stands for. Empty means w cannot be verified, and must not
+// be dialled over HBONE.
+func (w *Workload) PeerIdentities() []identity.Identity {
+	if w.Synthetic() {
+		return w.Identities
+	}
+	if id := w.Identity(); !id.IsZero() {
+		return []identity.Identity{id}
+	}
+	return nil
+}
 
 // Weight returns the capacity used for weighted selection (at least 1).
 func (w *Workload) Weight() uint64 {
@@ -204,9 +232,15 @@ func (w *Workload) ServesPort(port uint16) bool {
 func (w *Workload) clone() *Workload {
 	c := *w
 	c.Addresses = slices.Clone(w.Addresses)
-	if w.Gateway != nil {
-		g := *w.Gateway
-		c.Gateway = &g
+	c.Identities = slices.Clone(w.Identities)
+	c.Gateways = make([]*NetworkGateway, 0, len(w.Gateways))
+	for _, g := range w.Gateways {
+		gc := *g
+		gc.Identities = slices.Clone(g.Identities)
+		c.Gateways = append(c.Gateways, &gc)
+	}
+	if len(c.Gateways) == 0 {
+		c.Gateways = nil
 	}
 	if w.Services != nil {
 		c.Services = make(map[string]PortMap, len(w.Services))
@@ -225,6 +259,17 @@ type Service struct {
 	Hostname  string       `json:"hostname"`
 	VIPs      []netip.Addr `json:"vips,omitempty"`
 	Ports     []uint16     `json:"ports"`
+	// ClusterLocal services never cross clusters.
+	ClusterLocal bool `json:"clusterLocal,omitempty"`
+	// LocalClusters are clusters whose endpoints of the service are
+	// reachable only from inside that cluster (MCS export mode).
+	LocalClusters []string `json:"localClusters,omitempty"`
+}
+
+// ReachableFromOtherClusters reports whether an endpoint of the service in
+// cluster may be reached from outside that cluster (through a gateway).
+func (s *Service) ReachableFromOtherClusters(cluster string) bool {
+	return !s.ClusterLocal && !slices.Contains(s.LocalClusters, cluster)
 }
 
 // Key returns "<ns>/<hostname>", the key used in Workload.Services.
@@ -245,6 +290,7 @@ func (s *Service) clone() *Service {
 	c := *s
 	c.VIPs = slices.Clone(s.VIPs)
 	c.Ports = slices.Clone(s.Ports)
+	c.LocalClusters = slices.Clone(s.LocalClusters)
 	if c.Hostname == "" {
 		c.Hostname = Hostname(c.Name, c.Namespace)
 	}

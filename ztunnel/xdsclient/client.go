@@ -144,8 +144,6 @@ type Client struct {
 	// only by Run's goroutine, read under heldMu by others.
 	heldMu sync.RWMutex
 	held   map[string]heldResource
-	// gwRefs counts, per network, the workloads naming its gateway.
-	gwRefs map[string]map[string]*state.NetworkGateway
 
 	// sendMu serializes Send on the live stream and guards cur, onDemand
 	// and needInitial.
@@ -209,7 +207,6 @@ func New(cfg Config, deps Deps) (*Client, error) {
 		conv:     converter{network: cfg.Network, trustDomain: cfg.TrustDomain},
 		node:     &core.Node{Id: cfg.NodeID, Cluster: cfg.ClusterID, Metadata: meta, UserAgentName: "isthmus-ztunnel"},
 		held:     map[string]heldResource{},
-		gwRefs:   map[string]map[string]*state.NetworkGateway{},
 		onDemand: map[string]struct{}{},
 		syncedCh: make(chan struct{}),
 		closed:   make(chan struct{}),
@@ -446,15 +443,13 @@ func (c *Client) Unsubscribe(names ...string) error {
 func (c *Client) dropLocal(names []string) {
 	c.heldMu.Lock()
 	defer c.heldMu.Unlock()
-	touched := map[string]bool{}
 	c.deps.Store.Update(func(tx *state.Tx) {
 		for _, name := range names {
 			if h, ok := c.held[name]; ok {
-				c.remove(tx, name, h.kind, touched)
+				remove(tx, name, h.kind)
 				delete(c.held, name)
 			}
 		}
-		c.syncGateways(tx, touched)
 	})
 }
 
@@ -516,80 +511,39 @@ func (c *Client) apply(resp *discovery.DeltaDiscoveryResponse) []error {
 	}
 	c.heldMu.Lock()
 	defer c.heldMu.Unlock()
-	touched := map[string]bool{} // networks whose gateway may change
 	c.deps.Store.Update(func(tx *state.Tx) {
 		for _, name := range removed {
 			h, ok := c.held[name]
 			if !ok {
 				continue
 			}
-			c.remove(tx, name, h.kind, touched)
+			remove(tx, name, h.kind)
 			delete(c.held, name)
 		}
 		for _, r := range good {
 			if h, ok := c.held[r.name]; ok && h.kind != r.kind {
-				c.remove(tx, r.name, h.kind, touched)
+				remove(tx, r.name, h.kind)
 			}
 			switch r.kind {
 			case kindWorkload:
-				c.dropGatewayRef(r.name, touched)
-				if g := r.workload.Gateway; g != nil {
-					c.addGatewayRef(r.name, g, touched)
-				}
 				tx.UpsertWorkload(r.workload)
 			case kindService:
 				tx.UpsertService(r.service)
 			}
 			c.held[r.name] = heldResource{version: r.version, kind: r.kind}
 		}
-		c.syncGateways(tx, touched)
 	})
 	c.log.Debug("applied xds response", "nonce", resp.GetNonce(), "updated", len(good), "removed", len(removed),
 		"rejected", len(rejected), "names", summarize(good))
 	return rejected
 }
 
-// syncGateways publishes the gateway of each touched network: the one named
-// by the workload with the smallest uid (a deterministic choice when
-// workloads disagree), or none when no workload names one any more.
-func (c *Client) syncGateways(tx *state.Tx, touched map[string]bool) {
-	for network := range touched {
-		refs := c.gwRefs[network]
-		if len(refs) == 0 {
-			delete(c.gwRefs, network)
-			tx.RemoveGateway(network)
-			continue
-		}
-		tx.UpsertGateway(refs[slices.Min(slices.Collect(maps.Keys(refs)))])
-	}
-}
-
-func (c *Client) remove(tx *state.Tx, name string, k kind, touched map[string]bool) {
+func remove(tx *state.Tx, name string, k kind) {
 	switch k {
 	case kindWorkload:
-		c.dropGatewayRef(name, touched)
 		tx.RemoveWorkload(name)
 	case kindService:
 		tx.RemoveService(name)
-	}
-}
-
-func (c *Client) addGatewayRef(uid string, g *state.NetworkGateway, touched map[string]bool) {
-	refs := c.gwRefs[g.Network]
-	if refs == nil {
-		refs = map[string]*state.NetworkGateway{}
-		c.gwRefs[g.Network] = refs
-	}
-	refs[uid] = g
-	touched[g.Network] = true
-}
-
-func (c *Client) dropGatewayRef(uid string, touched map[string]bool) {
-	for network, refs := range c.gwRefs {
-		if _, ok := refs[uid]; ok {
-			delete(refs, uid)
-			touched[network] = true
-		}
 	}
 }
 

@@ -10,6 +10,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	workloadv1 "github.com/isthmus-mesh/isthmus/pilot/api/workload/v1"
+	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/isthmus-mesh/isthmus/ztunnel/state"
 )
 
@@ -134,15 +135,27 @@ func (cv converter) workload(p *workloadv1.Workload) (*state.Workload, error) {
 	default:
 		w.Status = state.StatusNotReady
 	}
-	if gw := p.GetNetworkGateway(); gw != nil {
+	w.HostNetwork = p.GetHostNetwork()
+	for i, gw := range p.GetNetworkGateways() {
 		g, err := gateway(w.Network, gw)
 		if err != nil {
-			return nil, fmt.Errorf("network gateway: %w", err)
+			return nil, fmt.Errorf("network gateway %d: %w", i, err)
 		}
-		w.Gateway = g
+		w.Gateways = append(w.Gateways, g)
 	}
-	if len(w.Addresses) == 0 && p.GetNetworkGateway() == nil {
+	if len(w.Addresses) == 0 && len(w.Gateways) == 0 {
 		return nil, errors.New("neither an address nor a network gateway")
+	}
+	if len(w.Addresses) > 0 && len(w.Gateways) > 0 {
+		return nil, errors.New("both addresses and network gateways")
+	}
+	ids, err := identities(p.GetIdentities())
+	if err != nil {
+		return nil, err
+	}
+	w.Identities = ids
+	if len(w.Gateways) > 0 && len(w.Identities) == 0 {
+		return nil, errors.New("a workload behind gateways names no identity to verify end to end")
 	}
 	if len(p.GetServices()) > 0 {
 		w.Services = make(map[string]state.PortMap, len(p.GetServices()))
@@ -165,8 +178,22 @@ func (cv converter) workload(p *workloadv1.Workload) (*state.Workload, error) {
 	return w, nil
 }
 
+// identities parses SPIFFE URIs.
+func identities(uris []string) ([]identity.Identity, error) {
+	var out []identity.Identity
+	for _, u := range uris {
+		id, err := identity.Parse(u)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, id)
+	}
+	return out, nil
+}
+
 // gateway converts a GatewayAddress, by address or by DNS name (resolved
-// when a tunnel is opened).
+// when a tunnel is opened). A gateway must name the identities it may
+// present.
 func gateway(network string, p *workloadv1.GatewayAddress) (*state.NetworkGateway, error) {
 	port, err := port16(p.GetHboneMtlsPort())
 	if err != nil {
@@ -174,6 +201,13 @@ func gateway(network string, p *workloadv1.GatewayAddress) (*state.NetworkGatewa
 	}
 	if port == 0 {
 		port = defaultHBONEPort
+	}
+	ids, err := identities(p.GetIdentities())
+	if err != nil {
+		return nil, err
+	}
+	if len(ids) == 0 {
+		return nil, errors.New("gateway names no identity")
 	}
 	switch d := p.GetDestination().(type) {
 	case *workloadv1.GatewayAddress_Address:
@@ -184,7 +218,7 @@ func gateway(network string, p *workloadv1.GatewayAddress) (*state.NetworkGatewa
 		if network == "" {
 			return nil, errors.New("gateway of a workload without a network")
 		}
-		return &state.NetworkGateway{Network: network, Address: a, HBONEPort: port}, nil
+		return &state.NetworkGateway{Network: network, Address: a, HBONEPort: port, Identities: ids, Capacity: p.GetCapacity()}, nil
 	case *workloadv1.GatewayAddress_Hostname:
 		if !validHostname(d.Hostname) {
 			return nil, fmt.Errorf("gateway hostname %q is not a DNS name", d.Hostname)
@@ -192,7 +226,7 @@ func gateway(network string, p *workloadv1.GatewayAddress) (*state.NetworkGatewa
 		if network == "" {
 			return nil, errors.New("gateway of a workload without a network")
 		}
-		return &state.NetworkGateway{Network: network, Hostname: d.Hostname, HBONEPort: port}, nil
+		return &state.NetworkGateway{Network: network, Hostname: d.Hostname, HBONEPort: port, Identities: ids, Capacity: p.GetCapacity()}, nil
 	default:
 		return nil, errors.New("no destination")
 	}
@@ -221,7 +255,8 @@ func (cv converter) service(p *workloadv1.Service) (*state.Service, error) {
 	if p.GetName() == "" || p.GetNamespace() == "" {
 		return nil, errors.New("name and namespace are required")
 	}
-	svc := &state.Service{Name: p.GetName(), Namespace: p.GetNamespace(), Hostname: p.GetHostname()}
+	svc := &state.Service{Name: p.GetName(), Namespace: p.GetNamespace(), Hostname: p.GetHostname(),
+		ClusterLocal: p.GetScope() == workloadv1.ServiceScope_CLUSTER_LOCAL, LocalClusters: p.GetLocalClusters()}
 	if svc.Hostname == "" {
 		svc.Hostname = state.Hostname(svc.Name, svc.Namespace)
 	}

@@ -11,6 +11,7 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 
 	workloadv1 "github.com/isthmus-mesh/isthmus/pilot/api/workload/v1"
+	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/isthmus-mesh/isthmus/ztunnel/state"
 )
 
@@ -84,26 +85,82 @@ func TestDecodeService(t *testing.T) {
 	}, r.service)
 }
 
-// TestDecodeWorkloadDefaults proves the trust domain default, the status
-// mapping and that a gateway known by DNS name is kept by name.
+// TestDecodeWorkloadDefaults proves the trust domain default and the
+// status mapping.
 func TestDecodeWorkloadDefaults(t *testing.T) {
 	cv := converter{network: "n1", trustDomain: "example.org"}
 	r, err := cv.decode(res(t, "c1/ns/p", pod(func(w *workloadv1.Workload) {
 		w.Status = workloadv1.WorkloadStatus_UNHEALTHY
-		w.NetworkGateway = &workloadv1.GatewayAddress{Destination: &workloadv1.GatewayAddress_Hostname{Hostname: "gw.example"}}
 	})))
 	require.NoError(t, err)
 	require.Equal(t, "spiffe://example.org/ns/ns/sa/sa", r.workload.Identity().String())
 	require.Equal(t, state.StatusNotReady, r.workload.Status)
-	require.Equal(t, &state.NetworkGateway{Network: "n1", Hostname: "gw.example", HBONEPort: 15008}, r.workload.Gateway)
-	require.Equal(t, "gw.example:15008", r.workload.Gateway.Target())
 	require.Equal(t, "v1", r.version)
+}
 
-	// A name that is not a DNS name is refused.
-	_, err = cv.decode(res(t, "c1/ns/p", pod(func(w *workloadv1.Workload) {
-		w.NetworkGateway = &workloadv1.GatewayAddress{Destination: &workloadv1.GatewayAddress_Hostname{Hostname: "gw.example:15008"}}
-	})))
-	require.ErrorContains(t, err, "not a DNS name")
+func splitW(mut func(*workloadv1.Workload)) *workloadv1.Address {
+	w := &workloadv1.Workload{
+		Uid: "split/n2/ns/s.ns.svc.cluster.local", Name: "s.ns.svc.cluster.local", Namespace: "ns", Network: "n2",
+		TunnelProtocol: workloadv1.TunnelProtocol_HBONE, Capacity: 2,
+		Identities: []string{"spiffe://cluster.local/ns/ns/sa/a", "spiffe://cluster.local/ns/ns/sa/b"},
+		NetworkGateways: []*workloadv1.GatewayAddress{
+			{Destination: &workloadv1.GatewayAddress_Hostname{Hostname: "gw.example"},
+				Identities: []string{"spiffe://cluster.local/ns/isthmus-system/sa/eastwest"}, Capacity: 3},
+			{Destination: &workloadv1.GatewayAddress_Address{Address: []byte{10, 2, 0, 1}}, HboneMtlsPort: 15443,
+				Identities: []string{"spiffe://cluster.local/ns/isthmus-system/sa/eastwest"}},
+		},
+		Services: map[string]*workloadv1.PortList{"ns/s.ns.svc.cluster.local": {Ports: []*workloadv1.Port{{ServicePort: 80, TargetPort: 80}}}},
+	}
+	if mut != nil {
+		mut(w)
+	}
+	return &workloadv1.Address{Type: &workloadv1.Address_Workload{Workload: w}}
+}
+
+// TestDecodeSplitHorizon proves a split-horizon workload keeps every
+// gateway (by name or address) with the identities it may present and its
+// capacity, and the identities of the endpoints behind them; and that a
+// gateway or split workload without identities, or a workload with both an
+// address and gateways, is refused.
+func TestDecodeSplitHorizon(t *testing.T) {
+	cv := converter{network: "n1", trustDomain: "cluster.local"}
+	const name = "split/n2/ns/s.ns.svc.cluster.local"
+	r, err := cv.decode(res(t, name, splitW(nil)))
+	require.NoError(t, err)
+	w := r.workload
+	require.True(t, w.Synthetic())
+	gwID := identity.Identity{TrustDomain: "cluster.local", Namespace: "isthmus-system", ServiceAccount: "eastwest"}
+	require.Equal(t, []*state.NetworkGateway{
+		{Network: "n2", Hostname: "gw.example", HBONEPort: 15008, Identities: []identity.Identity{gwID}, Capacity: 3},
+		{Network: "n2", Address: netip.MustParseAddr("10.2.0.1"), HBONEPort: 15443, Identities: []identity.Identity{gwID}},
+	}, w.Gateways)
+	require.Equal(t, "gw.example:15008", w.Gateways[0].Target())
+	require.Equal(t, []identity.Identity{
+		{TrustDomain: "cluster.local", Namespace: "ns", ServiceAccount: "a"},
+		{TrustDomain: "cluster.local", Namespace: "ns", ServiceAccount: "b"},
+	}, w.PeerIdentities())
+
+	for _, tc := range []struct {
+		name string
+		mut  func(*workloadv1.Workload)
+		want string
+	}{
+		{"gateway hostname not a DNS name", func(w *workloadv1.Workload) {
+			w.NetworkGateways[0].Destination = &workloadv1.GatewayAddress_Hostname{Hostname: "gw.example:15008"}
+		}, "not a DNS name"},
+		{"gateway without identity", func(w *workloadv1.Workload) { w.NetworkGateways[1].Identities = nil }, "names no identity"},
+		{"gateway with a bad identity", func(w *workloadv1.Workload) {
+			w.NetworkGateways[1].Identities = []string{"spiffe://cluster.local/workload"}
+		}, "ns/<namespace>"},
+		{"no end-to-end identity", func(w *workloadv1.Workload) { w.Identities = nil }, "no identity to verify end to end"},
+		{"address and gateways", func(w *workloadv1.Workload) { w.Addresses = [][]byte{{10, 0, 0, 9}} }, "both addresses and network gateways"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := cv.decode(res(t, name, splitW(tc.mut)))
+			require.ErrorContains(t, err, tc.want)
+			require.ErrorContains(t, err, name)
+		})
+	}
 }
 
 // TestBackoff proves the reconnect delay doubles from the initial value,

@@ -159,9 +159,11 @@ func split(network, gw string) *workloadv1.Address {
 		Uid:  workloadv1.SplitHorizonUIDPrefix + network + "/default/" + echoHost,
 		Name: echoHost, Namespace: "default", Network: network, TrustDomain: td, ServiceAccount: "echo",
 		TunnelProtocol: workloadv1.TunnelProtocol_HBONE, Capacity: 3,
-		NetworkGateway: &workloadv1.GatewayAddress{
+		Identities: []string{"spiffe://" + td + "/ns/default/sa/echo"},
+		NetworkGateways: []*workloadv1.GatewayAddress{{
 			Destination: &workloadv1.GatewayAddress_Address{Address: addrB(gw)}, HboneMtlsPort: 15008,
-		},
+			Identities: []string{"spiffe://" + td + "/ns/isthmus-system/sa/eastwest"},
+		}},
 		Services: map[string]*workloadv1.PortList{
 			echoKey: {Ports: []*workloadv1.Port{{ServicePort: 80, TargetPort: 8080}}},
 		},

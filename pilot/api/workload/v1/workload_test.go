@@ -27,10 +27,13 @@ func TestRoundTrip(t *testing.T) {
 		Uid:      workloadv1.SplitHorizonUIDPrefix + "net2/ns/echo.ns.svc.cluster.local",
 		Network:  "net2",
 		Capacity: 3,
-		NetworkGateway: &workloadv1.GatewayAddress{
+		Identities: []string{"spiffe://cluster.local/ns/ns/sa/echo"},
+		NetworkGateways: []*workloadv1.GatewayAddress{{
 			Destination:   &workloadv1.GatewayAddress_Address{Address: gw},
 			HboneMtlsPort: 15008,
-		},
+			Identities:    []string{"spiffe://cluster.local/ns/isthmus-system/sa/eastwest"},
+			Capacity:      2,
+		}},
 		Services: map[string]*workloadv1.PortList{
 			"ns/echo.ns.svc.cluster.local": {Ports: []*workloadv1.Port{{ServicePort: 80, TargetPort: 8080}}},
 		},
@@ -42,5 +45,5 @@ func TestRoundTrip(t *testing.T) {
 	require.True(t, proto.Equal(in, out))
 	require.Empty(t, out.GetWorkload().GetAddresses())
 	require.Equal(t, uint32(3), out.GetWorkload().GetCapacity())
-	require.Equal(t, gw, out.GetWorkload().GetNetworkGateway().GetAddress())
+	require.Equal(t, gw, out.GetWorkload().GetNetworkGateways()[0].GetAddress())
 }
