@@ -72,7 +72,7 @@ func newView(cluster model.ClusterID, gen uint64, domain string, network model.N
 		podsByNS: map[string]map[string]*podInfo{},
 		services: map[model.ServiceKey]*svcInfo{}, svcsByNS: map[string]map[string]*svcInfo{},
 		nodes: map[string]model.Locality{}, slices: map[string]*sliceInfo{}, slicesBy: map[model.ServiceKey]map[string]*sliceInfo{},
-		exported:  map[model.ServiceKey]bool{}, gatewayNS: map[string]bool{}, selectedNS: map[string]bool{},
+		exported: map[model.ServiceKey]bool{}, gatewayNS: map[string]bool{}, selectedNS: map[string]bool{},
 		workloads: map[string]*model.Workload{}, shards: map[model.ServiceKey]*shard{},
 		portLists: map[string][]model.PortMapping{},
 		labelSets: map[string]map[string]string{}, serviceMaps: map[string]map[string][]model.PortMapping{},

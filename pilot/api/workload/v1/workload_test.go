@@ -24,9 +24,9 @@ func TestTypeURL(t *testing.T) {
 func TestRoundTrip(t *testing.T) {
 	gw := netip.MustParseAddr("10.0.0.1").AsSlice()
 	in := &workloadv1.Address{Type: &workloadv1.Address_Workload{Workload: &workloadv1.Workload{
-		Uid:      workloadv1.SplitHorizonUIDPrefix + "net2/ns/echo.ns.svc.cluster.local",
-		Network:  "net2",
-		Capacity: 3,
+		Uid:        workloadv1.SplitHorizonUIDPrefix + "net2/ns/echo.ns.svc.cluster.local",
+		Network:    "net2",
+		Capacity:   3,
 		Identities: []string{"spiffe://cluster.local/ns/ns/sa/echo"},
 		NetworkGateways: []*workloadv1.GatewayAddress{{
 			Destination:   &workloadv1.GatewayAddress_Address{Address: gw},
