@@ -203,6 +203,14 @@ func (d *Demo) StopPilot() {
 	}
 }
 
+// Cluster returns the demo's cluster of that name ("cluster-1",
+// "cluster-2"), for tests that change objects in it.
+func (d *Demo) Cluster(name string) *framework.Cluster { return d.clusters.Cluster(name) }
+
+// PilotURL returns the base URL of pilot's port (8080 debug, 15014
+// monitoring).
+func PilotURL(port int) string { return fmt.Sprintf("http://%s:%d", pilotIP, port) }
+
 // AddLocalEcho runs a second echo instance in cluster-1 (network-1), on
 // node-1a at 127.10.0.20, behind the same federated service.
 func (d *Demo) AddLocalEcho(ctx context.Context) error {

@@ -2,12 +2,19 @@ package demo_test
 
 import (
 	"context"
+	"io"
+	"net"
+	"net/http"
 	"os/exec"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/isthmus-mesh/isthmus/test/demo"
 )
@@ -93,6 +100,52 @@ func TestDemoTopology(t *testing.T) {
 		after, err := d.Path(ctx)
 		require.NoError(t, err)
 		require.Greater(t, after.GatewayBytes, gw.GatewayBytes, "failover traffic crossed the gateway")
+	})
+
+	t.Run("a tenant posing as network-2's gateway", func(t *testing.T) {
+		// A tenant of cluster-2 labels a Service of its own namespace as
+		// network-2's gateway and points it at an address it listens on.
+		lure, err := net.Listen("tcp", "127.20.255.66:15008")
+		require.NoError(t, err)
+		defer lure.Close()
+		var lured atomic.Int64
+		go func() {
+			for {
+				c, err := lure.Accept()
+				if err != nil {
+					return
+				}
+				lured.Add(1)
+				c.Close()
+			}
+		}()
+		c2 := d.Cluster("cluster-2")
+		require.NoError(t, c2.EnsureNamespace(ctx, "aaa-tenant", nil))
+		svc, err := c2.Client.CoreV1().Services("aaa-tenant").Create(ctx, &corev1.Service{
+			ObjectMeta: metav1.ObjectMeta{Name: "eastwest", Namespace: "aaa-tenant", Labels: map[string]string{"topology.istio.io/network": "network-2"}},
+			Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeLoadBalancer, Selector: map[string]string{"app": "eastwest-gateway"},
+				Ports: []corev1.ServicePort{{Name: "tls-hbone", Port: 15008, TargetPort: intstr.FromInt32(15008)}}},
+		}, metav1.CreateOptions{})
+		require.NoError(t, err)
+		svc.Status.LoadBalancer.Ingress = []corev1.LoadBalancerIngress{{IP: "127.20.255.66"}}
+		_, err = c2.Client.CoreV1().Services("aaa-tenant").UpdateStatus(ctx, svc, metav1.UpdateOptions{})
+		require.NoError(t, err)
+		require.Eventually(t, func() bool {
+			resp, err := http.Get(demo.PilotURL(15014) + "/metrics")
+			if err != nil {
+				return false
+			}
+			defer resp.Body.Close()
+			body, _ := io.ReadAll(resp.Body)
+			return strings.Contains(string(body), `isthmus_gateway_candidates{cluster="cluster-2",status="untrusted_namespace"} 1`)
+		}, time.Minute, 100*time.Millisecond, "pilot reports the ignored candidate")
+		require.NoError(t, d.SetLocalEchoReady(ctx, false)) // no local echo: every request crosses networks
+		for range 5 {
+			got, err := d.Request(ctx, "through the real gateway")
+			require.NoError(t, err)
+			require.True(t, strings.HasPrefix(got, "echo-0 (cluster-2"), got)
+		}
+		require.Zero(t, lured.Load(), "no ztunnel ever dialled the tenant's address")
 	})
 
 	d.Stop()
