@@ -38,11 +38,11 @@ var (
 //   - far.demo: headless, endpoints on n2 only; exported;
 //   - a client pod in namespace demo and one in namespace other.
 type mesh struct {
-	store          *state.Store
-	catalog        *dns.StoreCatalog
-	client, other  netip.Addr
-	db0, db1, db2  netip.Addr
-	attrs          map[string]dns.Attributes
+	store         *state.Store
+	catalog       *dns.StoreCatalog
+	client, other netip.Addr
+	db0, db1, db2 netip.Addr
+	attrs         map[string]dns.Attributes
 }
 
 func newMesh() *mesh {

@@ -62,7 +62,7 @@ func TestMeshNames(t *testing.T) {
 		{"db.demo.svc.cluster.local.", m.client, mdns.TypeA, []netip.Addr{m.db0, m.db1}}, // ready same-network endpoints
 		{"db.demo.svc.cluster.local.", m.client, mdns.TypeAAAA, none},                    // NODATA
 		{"db-1.db.demo.svc.cluster.local.", m.client, mdns.TypeA, []netip.Addr{m.db1}},
-		{"db-2.db.demo.svc.cluster.local.", m.client, mdns.TypeA, []netip.Addr{m.db2}},  // a pod name exists while not ready
+		{"db-2.db.demo.svc.cluster.local.", m.client, mdns.TypeA, []netip.Addr{m.db2}},       // a pod name exists while not ready
 		{"db-7.db.demo.svc.cluster.local.", m.client, mdns.TypeA, []netip.Addr{headlessVIP}}, // a pod on n2: gateway path
 		{"far.demo.svc.cluster.local.", m.client, mdns.TypeA, []netip.Addr{headlessVIP}},     // headless, endpoints on n2 only
 		{"far.demo.svc.clusterset.local.", m.client, mdns.TypeA, []netip.Addr{headlessVIP}},
@@ -109,9 +109,9 @@ func TestNXDomainAtOnce(t *testing.T) {
 	ready.Store(true)
 	for _, name := range []string{
 		"nope.demo.svc.cluster.local.",
-		"a.b.c.d.svc.cluster.local.",           // too deep
-		"echo.demo.demo.svc.cluster.local.",    // search path applied to a qualified name: pod "echo" of service demo
-		"remote.demo.svc.clusterset.local.",    // not exported
+		"a.b.c.d.svc.cluster.local.",            // too deep
+		"echo.demo.demo.svc.cluster.local.",     // search path applied to a qualified name: pod "echo" of service demo
+		"remote.demo.svc.clusterset.local.",     // not exported
 		"db-0.c1.db.demo.svc.clusterset.local.", // not exported
 		"echo.demo.svc.cluster.local.demo.svc.cluster.local.",
 	} {
