@@ -13,6 +13,12 @@ import (
 // forwarder sends queries to the upstream resolvers.
 type forwarder struct {
 	upstreams []string
+	// idle holds open UDP sockets per upstream for reuse, as CoreDNS'
+	// forward plugin does: a fresh socket per query costs a socket, a bind
+	// and a connect, more than the exchange itself on loopback. A socket
+	// whose exchange failed is closed, never reused; replies are matched by
+	// a random ID per query.
+	idle      map[string]chan *mdns.Conn
 	udp, tcp  *mdns.Client
 	timeout   time.Duration
 	metrics   *Metrics
@@ -20,8 +26,13 @@ type forwarder struct {
 }
 
 func newForwarder(cfg Config, m *Metrics, log *slog.Logger) *forwarder {
+	idle := make(map[string]chan *mdns.Conn, len(cfg.Upstreams))
+	for _, u := range cfg.Upstreams {
+		idle[u] = make(chan *mdns.Conn, maxIdlePerUpstream)
+	}
 	return &forwarder{
 		upstreams: cfg.Upstreams,
+		idle:      idle,
 		// UDPSize lets a reply as large as the upstream sends be read; the
 		// answer is truncated to the client's size afterwards.
 		udp:     &mdns.Client{Net: "udp", UDPSize: mdns.MaxMsgSize, Timeout: cfg.UpstreamTimeout},
@@ -65,24 +76,62 @@ func (f *forwarder) exchange(ctx context.Context, m *mdns.Msg, up string, tcp bo
 	if tcp {
 		c = f.tcp
 	}
-	resp, err := exchangeOn(ctx, c, m, up)
+	var resp *mdns.Msg
+	var err error
+	if tcp {
+		resp, err = exchangeOn(ctx, c, m, up, nil)
+	} else {
+		resp, err = exchangeOn(ctx, c, m, up, f.idle[up])
+	}
 	if err == nil && resp.Truncated && !tcp {
-		resp, err = exchangeOn(ctx, f.tcp, m, up)
+		resp, err = exchangeOn(ctx, f.tcp, m, up, nil)
 	}
 	return resp, err
 }
 
-// exchangeOn is one exchange on a new connection, closed when ctx ends so
-// that a closing server does not wait for the read deadline.
-func exchangeOn(ctx context.Context, c *mdns.Client, m *mdns.Msg, up string) (*mdns.Msg, error) {
-	co, err := c.DialContext(ctx, up)
-	if err != nil {
-		return nil, err
+// maxIdlePerUpstream bounds the idle UDP sockets kept per upstream.
+const maxIdlePerUpstream = 32
+
+// close closes the idle sockets.
+func (f *forwarder) close() {
+	for _, ch := range f.idle {
+		for {
+			select {
+			case co := <-ch:
+				_ = co.Close()
+				continue
+			default:
+			}
+			break
+		}
 	}
-	defer co.Close()
+}
+
+// exchangeOn is one exchange on an idle connection from idle (nil: none
+// kept) or a new one. The connection is closed when ctx ends, so that a
+// closing server does not wait for the read deadline, and after a failure;
+// otherwise it goes back to idle.
+func exchangeOn(ctx context.Context, c *mdns.Client, m *mdns.Msg, up string, idle chan *mdns.Conn) (*mdns.Msg, error) {
+	var co *mdns.Conn
+	select {
+	case co = <-idle:
+	default:
+		var err error
+		if co, err = c.DialContext(ctx, up); err != nil {
+			return nil, err
+		}
+	}
 	stop := context.AfterFunc(ctx, func() { _ = co.Close() })
-	defer stop()
 	resp, _, err := c.ExchangeWithConnContext(ctx, m, co)
+	if !stop() || err != nil || idle == nil {
+		_ = co.Close()
+	} else {
+		select {
+		case idle <- co:
+		default:
+			_ = co.Close()
+		}
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -121,6 +121,7 @@ func (s *Server) Run(ctx context.Context) error {
 		}
 	}
 	wg.Wait()
+	s.h.fwd.close()
 	for _, c := range s.conns { // those whose serve loop failed early
 		_ = c.Close()
 	}
