@@ -105,21 +105,23 @@ func TestAllocationAndRestart(t *testing.T) {
 
 type assertT = assert.CollectT
 
-// TestReplicasAgree proves two allocators syncing overlapping sets at the
-// same time on the same cluster end with one table, which both serve.
+// TestReplicasAgree proves two allocators writing at the same time to the
+// same cluster lose nothing: each syncs the common hostnames plus its own
+// (growing each round, as replicas whose registries lag each other would),
+// and in the end the table holds every hostname either asked for, with
+// distinct addresses, which both serve. Without the resourceVersion check
+// one replica's write would overwrite the other's allocations.
 func TestReplicasAgree(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	a, b := e.start(t, vip.Config{}), e.start(t, vip.Config{})
-	common := hosts(50, "common")
+	common := hosts(20, "common")
 	var wg sync.WaitGroup
 	errs := make([]error, 2)
 	for i, al := range []*vip.Allocator{a, b} {
 		wg.Go(func() {
-			for r := range 5 {
-				// Both ask for the same set each round, as replicas reading
-				// the same registry do.
-				if err := al.Sync(ctx, append(common, hosts(r+1, "round")...)); err != nil {
+			for r := range 8 {
+				if err := al.Sync(ctx, append(common, hosts(r+1, fmt.Sprint("replica", i))...)); err != nil {
 					errs[i] = err
 				}
 			}
@@ -128,13 +130,20 @@ func TestReplicasAgree(t *testing.T) {
 	wg.Wait()
 	require.NoError(t, errs[0])
 	require.NoError(t, errs[1])
-	all := append(common, hosts(5, "round")...)
-	require.EventuallyWithT(t, func(c *assertT) {
-		require.Equal(c, snapshot(a, all), snapshot(b, all))
-	}, 30*time.Second, 10*time.Millisecond)
-	for h, p := range snapshot(a, all) {
-		require.True(t, p.v4.IsValid() && p.v6.IsValid(), h)
+	all := append(append(common, hosts(8, "replica0")...), hosts(8, "replica1")...)
+	fresh := snapshot(e.start(t, vip.Config{}), all)
+	seen := map[netip.Addr]string{}
+	for h, p := range fresh {
+		require.True(t, p.v4.IsValid() && p.v6.IsValid(), "%s lost", h)
+		for _, ad := range []netip.Addr{p.v4, p.v6} {
+			require.NotContains(t, seen, ad, "%s and %s share %s", h, seen[ad], ad)
+			seen[ad] = h
+		}
 	}
+	require.EventuallyWithT(t, func(c *assertT) {
+		require.Equal(c, fresh, snapshot(a, all))
+		require.Equal(c, fresh, snapshot(b, all))
+	}, 30*time.Second, 10*time.Millisecond)
 }
 
 // TestExhaustionAndGrace proves a tiny range gives a clear error naming the
