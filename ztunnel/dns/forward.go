@@ -18,11 +18,11 @@ type forwarder struct {
 	// and a connect, more than the exchange itself on loopback. A socket
 	// whose exchange failed is closed, never reused; replies are matched by
 	// a random ID per query.
-	idle      map[string]chan *mdns.Conn
-	udp, tcp  *mdns.Client
-	timeout   time.Duration
-	metrics   *Metrics
-	log       *slog.Logger
+	idle     map[string]chan *mdns.Conn
+	udp, tcp *mdns.Client
+	timeout  time.Duration
+	metrics  *Metrics
+	log      *slog.Logger
 }
 
 func newForwarder(cfg Config, m *Metrics, log *slog.Logger) *forwarder {
