@@ -89,8 +89,9 @@ func (f *forwarder) exchange(ctx context.Context, m *mdns.Msg, up string, tcp bo
 	return resp, err
 }
 
-// maxIdlePerUpstream bounds the idle UDP sockets kept per upstream.
-const maxIdlePerUpstream = 32
+// maxIdlePerUpstream bounds the idle UDP sockets kept per upstream and
+// Server (one Server per pod keeps at most this many per pod).
+const maxIdlePerUpstream = 8
 
 // close closes the idle sockets.
 func (f *forwarder) close() {
