@@ -54,10 +54,14 @@ type Config struct {
 	Resync time.Duration
 	// RetryMax caps the backoff after a failed reconcile.
 	RetryMax time.Duration
+	// ClusterTimeout bounds the pass over one cluster, so that an
+	// unreachable cluster does not hold up the others.
+	ClusterTimeout time.Duration
 }
 
 // DefaultConfig holds the defaults.
-var DefaultConfig = Config{Debounce: 100 * time.Millisecond, Resync: 5 * time.Minute, RetryMax: 30 * time.Second}
+var DefaultConfig = Config{Debounce: 100 * time.Millisecond, Resync: 5 * time.Minute, RetryMax: 30 * time.Second,
+	ClusterTimeout: 30 * time.Second}
 
 // Deps are the Writer's collaborators.
 type Deps struct {
@@ -79,6 +83,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.RetryMax <= 0 {
 		c.RetryMax = d.RetryMax
+	}
+	if c.ClusterTimeout <= 0 {
+		c.ClusterTimeout = d.ClusterTimeout
 	}
 	return c
 }
@@ -140,9 +147,8 @@ func (w *Writer) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			return nil
 		case <-w.notify:
-			if backoff > 0 {
-				continue // the scheduled retry reads the change
-			}
+			// Also while a retry is pending: a cluster that keeps failing
+			// must not delay the others' changes.
 			if wait := w.cfg.Debounce - time.Since(last); wait > 0 {
 				timer.Reset(wait) // inside the quiet period: merge with what follows
 				continue
@@ -180,7 +186,10 @@ func (w *Writer) Reconcile(ctx context.Context) error {
 	w.mu.Unlock()
 	var errs []error
 	for _, c := range w.deps.Clusters() {
-		if err := w.reconcileCluster(ctx, c, desired); err != nil {
+		cctx, cancel := context.WithTimeout(ctx, w.cfg.ClusterTimeout)
+		err := w.reconcileCluster(cctx, c, desired)
+		cancel()
+		if err != nil {
 			errs = append(errs, fmt.Errorf("cluster %s: %w", c.Name, err))
 		}
 	}

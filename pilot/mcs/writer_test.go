@@ -16,6 +16,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/rest"
 	mcsv1beta1 "sigs.k8s.io/mcs-api/pkg/apis/v1beta1"
 
 	"github.com/isthmus-mesh/isthmus/pilot/mcs"
@@ -223,4 +224,26 @@ func TestRunFollowsChanges(t *testing.T) {
 			require.False(c, ok, cl)
 		}
 	}, 30*time.Second, 10*time.Millisecond)
+}
+
+// TestUnreachableCluster proves a cluster that cannot be written does not
+// stop the others, and its error names it.
+func TestUnreachableCluster(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	require.NoError(t, clusters.Cluster("cluster-1").EnsureNamespace(ctx, e.ns, nil))
+	dead, err := dynamic.NewForConfig(&rest.Config{Host: "https://127.0.0.1:1"})
+	require.NoError(t, err)
+	deps := e.deps()
+	live := deps.Clusters
+	deps.Clusters = func() []mcs.Cluster { return append([]mcs.Cluster{{Name: "gone", Client: dead}}, live()...) }
+	w, err := mcs.New(mcs.Config{ClusterTimeout: 5 * time.Second}, deps)
+	require.NoError(t, err)
+	e.set(mcs.Service{Namespace: e.ns, Name: "echo", IPs: []netip.Addr{vip4}, Exports: []mcs.ClusterExport{
+		{Cluster: "cluster-1", Created: created, Ports: []mcs.Port{{Name: "http", Port: 80}}},
+	}})
+	err = w.Reconcile(ctx)
+	require.ErrorContains(t, err, "cluster gone")
+	_, ok := e.get(t, "cluster-1", e.ns, "echo")
+	require.True(t, ok, "the reachable cluster got its import")
 }
