@@ -15,10 +15,13 @@
 // The zones svc.<domain> and svc.clusterset.local are the mesh's: a name in
 // them that the Catalog does not know is answered NXDOMAIN at once, with the
 // zone's SOA in the authority section (negative TTL Config.NegativeTTL).
-// Two exceptions keep kube-dns' other records working: names with a label
-// starting with "_" (SRV-style service records) are forwarded, and until
-// Deps.Ready reports true (the first state snapshot has arrived) unknown
-// names are forwarded instead of denied. Mesh answers carry Config.TTL;
+// Three exceptions keep kube-dns' other records working: names with a label
+// starting with "_" (SRV-style service records) are forwarded; a service the
+// catalog knows but has no address for (an ExternalName service, a headless
+// service whose endpoints the mesh does not see) is forwarded under
+// svc.<domain> (under clusterset.local it is NODATA); and until Deps.Ready
+// reports true (the first state snapshot has arrived) unknown names are
+// forwarded instead of denied. Mesh answers carry Config.TTL;
 // forwarded answers keep the upstream's TTLs.
 //
 // Forwarding goes to Config.Upstreams in order over the client's transport;

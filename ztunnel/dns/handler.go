@@ -139,6 +139,11 @@ func (h *handler) mesh(req *mdns.Msg, q mdns.Question, client Client, known bool
 		if !found || (z.clusterSet && !exported) {
 			return h.nxdomain(req, z)
 		}
+		if len(addrs) == 0 && !z.clusterSet {
+			// Known but without any address (an ExternalName service, or
+			// endpoints the mesh does not see): the cluster's DNS may know.
+			return nil, "", false
+		}
 		return h.reply(req, q, addrs, z), KindMesh, true
 	}
 	name, ok := shortName(mdns.SplitDomainName(fqdn), client, known)
@@ -146,7 +151,7 @@ func (h *handler) mesh(req *mdns.Msg, q mdns.Question, client Client, known bool
 		return nil, "", false
 	}
 	addrs, _, found := h.catalog.Lookup(name, client)
-	if !found {
+	if !found || len(addrs) == 0 {
 		return nil, "", false
 	}
 	return h.reply(req, q, addrs, &h.zones[0]), KindMesh, true

@@ -56,6 +56,7 @@ func newMesh() *mesh {
 		host("remote"): {Allocated: []netip.Addr{remoteVIP, remoteVIP6}},
 		host("db"):     {Headless: true, Allocated: []netip.Addr{headlessVIP}},
 		host("far"):    {Headless: true, Exported: true, Allocated: []netip.Addr{headlessVIP}},
+		host("ext"):    {Exported: true}, // added by TestNXDomainAtOnce
 	}
 	gw := &state.NetworkGateway{Network: "n2", Address: testnet.NextAddr(), HBONEPort: 15008}
 	pod := func(name, ns string, a netip.Addr, st state.Status, svcs ...string) *state.Workload {

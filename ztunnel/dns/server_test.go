@@ -128,6 +128,22 @@ func TestNXDomainAtOnce(t *testing.T) {
 	r = exchange(t, "udp", p.addr, m.client, "_http._tcp.echo.demo.svc.cluster.local.", mdns.TypeSRV, 0)
 	require.False(t, r.Authoritative)
 	require.Equal(t, int64(2), up.udp.Load())
+
+	// A service without any address (an ExternalName service: kube-dns
+	// answers its CNAME) is forwarded, by its full and its short name.
+	m.store.Update(func(tx *state.Tx) {
+		tx.UpsertService(&state.Service{Name: "ext", Namespace: "demo", Ports: []uint16{443}})
+	})
+	r = exchange(t, "udp", p.addr, m.client, "ext.demo.svc.cluster.local.", mdns.TypeA, 0)
+	require.False(t, r.Authoritative)
+	r = exchange(t, "udp", p.addr, m.client, "ext.", mdns.TypeA, 0)
+	require.False(t, r.Authoritative)
+	require.Equal(t, int64(4), up.udp.Load())
+	r = exchange(t, "udp", p.addr, m.client, "ext.demo.svc.clusterset.local.", mdns.TypeA, 0)
+	require.True(t, r.Authoritative, "clusterset.local is the mesh's alone: NODATA")
+	require.Equal(t, mdns.RcodeSuccess, r.Rcode)
+	require.Empty(t, r.Answer)
+	require.Equal(t, int64(4), up.udp.Load())
 }
 
 // TestForwarding proves other names are forwarded with the upstream's
