@@ -33,6 +33,7 @@ import (
 	"github.com/isthmus-mesh/isthmus/pilot/ca"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 	"github.com/isthmus-mesh/isthmus/pilot/registry"
+	"github.com/isthmus-mesh/isthmus/pilot/vip"
 	"github.com/isthmus-mesh/isthmus/pilot/xds"
 )
 
@@ -73,6 +74,10 @@ type Config struct {
 	Identity string
 	// GRPCLimits bound what a client of the TLS gRPC port may cost.
 	GRPCLimits GRPCLimits
+	// VIP configures the allocation of virtual addresses to services with
+	// none on a client's network (its table lives in a ConfigMap of
+	// Namespace, which is copied in).
+	VIP vip.Config
 	// ShutdownTimeout bounds the graceful shutdown of HTTP servers (default 5 s).
 	ShutdownTimeout time.Duration
 	// Logger (default slog.Default()).
@@ -116,6 +121,7 @@ func (c *Config) defaults() {
 		c.Registry.Logger = c.Logger
 	}
 	c.CA.ClusterID, c.CA.Namespace = string(c.ClusterID), c.Namespace
+	c.VIP.Namespace = c.Namespace
 	c.XDS.TrustDomain, c.XDS.DefaultNetwork = c.CA.TrustDomain, c.Network
 	c.XDS.AllowPlaintext = c.XDSPlaintextAddr != "-"
 	if len(c.XDS.NodeAccounts) == 0 {
@@ -138,6 +144,7 @@ type Server struct {
 	Registry     *registry.Registry
 	CA           *ca.CA
 	XDS          *xds.Server
+	VIP          *vip.Allocator
 	local        *multicluster.Client
 
 	mu        sync.Mutex
@@ -183,14 +190,21 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 		return nil, fmt.Errorf("ca: %w", err)
 	}
 	cfg.XDS.Metrics = reg
-	xs, err := xds.New(cfg.XDS, r, cfg.Logger.With("component", "xds"))
+	var xs *xds.Server
+	alloc, err := vip.New(cfg.VIP, vip.Deps{Client: local.Kube, Log: cfg.Logger.With("component", "vip"),
+		OnChange: func(hosts []string) { xs.Refresh(hosts...) }})
+	if err != nil {
+		return nil, err
+	}
+	cfg.XDS.Allocations = alloc
+	xs, err = xds.New(cfg.XDS, r, cfg.Logger.With("component", "xds"))
 	if err != nil {
 		return nil, fmt.Errorf("xds: %w", err)
 	}
 	mc.AddComponent("ca-root-publisher", func(ctx context.Context, c *multicluster.Cluster) (multicluster.Component, error) {
 		return authority.PublishRoots(ctx, string(c.ID), c.Client.Kube)
 	})
-	return &Server{cfg: cfg, log: cfg.Logger, Metrics: reg, Multicluster: mc, Registry: r, CA: authority, XDS: xs, local: local,
+	return &Server{cfg: cfg, log: cfg.Logger, Metrics: reg, Multicluster: mc, Registry: r, CA: authority, XDS: xs, VIP: alloc, local: local,
 		ready: make(chan struct{}), handshakeFailures: newHandshakeFailures(reg)}, nil
 }
 
@@ -332,6 +346,8 @@ func (s *Server) Run(ctx context.Context) error {
 	s.XDS.Register(plainSrv)
 	serve("xds-plaintext", s.plainLn, grpcServe(plainSrv))
 	run("ca", s.CA.Run)
+	run("vip", s.VIP.Run)
+	run("vip-sync", (&vipSync{alloc: s.VIP, reg: s.Registry, log: s.log.With("component", "vip"), retry: 10 * time.Second}).Run)
 	run("xds", s.XDS.Run)
 	run("registry", s.Registry.Run)
 	run("multicluster", s.Multicluster.Run)

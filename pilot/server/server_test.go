@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"os"
+	"sync"
 	"testing"
 	"time"
 
@@ -53,22 +54,34 @@ func get(t *testing.T, url string, into any) int {
 // to stderr) and runs it until the test ends.
 func runPilot(t *testing.T, cfg server.Config) *server.Server {
 	t.Helper()
+	p, _ := runPilotCancel(t, cfg)
+	return p
+}
+
+// runPilotCancel is runPilot that also returns a function stopping the
+// pilot (and waiting for it) before the test ends.
+func runPilotCancel(t *testing.T, cfg server.Config) (*server.Server, func()) {
+	t.Helper()
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	p, err := server.New(cfg, clusters.Cluster("primary").Config, nil)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- p.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case err := <-done:
-			require.NoError(t, err)
-		case <-time.After(30 * time.Second):
-			t.Error("pilot did not stop")
-		}
-	})
-	return p
+	var once sync.Once
+	stop := func() {
+		once.Do(func() {
+			cancel()
+			select {
+			case err := <-done:
+				require.NoError(t, err)
+			case <-time.After(30 * time.Second):
+				t.Error("pilot did not stop")
+			}
+		})
+	}
+	t.Cleanup(stop)
+	return p, stop
 }
 
 // registerRemote creates in the primary cluster the remote secret of the

@@ -44,6 +44,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -94,6 +95,10 @@ type Deps struct {
 	Log *slog.Logger
 	// Now is the clock; nil is time.Now.
 	Now func() time.Time
+	// OnChange, if set, is called with the hostnames whose addresses
+	// changed each time a new table is read or written (from Run's or
+	// Sync's goroutine, never concurrently with itself). It must not block.
+	OnChange func(hostnames []string)
 }
 
 func (c Config) withDefaults() Config {
@@ -135,6 +140,7 @@ type Allocator struct {
 	log    *slog.Logger
 	now    func() time.Time
 	v4, v6 pool
+	onChange func([]string)
 
 	cur    atomic.Pointer[loaded] // nil until the table was read
 	pubMu  sync.Mutex             // serializes publish
@@ -159,7 +165,7 @@ func New(cfg Config, deps Deps) (*Allocator, error) {
 	if err != nil {
 		return nil, fmt.Errorf("vip: %w", err)
 	}
-	a := &Allocator{cfg: cfg, client: deps.Client, log: deps.Log, now: deps.Now,
+	a := &Allocator{cfg: cfg, client: deps.Client, log: deps.Log, now: deps.Now, onChange: deps.OnChange,
 		v4: newPool(cfg.IPv4Range), v6: newPool(cfg.IPv6Range), synced: make(chan struct{})}
 	if a.log == nil {
 		a.log = slog.New(slog.DiscardHandler)
@@ -189,11 +195,38 @@ func (a *Allocator) Synced() <-chan struct{} { return a.synced }
 func (a *Allocator) publish(t table, rv string) {
 	a.pubMu.Lock()
 	defer a.pubMu.Unlock()
-	if old := a.cur.Load(); old != nil && olderRV(rv, old.rv) {
+	old := a.cur.Load()
+	if old != nil && olderRV(rv, old.rv) {
 		return // a watch event older than what Sync wrote
 	}
 	a.cur.Store(&loaded{t: t, rv: rv})
 	a.once.Do(func() { close(a.synced) })
+	if a.onChange != nil {
+		var prev table
+		if old != nil {
+			prev = old.t
+		}
+		if changed := changedHosts(prev, t); len(changed) > 0 {
+			a.onChange(changed)
+		}
+	}
+}
+
+// changedHosts lists the hostnames whose addresses differ between a and b.
+func changedHosts(a, b table) []string {
+	var out []string
+	for h, e := range b {
+		if o, ok := a[h]; !ok || o.V4 != e.V4 || o.V6 != e.V6 {
+			out = append(out, h)
+		}
+	}
+	for h := range a {
+		if _, ok := b[h]; !ok {
+			out = append(out, h)
+		}
+	}
+	slices.Sort(out)
+	return out
 }
 
 // olderRV reports whether resourceVersion a is older than b. Kubernetes

@@ -1,6 +1,7 @@
 package xds
 
 import (
+	"net/netip"
 	"strconv"
 	"time"
 
@@ -36,6 +37,16 @@ type Config struct {
 	// Metrics registers the server's Prometheus metrics; nil keeps them in a
 	// private registry.
 	Metrics prometheus.Registerer
+	// Allocations gives the virtual addresses allocated to services for
+	// clients on networks where they have none (nil: none). Call
+	// Server.Refresh with the hostnames whose allocation changed.
+	Allocations Allocations
+}
+
+// Allocations gives a service's allocated virtual addresses (zero values
+// for none). It must be safe for concurrent use and must not block.
+type Allocations interface {
+	Addresses(hostname string) (v4, v6 netip.Addr)
 }
 
 // withDefaults returns cfg with every unset field set to its default. It is

@@ -164,16 +164,31 @@ func (s *Server) enqueue(cs model.ChangeSet) {
 	}
 }
 
+// Refresh rebuilds the resources of the services with these hostnames, as
+// if the registry had changed them (for inputs other than the registry:
+// allocated addresses). It never waits for the build.
+func (s *Server) Refresh(hostnames ...string) {
+	if len(hostnames) == 0 {
+		return
+	}
+	cs := model.ChangeSet{Changes: make([]model.Change, 0, len(hostnames))}
+	for _, h := range hostnames {
+		cs.Changes = append(cs.Changes, model.Change{Kind: model.ServiceChange, Op: model.Updated, Key: h})
+	}
+	s.enqueue(cs)
+}
+
 // builder is what building needs for one batch.
 type builder struct {
 	reg         Registry
 	gws         gatewayIndex
 	envoy       *envoyBuilder
 	trustDomain string
+	alloc       Allocations
 }
 
 func (s *Server) newBuilder() *builder {
-	return &builder{reg: s.reg, gws: newGatewayIndex(s.reg.Gateways()), envoy: s.envoy, trustDomain: s.cfg.TrustDomain}
+	return &builder{reg: s.reg, gws: newGatewayIndex(s.reg.Gateways()), envoy: s.envoy, trustDomain: s.cfg.TrustDomain, alloc: s.cfg.Allocations}
 }
 
 func (s *Server) snapshotViews() []*view {

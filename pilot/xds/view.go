@@ -249,7 +249,7 @@ func (b *batch) service(bd *builder, hostname string) error {
 	}
 	s := bd.reg.Service(hostname)
 	if b.v.serves(WorkloadType) {
-		buildServiceAddresses(b.v.class, s, bd.gws, bd.trustDomain, fresh[WorkloadType])
+		buildServiceAddresses(b.v.class, s, bd.gws, bd.trustDomain, bd.alloc, fresh[WorkloadType])
 		// Which clusters' endpoints are visible changed (an export, a
 		// cluster-local setting): the service bindings of its workloads
 		// change with it, though the workloads themselves did not.

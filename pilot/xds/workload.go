@@ -171,8 +171,10 @@ func clusterNetwork(s *model.Service, cluster model.ClusterID, fallback model.Ne
 
 // buildServiceAddresses adds to out the Address resources service s owns for
 // clients of c: the Service itself and one split-horizon workload per other
-// network that has ready endpoints of s and a gateway.
-func buildServiceAddresses(c class, s *model.Service, gws gatewayIndex, trustDomain string, out map[string]types.Resource) {
+// network that has ready endpoints of s and a gateway. A service with no
+// address on c's network is given its allocated addresses there (alloc may
+// be nil).
+func buildServiceAddresses(c class, s *model.Service, gws gatewayIndex, trustDomain string, alloc Allocations, out map[string]types.Resource) {
 	if s == nil || !c.sees(s) {
 		return
 	}
@@ -181,6 +183,8 @@ func buildServiceAddresses(c class, s *model.Service, gws gatewayIndex, trustDom
 		Namespace: s.Namespace,
 		Hostname:  s.Hostname,
 		Scope:     workloadv1.ServiceScope_GLOBAL,
+		Headless:  s.Headless,
+		Exported:  exported(s),
 	}
 	if s.Scope == model.ScopeClusterLocal {
 		svc.Scope = workloadv1.ServiceScope_CLUSTER_LOCAL
@@ -197,10 +201,21 @@ func buildServiceAddresses(c class, s *model.Service, gws gatewayIndex, trustDom
 		}
 	}
 	slices.Sort(clusters)
+	local := false
 	for _, cl := range clusters {
 		nw := clusterNetwork(s, cl, c.Network)
 		for _, vip := range s.VIPs[cl] {
 			svc.Addresses = append(svc.Addresses, &workloadv1.NetworkAddress{Network: string(nw), Address: addrBytes(vip)})
+			local = local || nw == c.Network
+		}
+	}
+	if !local && alloc != nil && s.Scope != model.ScopeClusterLocal {
+		v4, v6 := alloc.Addresses(s.Hostname)
+		for _, a := range []netip.Addr{v4, v6} {
+			if a.IsValid() {
+				svc.Addresses = append(svc.Addresses, &workloadv1.NetworkAddress{Network: string(c.Network), Address: addrBytes(a)})
+				svc.AllocatedAddresses = append(svc.AllocatedAddresses, addrBytes(a))
+			}
 		}
 	}
 	for _, p := range s.Ports {
@@ -217,6 +232,16 @@ func buildServiceAddresses(c class, s *model.Service, gws gatewayIndex, trustDom
 		}
 		out[SplitHorizonUID(nw, s.Namespace, s.Hostname)] = splitWorkload(s, nw, gws, r, trustDomain)
 	}
+}
+
+// exported reports whether s answers under clusterset.local: a global
+// service some cluster exports (outside MCS export mode, every cluster's
+// definition counts as exported).
+func exported(s *model.Service) bool {
+	if s.Scope == model.ScopeClusterLocal {
+		return false
+	}
+	return slices.ContainsFunc(s.Clusters, func(cl model.ClusterID) bool { return !s.LocalClusters[cl] })
 }
 
 // remoteEndpoints summarises the ready endpoints of a service on one remote

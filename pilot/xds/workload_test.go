@@ -3,6 +3,7 @@ package xds_test
 import (
 	"net/netip"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -329,4 +330,61 @@ func TestSotwWorkloads(t *testing.T) {
 	require.NoError(t, r.GetResources()[0].UnmarshalTo(addr))
 	require.Equal(t, "c1/default/b", addr.GetWorkload().GetUid())
 	require.Equal(t, workloadv1.WorkloadStatus_UNHEALTHY, addr.GetWorkload().GetStatus())
+}
+
+// fakeAlloc allocates addresses from a map, under a lock.
+type fakeAlloc struct {
+	mu sync.Mutex
+	m  map[string][2]netip.Addr
+}
+
+func (f *fakeAlloc) Addresses(host string) (v4, v6 netip.Addr) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	a := f.m[host]
+	return a[0], a[1]
+}
+
+// TestAllocatedAddresses: a service that has no address on a client's
+// network (it runs only on network 2) is sent there with its allocated
+// addresses, marked as such and for the client's network; a client on
+// network 2, where it has a VIP, never gets them; a change of allocation
+// reaches clients through Refresh; and headless and exported are carried.
+func TestAllocatedAddresses(t *testing.T) {
+	reg := xdstest.New()
+	gw2 := model.NetworkGateway{Network: "net2", Cluster: "c2", Address: ip("10.2.255.1"), HBONEPort: 15008, Source: "istio-system/eastwest", ServiceAccounts: []string{"eastwest"}}
+	reg.SetGateway(gw2)
+	only, ows := xdstest.Backing("remote-only", ns, tcp80, map[model.ClusterID][]netip.Addr{"c2": {ip("10.96.2.9")}}, xdstest.Pod("c2", "net2", ns, "ro", ip("10.2.0.9")))
+	only.VIPNetworks = map[model.ClusterID]model.Network{"c2": "net2"}
+	publish(reg, only, ows)
+	host := model.Hostname("remote-only", ns, "")
+	alloc := &fakeAlloc{m: map[string][2]netip.Addr{host: {ip("240.240.0.7"), ip("2001:2::7")}}}
+	e := startWith(t, reg, xds.Config{AllowPlaintext: true, Allocations: alloc})
+
+	c := openDelta(t, dial(t, e.addr), wildcard(node("zt-1", "net1", "c1")))
+	c.apply(c.next())
+	svc := c.resources[xds.ServiceResourceName(ns, host)].GetService()
+	require.ElementsMatch(t, [][]byte{ip("240.240.0.7").AsSlice(), ip("2001:2::7").AsSlice()}, svc.GetAllocatedAddresses())
+	var onNet1 [][]byte
+	for _, a := range svc.GetAddresses() {
+		if a.GetNetwork() == "net1" {
+			onNet1 = append(onNet1, a.GetAddress())
+		}
+	}
+	require.ElementsMatch(t, svc.GetAllocatedAddresses(), onNet1, "the allocated addresses are valid on the client's network")
+	require.True(t, svc.GetExported())
+	require.False(t, svc.GetHeadless())
+
+	c2 := openDelta(t, dial(t, e.addr), wildcard(node("zt-2", "net2", "c2")))
+	c2.apply(c2.next())
+	require.Empty(t, c2.resources[xds.ServiceResourceName(ns, host)].GetService().GetAllocatedAddresses(), "it has a VIP on network 2")
+
+	alloc.mu.Lock()
+	alloc.m[host] = [2]netip.Addr{ip("240.240.0.8")}
+	alloc.mu.Unlock()
+	e.srv.Refresh(host)
+	r := c.next()
+	require.Equal(t, []string{xds.ServiceResourceName(ns, host)}, names(r))
+	c.apply(r)
+	require.Equal(t, [][]byte{ip("240.240.0.8").AsSlice()}, c.resources[xds.ServiceResourceName(ns, host)].GetService().GetAllocatedAddresses())
 }

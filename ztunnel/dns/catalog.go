@@ -75,10 +75,8 @@ type StoreCatalog struct {
 	// Network is the node's network, the default for clients of unknown
 	// network.
 	Network string
-	// Attributes gives a service's attributes. Nil derives them from
-	// state.Service as it is today: headless when it has no VIP, not
-	// exported, nothing allocated. The store will carry these; until then
-	// a caller may supply them here.
+	// Attributes gives a service's attributes; nil takes them from the
+	// service as xDS describes it (tests may override them).
 	Attributes func(*state.Service) Attributes
 }
 
@@ -93,7 +91,7 @@ func (c *StoreCatalog) Lookup(name Name, client Client) ([]netip.Addr, bool, boo
 	if !ok {
 		return nil, false, false
 	}
-	attr := Attributes{Headless: len(svc.VIPs) == 0}
+	attr := Attributes{Headless: svc.Headless, Exported: svc.Exported, Allocated: svc.Allocated}
 	if c.Attributes != nil {
 		attr = c.Attributes(svc)
 	}
@@ -106,7 +104,7 @@ func (c *StoreCatalog) Lookup(name Name, client Client) ([]netip.Addr, bool, boo
 		return addrs, attr.Exported, found && attr.Headless
 	}
 	if !attr.Headless && len(svc.VIPs) > 0 {
-		return svc.VIPs, attr.Exported, true
+		return svc.VIPs, attr.Exported, true // allocated ones among them when it has none here
 	}
 	if attr.Headless {
 		var addrs []netip.Addr

@@ -264,6 +264,14 @@ type Service struct {
 	// LocalClusters are clusters whose endpoints of the service are
 	// reachable only from inside that cluster (MCS export mode).
 	LocalClusters []string `json:"localClusters,omitempty"`
+	// Headless services have no virtual IP of their own.
+	Headless bool `json:"headless,omitempty"`
+	// Exported services also answer under clusterset.local (MCS).
+	Exported bool `json:"exported,omitempty"`
+	// Allocated are the virtual addresses pilot allocated for the service
+	// on this node's network (it has none of its own here); they are in
+	// VIPs too.
+	Allocated []netip.Addr `json:"allocated,omitempty"`
 }
 
 // ReachableFromOtherClusters reports whether an endpoint of the service in
@@ -291,6 +299,7 @@ func (s *Service) clone() *Service {
 	c.VIPs = slices.Clone(s.VIPs)
 	c.Ports = slices.Clone(s.Ports)
 	c.LocalClusters = slices.Clone(s.LocalClusters)
+	c.Allocated = slices.Clone(s.Allocated)
 	if c.Hostname == "" {
 		c.Hostname = Hostname(c.Name, c.Namespace)
 	}

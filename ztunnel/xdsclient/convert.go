@@ -256,7 +256,15 @@ func (cv converter) service(p *workloadv1.Service) (*state.Service, error) {
 		return nil, errors.New("name and namespace are required")
 	}
 	svc := &state.Service{Name: p.GetName(), Namespace: p.GetNamespace(), Hostname: p.GetHostname(),
-		ClusterLocal: p.GetScope() == workloadv1.ServiceScope_CLUSTER_LOCAL, LocalClusters: p.GetLocalClusters()}
+		ClusterLocal: p.GetScope() == workloadv1.ServiceScope_CLUSTER_LOCAL, LocalClusters: p.GetLocalClusters(),
+		Headless: p.GetHeadless(), Exported: p.GetExported()}
+	for i, b := range p.GetAllocatedAddresses() {
+		a, err := addrOf(b)
+		if err != nil {
+			return nil, fmt.Errorf("allocated address %d: %w", i, err)
+		}
+		svc.Allocated = append(svc.Allocated, a)
+	}
 	if svc.Hostname == "" {
 		svc.Hostname = state.Hostname(svc.Name, svc.Namespace)
 	}

@@ -908,8 +908,21 @@ type Service struct {
 	// clusters that do not export it). An east-west gateway never forwards a
 	// tunnel from another network to them.
 	LocalClusters []string `protobuf:"bytes,9,rep,name=local_clusters,json=localClusters,proto3" json:"local_clusters,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// headless services have no virtual IP of their own: their name resolves
+	// to their endpoints on the client's network (or, with none there, to an
+	// allocated address, through the gateway).
+	Headless bool `protobuf:"varint,10,opt,name=headless,proto3" json:"headless,omitempty"`
+	// exported services (MCS; every global service outside export mode) also
+	// resolve as <name>.<namespace>.svc.clusterset.local.
+	Exported bool `protobuf:"varint,11,opt,name=exported,proto3" json:"exported,omitempty"`
+	// allocated_addresses are virtual addresses pilot allocated for the
+	// service, sent to clients on a network where it has no address of its
+	// own (it runs only elsewhere). They are also in addresses, for the
+	// client's network: DNS answers them and outbound capture maps them back
+	// to the service.
+	AllocatedAddresses [][]byte `protobuf:"bytes,12,rep,name=allocated_addresses,json=allocatedAddresses,proto3" json:"allocated_addresses,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *Service) Reset() {
@@ -1001,6 +1014,27 @@ func (x *Service) GetScope() ServiceScope {
 func (x *Service) GetLocalClusters() []string {
 	if x != nil {
 		return x.LocalClusters
+	}
+	return nil
+}
+
+func (x *Service) GetHeadless() bool {
+	if x != nil {
+		return x.Headless
+	}
+	return false
+}
+
+func (x *Service) GetExported() bool {
+	if x != nil {
+		return x.Exported
+	}
+	return false
+}
+
+func (x *Service) GetAllocatedAddresses() [][]byte {
+	if x != nil {
+		return x.AllocatedAddresses
 	}
 	return nil
 }
@@ -1241,7 +1275,7 @@ const file_pilot_api_workload_v1_workload_proto_rawDesc = "" +
 	"\x04Port\x12!\n" +
 	"\fservice_port\x18\x01 \x01(\rR\vservicePort\x12\x1f\n" +
 	"\vtarget_port\x18\x02 \x01(\rR\n" +
-	"targetPort\"\xa9\x03\n" +
+	"targetPort\"\x92\x04\n" +
 	"\aService\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1c\n" +
 	"\tnamespace\x18\x02 \x01(\tR\tnamespace\x12\x1a\n" +
@@ -1251,7 +1285,11 @@ const file_pilot_api_workload_v1_workload_proto_rawDesc = "" +
 	"\x11subject_alt_names\x18\x06 \x03(\tR\x0fsubjectAltNames\x12I\n" +
 	"\x0eload_balancing\x18\a \x01(\v2\".isthmus.workload.v1.LoadBalancingR\rloadBalancing\x127\n" +
 	"\x05scope\x18\b \x01(\x0e2!.isthmus.workload.v1.ServiceScopeR\x05scope\x12%\n" +
-	"\x0elocal_clusters\x18\t \x03(\tR\rlocalClusters\"D\n" +
+	"\x0elocal_clusters\x18\t \x03(\tR\rlocalClusters\x12\x1a\n" +
+	"\bheadless\x18\n" +
+	" \x01(\bR\bheadless\x12\x1a\n" +
+	"\bexported\x18\v \x01(\bR\bexported\x12/\n" +
+	"\x13allocated_addresses\x18\f \x03(\fR\x12allocatedAddresses\"D\n" +
 	"\x0eNetworkAddress\x12\x18\n" +
 	"\anetwork\x18\x01 \x01(\tR\anetwork\x12\x18\n" +
 	"\aaddress\x18\x02 \x01(\fR\aaddress\"\x88\x01\n" +
