@@ -101,14 +101,16 @@ func Open(path string) (*os.File, error) {
 	if err != nil {
 		return nil, fmt.Errorf("netns: %w", err)
 	}
-	if err := checkNetNS(f); err != nil {
+	if err := Check(f); err != nil {
 		f.Close()
 		return nil, err
 	}
 	return f, nil
 }
 
-func checkNetNS(f *os.File) error {
+// Check returns an error unless f refers to a network namespace (for files
+// received from elsewhere, such as over SCM_RIGHTS).
+func Check(f *os.File) error {
 	var sfs unix.Statfs_t
 	rc, err := f.SyscallConn()
 	if err != nil {

@@ -27,6 +27,9 @@ func IDOf(*os.File) (ID, error) { return ID{}, ErrUnsupported }
 // Open is not supported outside Linux.
 func Open(string) (*os.File, error) { return nil, ErrUnsupported }
 
+// Check is not supported outside Linux.
+func Check(*os.File) error { return ErrUnsupported }
+
 // Current is not supported outside Linux.
 func Current() (*os.File, error) { return nil, ErrUnsupported }
 
