@@ -138,7 +138,7 @@ func TestEnrolment(t *testing.T) {
 			assert.True(ct, ok)
 			assert.Contains(ct, z.h.Pods(), string(c.obj.UID))
 		}, 20*time.Second, 20*time.Millisecond)
-		require.Equal(t, string(c.obj.UID)+" 15001", mustAsk(t, c.ns, ap(e.nodeIP, 9999)), "c is captured now")
+		require.Equal(t, string(c.obj.UID)+" 15001", mustAsk(t, c.ns, ap(b.ip, 9999)), "c is captured now")
 		z.h.Next(t)
 		require.Equal(t, []netip.Addr{a.ip, b.ip, c.ip}, e.probeSet())
 
