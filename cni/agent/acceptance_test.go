@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/isthmus-mesh/isthmus/cni/plugin"
 	"github.com/isthmus-mesh/isthmus/cni/redirect"
@@ -198,15 +199,43 @@ func TestEnrolment(t *testing.T) {
 		require.Equal(t, []netip.Addr{b.ip}, e.probeSet())
 		require.Equal(t, bUID+" 15006", mustAsk(t, a.ns, ap(b.ip, 8080)), "a is plain now, b still captured")
 		require.NoError(t, e.cni("DEL", a, a.ip).err, "DEL is idempotent")
-	})
-
-	t.Run("metrics", func(t *testing.T) {
-		require.Equal(t, 1.0, metric(t, e.reg, "isthmus_cni_enrolled_pods", nil))
+		// The kubelet tears the sandbox down because the pod is being
+		// deleted; without a kubelet here the pod stays terminating, and a
+		// terminating pod is not enrolled again.
+		require.NoError(t, e.c.Client.CoreV1().Pods(a.namespace).Delete(context.Background(), a.name, metav1.DeleteOptions{}))
 		require.Equal(t, 3.0, metric(t, e.reg, "isthmus_cni_plugin_events_total", map[string]string{"command": "ADD", "result": "ok"}))
 		require.Equal(t, 3.0, metric(t, e.reg, "isthmus_cni_plugin_events_total", map[string]string{"command": "CHECK", "result": "ok"}))
 		require.Equal(t, 2.0, metric(t, e.reg, "isthmus_cni_plugin_events_total", map[string]string{"command": "DEL", "result": "ok"}))
-		require.Equal(t, 1.0, metric(t, e.reg, "isthmus_cni_ztunnel_connections", nil))
 		require.Equal(t, 1.0, metric(t, e.reg, "isthmus_cni_plugin_installs_total", map[string]string{"what": "binary"}))
+	})
+
+	t.Run("an agent restart keeps the rules, and the new agent takes the pods back", func(t *testing.T) {
+		e.stopAgent()
+		require.True(t, hasRules(t, b), "pods stay captured while no agent runs")
+		require.Equal(t, []netip.Addr{b.ip}, e.probeSet())
+		require.EventuallyWithT(t, func(ct *assert.CollectT) { assert.False(ct, z.client.Synced()) }, 20*time.Second, 20*time.Millisecond)
+		require.Equal(t, bUID+" 15006", mustAsk(t, a.ns, ap(b.ip, 8080)), "ztunnel keeps serving")
+		z.h.Next(t)
+
+		e.startAgent(e.config())
+		require.EventuallyWithT(t, func(ct *assert.CollectT) { assert.True(ct, z.client.Synced()) }, 20*time.Second, 20*time.Millisecond)
+		require.Equal(t, []string{bUID}, z.h.Pods())
+		require.Equal(t, 1.0, metric(t, e.reg, "isthmus_cni_enrolled_pods", nil))
+		require.True(t, hasRules(t, b))
+		require.False(t, hasRules(t, a))
+		require.Equal(t, "b-app", mustAsk(t, e.node, ap(b.ip, 8080)), "probes still reach b")
+		require.Equal(t, redirect.ProbeAddr4, bApp.next(t).Addr())
+	})
+
+	t.Run("metrics", func(t *testing.T) {
+		// The restarted agent's registry: one pod enrolled, one ztunnel,
+		// and the plugin already in place (nothing written), one CHECK.
+		require.Equal(t, 1.0, metric(t, e.reg, "isthmus_cni_enrolled_pods", nil))
+		require.Equal(t, 1.0, metric(t, e.reg, "isthmus_cni_ztunnel_connections", nil))
+		require.Equal(t, 0.0, metric(t, e.reg, "isthmus_cni_plugin_installs_total", map[string]string{"what": "binary"}))
+		require.NoError(t, e.cni("CHECK", b, b.ip).err)
+		require.Equal(t, 1.0, metric(t, e.reg, "isthmus_cni_plugin_events_total", map[string]string{"command": "CHECK", "result": "ok"}))
+		require.Equal(t, 0.0, metric(t, e.reg, "isthmus_cni_enrolment_failures_total", nil))
 	})
 }
 

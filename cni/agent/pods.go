@@ -144,7 +144,7 @@ func (a *Agent) work(ctx context.Context) bool {
 // reconcile brings one pod's enrolment in line with the selection: a
 // running pod that should be enrolled is (its namespace found by address),
 // an enrolled pod that should not be, or is gone, is released. Pods not yet
-// running are left to the CNI ADD.
+// running are left to the CNI ADD, terminating ones to the CNI DEL.
 func (a *Agent) reconcile(ctx context.Context, key string) error {
 	obj, exists, err := a.podInf.GetStore().GetByKey(key)
 	if err != nil {
@@ -166,7 +166,9 @@ func (a *Agent) reconcile(ctx context.Context, key string) error {
 	switch {
 	case !want && cur != nil:
 		a.release(ctx, uid, string(reason))
-	case want && cur == nil && pod.Status.Phase == corev1.PodRunning:
+	case want && cur == nil && pod.Status.Phase == corev1.PodRunning && pod.DeletionTimestamp == nil:
+		// (A terminating pod is not enrolled anew: its sandbox may be gone
+		// already, the CNI DEL having released it.)
 		ips := podIPs(pod)
 		if len(ips) == 0 {
 			return nil // enrolled once the kubelet reports its address
