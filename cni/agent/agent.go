@@ -9,7 +9,7 @@
 //   - serves the plugin's ADD, DEL and CHECK over a unix socket: an ADD of a
 //     pod the selection (cni/selection) enrols gets the redirect rules
 //     (cni/redirect) in its namespace before the ADD returns, and fails if
-//     that, or handing the pod to a connected ztunnel, fails;
+//     that fails or a connected ztunnel refuses the pod;
 //   - watches the node's pods and all namespaces, so that label changes
 //     enrol or release running pods, and pods that ran before the agent
 //     started are enrolled (their namespaces found by address);

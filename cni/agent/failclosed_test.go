@@ -67,6 +67,16 @@ func TestAddFailsClosed(t *testing.T) {
 		require.Equal(t, types.ErrInvalidNetworkConfig, ce.Code)
 		require.Contains(t, ce.Msg, "chained")
 	})
+	t.Run("without the API server, excluded pods still start and unknown ones fail closed", func(t *testing.T) {
+		require.NoError(t, e.c.StopAPIServer())
+		t.Cleanup(func() { require.NoError(t, e.c.RestartAPIServer()) })
+		sys := e.addPod(3, "kube-system", "sys-"+e.nodeName)
+		require.NoError(t, e.cni("ADD", sys, sys.ip).err, "a kube-system pod is answered without the API server")
+		require.False(t, hasRules(t, sys))
+		unknown := e.addPod(4, e.mesh, "unknown")
+		ce := cniError(t, e.cni("ADD", unknown, unknown.ip))
+		require.Contains(t, ce.Details, "get pod")
+	})
 	t.Run("the agent is unreachable", func(t *testing.T) {
 		e.stopAgent()
 		ce := cniError(t, e.cni("ADD", a, a.ip))

@@ -68,7 +68,13 @@ func (a *Agent) answer(ctx context.Context, uc *net.UnixConn) {
 		result, reply.Error = "error", err.Error()
 		a.log.Warn("plugin event failed", "command", ev.Command, "pod", ev.PodNamespace+"/"+ev.PodName, "error", err)
 	}
-	a.m.pluginEvents.WithLabelValues(ev.Command, result).Inc()
+	command := ev.Command
+	switch command {
+	case plugin.CommandAdd, plugin.CommandDel, plugin.CommandCheck:
+	default:
+		command = "unknown" // request data never becomes a label value
+	}
+	a.m.pluginEvents.WithLabelValues(command, result).Inc()
 	if err := zds.Write(uc, reply, nil); err != nil {
 		a.log.Warn("reply to the plugin", "error", err)
 	}
@@ -102,9 +108,11 @@ func (a *Agent) handleAdd(ctx context.Context, ev *plugin.Event, ns *os.File) (b
 			ns.Close()
 		}
 	}
-	if ev.PodName == "" || ev.PodNamespace == "" {
+	if ev.PodName == "" || ev.PodNamespace == "" || a.cfg.selection().Excluded(ev.PodNamespace) {
+		// Not a Kubernetes pod, or one never enrolled: answered without
+		// the API server, so system pods start while it is away.
 		closeNS()
-		return false, nil // not a Kubernetes pod: nothing to enrol
+		return false, nil
 	}
 	pod, err := a.lookupPod(ctx, ev.PodNamespace, ev.PodName, ev.PodUID)
 	if err != nil {
@@ -157,7 +165,7 @@ func (a *Agent) handleDel(ctx context.Context, ev *plugin.Event) {
 }
 
 func (a *Agent) handleCheck(ctx context.Context, ev *plugin.Event) (bool, error) {
-	if ev.PodName == "" || ev.PodNamespace == "" {
+	if ev.PodName == "" || ev.PodNamespace == "" || a.cfg.selection().Excluded(ev.PodNamespace) {
 		return false, nil
 	}
 	pod, err := a.lookupPod(ctx, ev.PodNamespace, ev.PodName, ev.PodUID)

@@ -65,11 +65,18 @@ func (c Config) excluded() []string {
 	return c.ExcludedNamespaces
 }
 
+// Excluded reports whether namespace is excluded, so that a caller can
+// decide without fetching the pod (the node agent answers the CNI plugin
+// for excluded namespaces even when the API server is away).
+func (c Config) Excluded(namespace string) bool {
+	return slices.Contains(c.excluded(), namespace)
+}
+
 // Decide returns whether pod is enrolled and why. ns is the pod's namespace
 // object; nil means it is unknown, and the pod is then not enrolled.
 func (c Config) Decide(pod *corev1.Pod, ns *corev1.Namespace) (bool, Reason) {
 	switch {
-	case slices.Contains(c.excluded(), pod.Namespace):
+	case c.Excluded(pod.Namespace):
 		return false, ExcludedNamespace
 	case pod.Spec.HostNetwork:
 		return false, HostNetwork

@@ -77,4 +77,7 @@ func TestDecide(t *testing.T) {
 			require.Equal(t, tc.reason, reason)
 		})
 	}
+	require.True(t, selection.Config{}.Excluded("kube-system"))
+	require.False(t, selection.Config{}.Excluded("app"))
+	require.False(t, selection.Config{ExcludedNamespaces: []string{}}.Excluded("kube-system"))
 }

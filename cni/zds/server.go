@@ -113,10 +113,14 @@ func New(cfg Config, deps Deps) (*Server, error) {
 // AddPod records pod as enrolled with its network namespace and sends it to
 // every connected ztunnel, waiting for their acks. The server borrows
 // netns until DelPod(pod.UID) returns (or a later AddPod of the same UID
-// replaces it); the caller keeps it open until then. With no ztunnel
-// connected it returns nil: the pod is in the next snapshot. The error,
-// when not nil, joins one *Error per ztunnel that did not take the pod;
-// the pod stays recorded either way (remove it with DelPod).
+// replaces it); the caller keeps it open until then.
+//
+// The error, when not nil, joins one *Error (Refused) per ztunnel that
+// refused the pod. A ztunnel that is not there is no error: with none
+// connected, or one that breaks or misses the ack deadline (it is
+// disconnected, counted through Deps.OnFailure, and resynchronised when
+// it reconnects), the pod is in the next snapshot. The pod stays recorded
+// either way (remove it with DelPod).
 func (s *Server) AddPod(_ context.Context, pod Pod, netns *os.File) error {
 	if pod.UID == "" || netns == nil {
 		return errors.New("zds: AddPod needs a uid and a network namespace")
@@ -127,8 +131,9 @@ func (s *Server) AddPod(_ context.Context, pod Pod, netns *os.File) error {
 	return s.broadcast(Request{Add: &pod}, netns, "add", pod.UID)
 }
 
-// DelPod forgets the pod and tells every connected ztunnel. An unknown UID
-// is told too (a ztunnel may hold it from an earlier agent).
+// DelPod forgets the pod and tells every connected ztunnel, with AddPod's
+// error rules. An unknown UID is told too (a ztunnel may hold it from an
+// earlier agent).
 func (s *Server) DelPod(_ context.Context, uid string) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -160,17 +165,21 @@ func (s *Server) sortedUIDs() []string {
 	return uids
 }
 
-// broadcast sends req to every connection (s.mu held). Connections that
-// time out or break are dropped.
+// broadcast sends req to every connection (s.mu held) and returns the
+// refusals. Connections that time out or break are dropped: they get a
+// snapshot when they come back.
 func (s *Server) broadcast(req Request, fd *os.File, op, uid string) error {
 	var errs []error
 	for c := range s.conns {
-		if err := c.send(req, fd, op, uid, s.cfg.AckTimeout); err != nil {
+		err := c.send(req, fd, op, uid, s.cfg.AckTimeout)
+		switch {
+		case err == nil:
+		case err.Reason == Refused:
 			s.failed(err)
 			errs = append(errs, err)
-			if err.Reason != Refused {
-				s.dropLocked(c)
-			}
+		default:
+			s.failed(err)
+			s.dropLocked(c)
 		}
 	}
 	return errors.Join(errs...)
