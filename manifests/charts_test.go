@@ -202,6 +202,14 @@ func TestChartsApplyToAPIServer(t *testing.T) {
 		{name: "ztunnel", chart: "ztunnel", want: []string{"DaemonSet/ztunnel", "ServiceAccount/ztunnel"}},
 		{name: "ztunnel gateway mode", chart: "ztunnel", values: map[string]any{"mode": "gateway", "network": "net-a"},
 			want: []string{"Deployment/ztunnel-gateway", "ServiceAccount/ztunnel"}},
+		{name: "cni", chart: "cni", want: []string{
+			"ClusterRole/isthmus-cni-isthmus-system", "ClusterRoleBinding/isthmus-cni-isthmus-system",
+			"DaemonSet/isthmus-cni", "ServiceAccount/isthmus-cni"}},
+		{name: "cni with options", chart: "cni",
+			values: map[string]any{"excludedNamespaces": []any{"kube-system", "legacy"}, "redirectDNS": true, "uninstallOnExit": true},
+			want: []string{
+				"ClusterRole/isthmus-cni-isthmus-system", "ClusterRoleBinding/isthmus-cni-isthmus-system",
+				"DaemonSet/isthmus-cni", "ServiceAccount/isthmus-cni"}},
 		{name: "eastwest-gateway", chart: "eastwest-gateway", want: []string{
 			"Deployment/isthmus-eastwestgateway", "PodDisruptionBudget/isthmus-eastwestgateway",
 			"Service/isthmus-eastwestgateway", "ServiceAccount/isthmus-eastwestgateway"}},
@@ -303,6 +311,48 @@ func TestChartValues(t *testing.T) {
 		_, err = inst.Run(ch, map[string]any{"mode": "sidecar"})
 		require.ErrorContains(t, err, `mode must be "node" or "gateway"`)
 	})
+	t.Run("cni agent: host network, the three capabilities, the mounts its README names", func(t *testing.T) {
+		objs := render(t, "cni", namespace, map[string]any{"excludedNamespaces": []any{"kube-system", "legacy"}})
+		ds := convert[appsv1.DaemonSet](t, find(t, objs, "DaemonSet", "isthmus-cni"))
+		spec := ds.Spec.Template.Spec
+		require.True(t, spec.HostNetwork)
+		require.Equal(t, corev1.DNSClusterFirstWithHostNet, spec.DNSPolicy)
+		ctr := spec.Containers[0]
+		sc := ctr.SecurityContext
+		require.False(t, *sc.Privileged)
+		require.False(t, *sc.AllowPrivilegeEscalation)
+		require.True(t, *sc.ReadOnlyRootFilesystem)
+		require.Equal(t, []corev1.Capability{"ALL"}, sc.Capabilities.Drop)
+		require.Equal(t, []corev1.Capability{"NET_ADMIN", "SYS_ADMIN", "SYS_PTRACE"}, sc.Capabilities.Add)
+		require.Equal(t, corev1.SeccompProfileTypeRuntimeDefault, sc.SeccompProfile.Type)
+		require.Equal(t, "/readyz", ctr.ReadinessProbe.HTTPGet.Path)
+		require.Equal(t, "/healthz", ctr.LivenessProbe.HTTPGet.Path)
+		require.Equal(t, int32(15014), ctr.ReadinessProbe.HTTPGet.Port.IntVal)
+
+		hostPaths := map[string]string{}
+		for _, v := range spec.Volumes {
+			require.NotNil(t, v.HostPath, "volume %s", v.Name)
+			hostPaths[v.Name] = v.HostPath.Path
+		}
+		require.Equal(t, map[string]string{"cni-bin": "/opt/cni/bin", "cni-conf": "/etc/cni/net.d", "netns": "/var/run/netns",
+			"host-proc": "/proc", "sockets": "/var/run/isthmus/cni"}, hostPaths)
+		mounts := map[string]corev1.VolumeMount{}
+		for _, m := range ctr.VolumeMounts {
+			mounts[m.Name] = m
+		}
+		require.Equal(t, corev1.MountPropagationHostToContainer, *mounts["netns"].MountPropagation,
+			"namespaces the runtime mounts after the agent started must be visible")
+		require.True(t, mounts["host-proc"].ReadOnly)
+		require.Equal(t, "/var/run/isthmus/cni", mounts["sockets"].MountPath, "the plugin uses the same socket path on the node")
+		for _, want := range []string{"agent", "--cni-bin-dir=/host/opt/cni/bin", "--cni-conf-dir=/host/etc/cni/net.d",
+			"--plugin-socket=/var/run/isthmus/cni/plugin.sock", "--ztunnel-socket=/var/run/isthmus/cni/ztunnel.sock",
+			"--netns-dir=/var/run/netns", "--proc-dir=/host/proc", "--excluded-namespaces=kube-system,legacy"} {
+			require.Contains(t, ctr.Args, want)
+		}
+		require.NotContains(t, ctr.Args, "--redirect-dns", "DNS capture is off by default")
+		require.Equal(t, "system-node-critical", spec.PriorityClassName)
+		require.Equal(t, int32(0), ds.Spec.UpdateStrategy.RollingUpdate.MaxSurge.IntVal, "two agents never share a node")
+	})
 	t.Run("east-west gateway Service", func(t *testing.T) {
 		objs := render(t, "eastwest-gateway", namespace, map[string]any{"network": "net-b"})
 		svc := convert[corev1.Service](t, find(t, objs, "Service", "isthmus-eastwestgateway"))
@@ -358,6 +408,41 @@ func TestRemoteChartThenCreateRemoteSecret(t *testing.T) {
 	require.NoError(t, err, "the reader token lists pods in every namespace")
 	_, err = reader.CoreV1().Secrets(ns).List(ctx, metav1.ListOptions{Limit: 1})
 	require.Error(t, err, "the reader token cannot read Secrets")
+}
+
+// TestCNIAgentRBAC installs the cni chart's RBAC for real and asks the API
+// server what the agent may do: read pods and namespaces everywhere and its
+// Node, and nothing else it was not given (no Secrets, no writes).
+func TestCNIAgentRBAC(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	c := clusters.Clusters[0]
+	const ns = "isthmus-cni-rbac"
+	require.NoError(t, c.EnsureNamespace(ctx, ns, nil))
+	a := newApplier(t, c.Config)
+	for _, o := range render(t, "cni", ns, nil) {
+		if o.GetKind() != "DaemonSet" {
+			require.NoError(t, a.apply(ctx, o, false))
+		}
+	}
+	user := "system:serviceaccount:" + ns + ":isthmus-cni"
+	allowed := func(resource, verb string) bool {
+		sar := &authorizationv1.SubjectAccessReview{Spec: authorizationv1.SubjectAccessReviewSpec{User: user,
+			Groups:             []string{"system:serviceaccounts", "system:serviceaccounts:" + ns, "system:authenticated"},
+			ResourceAttributes: &authorizationv1.ResourceAttributes{Namespace: "app", Resource: resource, Verb: verb}}}
+		res, err := c.Client.AuthorizationV1().SubjectAccessReviews().Create(ctx, sar, metav1.CreateOptions{})
+		require.NoError(t, err)
+		return res.Status.Allowed
+	}
+	for _, r := range []string{"pods", "namespaces"} {
+		for _, v := range []string{"get", "list", "watch"} {
+			require.True(t, allowed(r, v), "%s %s", v, r)
+		}
+	}
+	require.True(t, allowed("nodes", "get"))
+	for _, denied := range [][2]string{{"secrets", "get"}, {"pods", "update"}, {"pods", "delete"}, {"nodes", "list"}, {"configmaps", "get"}} {
+		require.False(t, allowed(denied[0], denied[1]), "%s %s must be denied", denied[1], denied[0])
+	}
 }
 
 // TestPilotRBACCoversReaderRules installs the pilot chart's RBAC for real

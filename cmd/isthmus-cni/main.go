@@ -1,0 +1,165 @@
+//go:build linux
+
+// Command isthmus-cni is one binary with two roles. Run by a container
+// runtime (CNI_COMMAND set) it is the chained CNI plugin (cni/plugin): it
+// reports the pod to the node agent and passes the previous result through.
+// Run as `isthmus-cni agent` it is the node agent (cni/agent), a hostNetwork
+// DaemonSet that installs this same binary as the plugin. It parses flags
+// into an agent.Config, sets up slog, and runs the agent until SIGINT or
+// SIGTERM.
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/netip"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+
+	"github.com/spf13/cobra"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/isthmus-mesh/isthmus/cni/agent"
+	"github.com/isthmus-mesh/isthmus/cni/plugin"
+)
+
+func main() {
+	if os.Getenv("CNI_COMMAND") != "" {
+		plugin.Main() // exits
+		return
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := newCommand(os.Stderr, runAgent).ExecuteContext(ctx)
+	stop()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "Error:", err)
+		os.Exit(1)
+	}
+}
+
+// runFunc runs a configured agent; tests replace it.
+type runFunc func(ctx context.Context, cfg agent.Config, kubeconfig string, log *slog.Logger) error
+
+func runAgent(ctx context.Context, cfg agent.Config, kubeconfig string, log *slog.Logger) error {
+	var (
+		rc  *rest.Config
+		err error
+	)
+	if kubeconfig != "" {
+		rc, err = clientcmd.BuildConfigFromFlags("", kubeconfig)
+	} else {
+		rc, err = rest.InClusterConfig()
+	}
+	if err != nil {
+		return fmt.Errorf("kubernetes client configuration: %w", err)
+	}
+	client, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return err
+	}
+	a, err := agent.New(cfg, agent.Deps{Client: client, Log: log})
+	if err != nil {
+		return err
+	}
+	return a.Run(ctx)
+}
+
+func newCommand(stderr io.Writer, run runFunc) *cobra.Command {
+	root := &cobra.Command{
+		Use:   "isthmus-cni",
+		Short: "Isthmus pod enrolment: the chained CNI plugin (when run with CNI_COMMAND) and its node agent",
+		Args:  cobra.NoArgs,
+	}
+	root.SetErr(stderr)
+	root.AddCommand(newAgentCommand(stderr, run))
+	return root
+}
+
+func newAgentCommand(stderr io.Writer, run runFunc) *cobra.Command {
+	d := agent.DefaultConfig
+	cfg := agent.Config{}
+	var (
+		kubeconfig    string
+		excluded      []string
+		nodeAddresses []string
+		logFormat     = "json"
+		logLevel      = "info"
+	)
+	cmd := &cobra.Command{
+		Use:           "agent",
+		Short:         "Run the node agent (a hostNetwork DaemonSet)",
+		Args:          cobra.NoArgs,
+		SilenceUsage:  true,
+		SilenceErrors: true,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			log, err := logger(stderr, logFormat, logLevel)
+			if err != nil {
+				return err
+			}
+			if cmd.Flags().Changed("excluded-namespaces") {
+				cfg.ExcludedNamespaces = append([]string{}, excluded...)
+			}
+			for _, s := range nodeAddresses {
+				a, err := netip.ParseAddr(s)
+				if err != nil {
+					return fmt.Errorf("--node-addresses: %w", err)
+				}
+				cfg.NodeAddresses = append(cfg.NodeAddresses, a)
+			}
+			return run(cmd.Context(), cfg, kubeconfig, log)
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&cfg.NodeName, "node", os.Getenv("NODE_NAME"), "Kubernetes node this agent runs on (default $NODE_NAME)")
+	f.StringVar(&cfg.SystemNamespace, "system-namespace", envOr("POD_NAMESPACE", d.SystemNamespace), "the control plane's namespace, excluded by default (default $POD_NAMESPACE)")
+	f.StringSliceVar(&excluded, "excluded-namespaces", nil, "namespaces never enrolled (default kube-system and --system-namespace)")
+	f.StringVar(&cfg.CNIBinDir, "cni-bin-dir", d.CNIBinDir, "the node's CNI bin directory as mounted here")
+	f.StringVar(&cfg.CNIConfDir, "cni-conf-dir", d.CNIConfDir, "the node's CNI configuration directory as mounted here")
+	f.StringVar(&cfg.PluginSource, "plugin-source", "", "binary installed as the plugin (default: this executable)")
+	f.BoolVar(&cfg.UninstallOnExit, "uninstall-on-exit", false, "remove the plugin and its conflist entry on exit")
+	f.DurationVar(&cfg.InstallCheckInterval, "install-check-interval", d.InstallCheckInterval, "how often the installation is checked besides file notifications")
+	f.StringVar(&cfg.PluginSocket, "plugin-socket", d.PluginSocket, "the plugin's socket (same path on the node and here)")
+	f.StringVar(&cfg.ZtunnelSocket, "ztunnel-socket", d.ZtunnelSocket, "ztunnel's socket")
+	f.DurationVar(&cfg.PluginTimeout, "plugin-timeout", d.PluginTimeout, "the plugin's bound on its exchange with the agent")
+	f.DurationVar(&cfg.AckTimeout, "ack-timeout", d.AckTimeout, "bound on ztunnel's ack of each message")
+	f.StringSliceVar(&cfg.NetnsDirs, "netns-dir", d.NetnsDirs, `directories where the runtime bind-mounts pod network namespaces ("none" skips)`)
+	f.StringVar(&cfg.ProcDir, "proc-dir", d.ProcDir, `the node's /proc as mounted here ("none" skips)`)
+	f.StringVar(&cfg.NodeNetNS, "node-netns", "", "the node's network namespace file (default: this process' own)")
+	f.StringSliceVar(&nodeAddresses, "node-addresses", nil, "addresses of the node never captured from pods (default: the Node's InternalIP and ExternalIP)")
+	f.BoolVar(&cfg.RedirectDNS, "redirect-dns", false, "send enrolled pods' DNS (port 53) to ztunnel's 15053")
+	f.StringVar(&cfg.MonitoringAddr, "monitoring-addr", d.MonitoringAddr, `/metrics, /healthz and /readyz listen address ("none" disables)`)
+	f.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", d.ShutdownTimeout, "time allowed for a graceful stop")
+	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: in-cluster configuration)")
+	f.StringVar(&logFormat, "log-format", logFormat, "log format: json or text")
+	f.StringVar(&logLevel, "log-level", logLevel, "log level: debug, info, warn or error")
+	return cmd
+}
+
+func logger(w io.Writer, format, levelName string) (*slog.Logger, error) {
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(levelName)); err != nil {
+		return nil, fmt.Errorf("--log-level: %w", err)
+	}
+	opts := &slog.HandlerOptions{Level: level}
+	switch strings.ToLower(format) {
+	case "json":
+		return slog.New(slog.NewJSONHandler(w, opts)), nil
+	case "text":
+		return slog.New(slog.NewTextHandler(w, opts)), nil
+	default:
+		return nil, fmt.Errorf("--log-format %q: want json or text", format)
+	}
+}
+
+func envOr(key, def string) string {
+	if v := os.Getenv(key); v != "" {
+		return v
+	}
+	return def
+}

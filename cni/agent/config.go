@@ -1,0 +1,157 @@
+package agent
+
+import (
+	"errors"
+	"log/slog"
+	"net/netip"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/isthmus-mesh/isthmus/cni/plugin"
+	"github.com/isthmus-mesh/isthmus/cni/selection"
+)
+
+// Disabled as an address or directory turns that part off.
+const Disabled = "none"
+
+// Config is one node agent. Zero fields take the defaults of DefaultConfig;
+// withDefaults is the only place defaults are decided.
+type Config struct {
+	// NodeName is the node whose pods the agent enrols (required).
+	NodeName string
+	// SystemNamespace is the control plane's namespace, excluded from
+	// enrolment by default.
+	SystemNamespace string
+	// ExcludedNamespaces are never enrolled; nil means kube-system and
+	// SystemNamespace.
+	ExcludedNamespaces []string
+
+	// CNIBinDir and CNIConfDir are the node's CNI directories as mounted
+	// in the agent's container. The plugin binary is installed into
+	// CNIBinDir, its entry into the first *.conflist of CNIConfDir.
+	CNIBinDir  string
+	CNIConfDir string
+	// PluginSource is the binary installed as the plugin; default the
+	// agent's own executable (one binary plays both roles).
+	PluginSource string
+	// UninstallOnExit removes the plugin and its conflist entry when Run
+	// returns. Off by default: during a rolling update the entry must stay,
+	// or pods started in the gap would not be enrolled.
+	UninstallOnExit bool
+	// InstallCheckInterval is how often the installation is checked
+	// besides file-change notifications.
+	InstallCheckInterval time.Duration
+
+	// PluginSocket is where the agent serves the plugin, a path the same
+	// on the node and in the agent (the plugin runs on the node).
+	PluginSocket string
+	// ZtunnelSocket is where the agent serves ztunnel (cni/zds).
+	ZtunnelSocket string
+	// PluginTimeout is written into the conflist entry: the plugin's bound
+	// on its exchange with the agent.
+	PluginTimeout time.Duration
+	// AckTimeout bounds ztunnel's ack of each message.
+	AckTimeout time.Duration
+
+	// NetnsDirs are searched for the network namespaces of pods that were
+	// running before the agent started (container runtimes bind-mount them
+	// there); Disabled entries are skipped.
+	NetnsDirs []string
+	// ProcDir is the node's /proc as mounted in the agent: /proc/<pid>/ns/net
+	// finds namespaces that no runtime bind-mounted; Disabled skips it.
+	ProcDir string
+	// NodeNetNS is the node's network namespace file, where the probe SNAT
+	// rules go; empty means the agent's own (it runs with hostNetwork).
+	NodeNetNS string
+	// NodeAddresses are never captured on the way out of a pod (a pod's
+	// traffic to its node is left alone); empty means the Node object's
+	// InternalIP and ExternalIP addresses.
+	NodeAddresses []netip.Addr
+	// RedirectDNS sends enrolled pods' DNS to ztunnel's 15053.
+	RedirectDNS bool
+
+	// MonitoringAddr serves /metrics, /healthz and /readyz; Disabled turns
+	// it off.
+	MonitoringAddr string
+	// ShutdownTimeout bounds the monitoring server's graceful stop.
+	ShutdownTimeout time.Duration
+}
+
+// DefaultConfig holds the defaults.
+var DefaultConfig = Config{
+	SystemNamespace:      "isthmus-system",
+	CNIBinDir:            "/host/opt/cni/bin",
+	CNIConfDir:           "/host/etc/cni/net.d",
+	InstallCheckInterval: time.Minute,
+	PluginSocket:         "/var/run/isthmus/cni/plugin.sock",
+	ZtunnelSocket:        "/var/run/isthmus/cni/ztunnel.sock",
+	PluginTimeout:        plugin.DefaultTimeout,
+	AckTimeout:           3 * time.Second,
+	NetnsDirs:            []string{"/var/run/netns"},
+	ProcDir:              "/host/proc",
+	MonitoringAddr:       ":15014",
+	ShutdownTimeout:      5 * time.Second,
+}
+
+func (c Config) withDefaults() Config {
+	d := DefaultConfig
+	or := func(v *string, def string) {
+		if *v == "" {
+			*v = def
+		}
+	}
+	orDur := func(v *time.Duration, def time.Duration) {
+		if *v <= 0 {
+			*v = def
+		}
+	}
+	or(&c.SystemNamespace, d.SystemNamespace)
+	if c.ExcludedNamespaces == nil {
+		c.ExcludedNamespaces = []string{"kube-system", c.SystemNamespace}
+	}
+	or(&c.CNIBinDir, d.CNIBinDir)
+	or(&c.CNIConfDir, d.CNIConfDir)
+	orDur(&c.InstallCheckInterval, d.InstallCheckInterval)
+	or(&c.PluginSocket, d.PluginSocket)
+	or(&c.ZtunnelSocket, d.ZtunnelSocket)
+	orDur(&c.PluginTimeout, d.PluginTimeout)
+	orDur(&c.AckTimeout, d.AckTimeout)
+	if c.NetnsDirs == nil {
+		c.NetnsDirs = d.NetnsDirs
+	}
+	or(&c.ProcDir, d.ProcDir)
+	or(&c.MonitoringAddr, d.MonitoringAddr)
+	orDur(&c.ShutdownTimeout, d.ShutdownTimeout)
+	return c
+}
+
+func (c Config) validate() error {
+	var errs []error
+	if c.NodeName == "" {
+		errs = append(errs, errors.New("NodeName is required"))
+	}
+	if c.PluginSocket == c.ZtunnelSocket {
+		errs = append(errs, errors.New("PluginSocket and ZtunnelSocket must differ"))
+	}
+	if c.AckTimeout >= c.PluginTimeout {
+		errs = append(errs, errors.New("AckTimeout must be shorter than PluginTimeout, or a ztunnel ack outlives the plugin's wait"))
+	}
+	return errors.Join(errs...)
+}
+
+func (c Config) selection() selection.Config {
+	return selection.Config{ExcludedNamespaces: c.ExcludedNamespaces}
+}
+
+// Deps are the agent's collaborators.
+type Deps struct {
+	// Client reads pods, namespaces and the node (required).
+	Client kubernetes.Interface
+	// Log defaults to a discarding logger.
+	Log *slog.Logger
+	// Registry receives the metrics and serves /metrics; a fresh registry
+	// by default.
+	Registry *prometheus.Registry
+}

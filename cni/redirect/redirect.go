@@ -1,0 +1,214 @@
+//go:build linux
+
+package redirect
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"runtime"
+	"slices"
+
+	"github.com/google/nftables"
+	"github.com/google/nftables/expr"
+	"golang.org/x/sys/unix"
+)
+
+// Ports of ztunnel's in-pod listeners that the rules redirect to.
+const (
+	// OutboundPort receives the pod's outbound TCP.
+	OutboundPort uint16 = 15001
+	// InboundPlaintextPort receives inbound TCP that is not HBONE.
+	InboundPlaintextPort uint16 = 15006
+	// HBONEPort is left alone: HBONE reaches ztunnel's listener as sent.
+	HBONEPort uint16 = 15008
+	// DNSPort receives the pod's DNS (UDP and TCP 53) when enabled.
+	DNSPort uint16 = 15053
+)
+
+// Mark is the socket mark (SO_MARK) ztunnel sets on every socket it opens
+// inside a pod's namespace; the pod rules never capture packets carrying it
+// under MarkMask. It is Istio's in-pod mark (1337), so Isthmus' ztunnel and
+// Istio's agree.
+const (
+	Mark     uint32 = 0x539
+	MarkMask uint32 = 0xfff
+)
+
+// The host-probe addresses: the node source-NATs its own connections to
+// enrolled pods (kubelet's probes) to these, and the pod rules let them
+// through uncaptured. They are Istio's.
+var (
+	ProbeAddr4 = netip.MustParseAddr("169.254.7.127")
+	ProbeAddr6 = netip.MustParseAddr("fd16:9254:7127:1337:ffff:ffff:ffff:ffff")
+)
+
+// Table names (family inet) owned by this package.
+const (
+	PodTable  = "isthmus-inpod"
+	NodeTable = "isthmus-node"
+)
+
+// Options shape the pod rules.
+type Options struct {
+	// RedirectDNS sends the pod's UDP and TCP port 53 to DNSPort. Off until
+	// ztunnel serves DNS.
+	RedirectDNS bool
+	// ExcludeDestinations are never captured on the way out (the node's
+	// own addresses, so that a pod's traffic to its node is untouched).
+	ExcludeDestinations []netip.Prefix
+}
+
+// conn opens an nftables connection into ns (nil: the caller's namespace).
+func conn(ns *os.File) (*nftables.Conn, error) {
+	if ns == nil {
+		return nftables.New()
+	}
+	return nftables.New(nftables.WithNetNSFd(int(ns.Fd())))
+}
+
+func inetTable(name string) *nftables.Table {
+	return &nftables.Table{Name: name, Family: nftables.TableFamilyINet}
+}
+
+// Apply installs the pod rules in the pod namespace ns, replacing whatever
+// table PodTable held, in one transaction.
+func Apply(ns *os.File, opts Options) error {
+	c, err := conn(ns)
+	if err != nil {
+		return fmt.Errorf("redirect: nftables in %s: %w", nsName(ns), err)
+	}
+	t := replaceTable(c, PodTable)
+	pre := c.AddChain(&nftables.Chain{Name: "prerouting", Table: t, Type: nftables.ChainTypeNAT,
+		Hooknum: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityNATDest})
+	out := c.AddChain(&nftables.Chain{Name: "output", Table: t, Type: nftables.ChainTypeNAT,
+		Hooknum: nftables.ChainHookOutput, Priority: nftables.ChainPriorityNATDest})
+	for _, r := range inboundRules() {
+		c.AddRule(&nftables.Rule{Table: t, Chain: pre, Exprs: r})
+	}
+	for _, r := range outboundRules(opts) {
+		c.AddRule(&nftables.Rule{Table: t, Chain: out, Exprs: r})
+	}
+	err = c.Flush()
+	runtime.KeepAlive(ns)
+	if err != nil {
+		return fmt.Errorf("redirect: apply pod rules in %s: %w", nsName(ns), err)
+	}
+	return nil
+}
+
+// replaceTable queues "add table; delete table; add table": whatever the
+// table held is gone when the transaction commits, and an absent table is
+// not an error.
+func replaceTable(c *nftables.Conn, name string) *nftables.Table {
+	t := inetTable(name)
+	c.AddTable(t)
+	c.DelTable(t)
+	return c.AddTable(t)
+}
+
+const loopbackIndex = 1 // lo is interface 1 in every namespace
+
+func inboundRules() [][]expr.Any {
+	return [][]expr.Any{
+		append(ifIndex(true, loopbackIndex), ret()),
+		append(addrIn(true, netip.PrefixFrom(ProbeAddr4, 32)), ret()),
+		append(addrIn(true, netip.PrefixFrom(ProbeAddr6, 128)), ret()),
+		concat(l4proto(unix.IPPROTO_TCP), dport(HBONEPort), []expr.Any{ret()}),
+		concat(l4proto(unix.IPPROTO_TCP), redirectTo(InboundPlaintextPort)),
+	}
+}
+
+func outboundRules(opts Options) [][]expr.Any {
+	rules := [][]expr.Any{
+		append(markEq(Mark, MarkMask), ret()),
+		append(ifIndex(false, loopbackIndex), ret()),
+	}
+	for _, p := range opts.ExcludeDestinations {
+		rules = append(rules, append(addrIn(false, p), ret()))
+	}
+	if opts.RedirectDNS {
+		rules = append(rules,
+			concat(l4proto(unix.IPPROTO_UDP), dport(53), redirectTo(DNSPort)),
+			concat(l4proto(unix.IPPROTO_TCP), dport(53), redirectTo(DNSPort)))
+	}
+	return append(rules, concat(l4proto(unix.IPPROTO_TCP), redirectTo(OutboundPort)))
+}
+
+// Remove deletes PodTable from ns. An absent table is not an error.
+func Remove(ns *os.File) error {
+	return removeTable(ns, PodTable)
+}
+
+// Present reports whether PodTable exists in ns.
+func Present(ns *os.File) (bool, error) {
+	return hasTable(ns, PodTable)
+}
+
+// RuleCount returns the number of rules in PodTable's chains (0 when the
+// table is absent); CHECK and tests use it to see that Apply converged.
+func RuleCount(ns *os.File) (int, error) {
+	c, err := conn(ns)
+	if err != nil {
+		return 0, err
+	}
+	defer runtime.KeepAlive(ns)
+	ok, err := hasTable(ns, PodTable)
+	if err != nil || !ok {
+		return 0, err
+	}
+	t := inetTable(PodTable)
+	n := 0
+	for _, name := range []string{"prerouting", "output"} {
+		rules, err := c.GetRules(t, &nftables.Chain{Name: name, Table: t})
+		if err != nil {
+			return 0, fmt.Errorf("redirect: list %s rules: %w", name, err)
+		}
+		n += len(rules)
+	}
+	return n, nil
+}
+
+// ExpectedRules is the number of rules Apply installs with opts.
+func ExpectedRules(opts Options) int {
+	return len(inboundRules()) + len(outboundRules(opts))
+}
+
+func hasTable(ns *os.File, name string) (bool, error) {
+	c, err := conn(ns)
+	if err != nil {
+		return false, fmt.Errorf("redirect: nftables in %s: %w", nsName(ns), err)
+	}
+	tables, err := c.ListTablesOfFamily(nftables.TableFamilyINet)
+	runtime.KeepAlive(ns)
+	if err != nil {
+		return false, fmt.Errorf("redirect: list tables in %s: %w", nsName(ns), err)
+	}
+	return slices.ContainsFunc(tables, func(t *nftables.Table) bool { return t.Name == name }), nil
+}
+
+func removeTable(ns *os.File, name string) error {
+	ok, err := hasTable(ns, name)
+	if err != nil || !ok {
+		return err
+	}
+	c, err := conn(ns)
+	if err != nil {
+		return err
+	}
+	c.DelTable(inetTable(name))
+	err = c.Flush()
+	runtime.KeepAlive(ns)
+	if err != nil && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("redirect: delete table %s in %s: %w", name, nsName(ns), err)
+	}
+	return nil
+}
+
+func nsName(ns *os.File) string {
+	if ns == nil {
+		return "the current namespace"
+	}
+	return ns.Name()
+}

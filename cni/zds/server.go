@@ -1,0 +1,377 @@
+package zds
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"slices"
+	"sync"
+	"time"
+)
+
+// Config configures the agent's side.
+type Config struct {
+	// SocketPath is the unix socket ztunnel connects to; a stale socket
+	// file there is replaced.
+	SocketPath string
+	// AckTimeout bounds the wait for each ack; a ztunnel that misses it is
+	// disconnected (it reconnects and gets a snapshot). Default 5s.
+	AckTimeout time.Duration
+	// HelloTimeout bounds the wait for a new connection's hello. Default 5s.
+	HelloTimeout time.Duration
+}
+
+func (c Config) withDefaults() Config {
+	if c.AckTimeout <= 0 {
+		c.AckTimeout = 5 * time.Second
+	}
+	if c.HelloTimeout <= 0 {
+		c.HelloTimeout = 5 * time.Second
+	}
+	return c
+}
+
+func (c Config) validate() error {
+	if c.SocketPath == "" {
+		return errors.New("zds: SocketPath is required")
+	}
+	return nil
+}
+
+// FailureReason classifies a message ztunnel did not take.
+type FailureReason string
+
+// Failure reasons reported to Deps.OnFailure and carried by errors.
+const (
+	// Refused: ztunnel acked with an error.
+	Refused FailureReason = "ztunnel-refused"
+	// Timeout: no ack within AckTimeout.
+	Timeout FailureReason = "ztunnel-timeout"
+	// Disconnected: the connection broke while the message was in flight.
+	Disconnected FailureReason = "ztunnel-disconnected"
+)
+
+// Error is a message one ztunnel connection did not take.
+type Error struct {
+	Reason FailureReason
+	// Op is "add", "del" or "snapshot"; UID names the pod (not for snapshot).
+	Op, UID string
+	// Msg is ztunnel's error for Refused, else the transport's.
+	Msg string
+}
+
+func (e *Error) Error() string {
+	return fmt.Sprintf("zds: %s %s: %s: %s", e.Op, e.UID, e.Reason, e.Msg)
+}
+
+// Deps are the server's collaborators.
+type Deps struct {
+	// Log defaults to a discarding logger.
+	Log *slog.Logger
+	// OnFailure, if set, is told of every message a ztunnel did not take,
+	// including those of snapshots, which no caller sees.
+	OnFailure func(FailureReason)
+	// OnConnections, if set, is told the number of connected ztunnels
+	// whenever it changes.
+	OnConnections func(int)
+}
+
+// Server is the agent's side: it holds the set of enrolled pods and keeps
+// every connected ztunnel in step with it. Its methods are safe for
+// concurrent use; AddPod and DelPod are serialised with each other and with
+// the snapshots of new connections, so every ztunnel sees one order.
+type Server struct {
+	cfg  Config
+	deps Deps
+
+	mu    sync.Mutex
+	pods  map[string]entry
+	conns map[*conn]struct{}
+}
+
+type entry struct {
+	pod   Pod
+	netns *os.File
+}
+
+// New checks cfg and returns a server; Run serves it.
+func New(cfg Config, deps Deps) (*Server, error) {
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	if deps.Log == nil {
+		deps.Log = slog.New(slog.DiscardHandler)
+	}
+	return &Server{cfg: cfg, deps: deps, pods: map[string]entry{}, conns: map[*conn]struct{}{}}, nil
+}
+
+// AddPod records pod as enrolled with its network namespace and sends it to
+// every connected ztunnel, waiting for their acks. The server borrows
+// netns until DelPod(pod.UID) returns (or a later AddPod of the same UID
+// replaces it); the caller keeps it open until then.
+//
+// The error, when not nil, joins one *Error (Refused) per ztunnel that
+// refused the pod. A ztunnel that is not there is no error: with none
+// connected, or one that breaks or misses the ack deadline (it is
+// disconnected, counted through Deps.OnFailure, and resynchronised when
+// it reconnects), the pod is in the next snapshot. The pod stays recorded
+// either way (remove it with DelPod).
+func (s *Server) AddPod(_ context.Context, pod Pod, netns *os.File) error {
+	if pod.UID == "" || netns == nil {
+		return errors.New("zds: AddPod needs a uid and a network namespace")
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.pods[pod.UID] = entry{pod: pod, netns: netns}
+	return s.broadcast(Request{Add: &pod}, netns, "add", pod.UID)
+}
+
+// DelPod forgets the pod and tells every connected ztunnel, with AddPod's
+// error rules. An unknown UID is told too (a ztunnel may hold it from an
+// earlier agent).
+func (s *Server) DelPod(_ context.Context, uid string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.pods, uid)
+	return s.broadcast(Request{Del: &DelPod{UID: uid}}, nil, "del", uid)
+}
+
+// Pods returns the UIDs of the recorded pods, sorted.
+func (s *Server) Pods() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.sortedUIDs()
+}
+
+// Connected returns the number of ztunnels that have received their
+// snapshot and are in step.
+func (s *Server) Connected() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.conns)
+}
+
+func (s *Server) sortedUIDs() []string {
+	uids := make([]string, 0, len(s.pods))
+	for uid := range s.pods {
+		uids = append(uids, uid)
+	}
+	slices.Sort(uids)
+	return uids
+}
+
+// broadcast sends req to every connection (s.mu held) and returns the
+// refusals. Connections that time out or break are dropped: they get a
+// snapshot when they come back.
+func (s *Server) broadcast(req Request, fd *os.File, op, uid string) error {
+	var errs []error
+	for c := range s.conns {
+		err := c.send(req, fd, op, uid, s.cfg.AckTimeout)
+		switch {
+		case err == nil:
+		case err.Reason == Refused:
+			s.failed(err)
+			errs = append(errs, err)
+		default:
+			s.failed(err)
+			s.dropLocked(c)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (s *Server) failed(err *Error) {
+	s.deps.Log.Warn("ztunnel did not take a message", "op", err.Op, "pod", err.UID, "reason", err.Reason, "error", err.Msg)
+	if s.deps.OnFailure != nil {
+		s.deps.OnFailure(err.Reason)
+	}
+}
+
+func (s *Server) dropLocked(c *conn) {
+	c.close()
+	if _, ok := s.conns[c]; ok {
+		delete(s.conns, c)
+		s.connectionsChanged()
+	}
+}
+
+func (s *Server) connectionsChanged() {
+	if s.deps.OnConnections != nil {
+		s.deps.OnConnections(len(s.conns))
+	}
+}
+
+// Run listens on the socket and serves ztunnels until ctx ends, then closes
+// every connection and removes the socket file.
+func (s *Server) Run(ctx context.Context) error {
+	if err := os.Remove(s.cfg.SocketPath); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("zds: remove stale socket: %w", err)
+	}
+	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: s.cfg.SocketPath, Net: "unixpacket"})
+	if err != nil {
+		return fmt.Errorf("zds: listen: %w", err)
+	}
+	ln.SetUnlinkOnClose(true)
+	var wg sync.WaitGroup
+	stop := context.AfterFunc(ctx, func() { ln.Close() })
+	defer stop()
+	for {
+		uc, err := ln.AcceptUnix()
+		if err != nil {
+			ln.Close()
+			s.closeAll()
+			wg.Wait()
+			if ctx.Err() != nil {
+				return nil
+			}
+			return fmt.Errorf("zds: accept: %w", err)
+		}
+		wg.Go(func() { s.serve(ctx, uc) })
+	}
+}
+
+func (s *Server) closeAll() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for c := range s.conns {
+		s.dropLocked(c)
+	}
+}
+
+// serve handles one ztunnel: hello, snapshot, then it stays in s.conns for
+// the broadcasts until it disconnects or ctx ends.
+func (s *Server) serve(ctx context.Context, uc *net.UnixConn) {
+	log := s.deps.Log.With("conn", fmt.Sprintf("%p", uc))
+	stop := context.AfterFunc(ctx, func() { uc.Close() })
+	defer stop()
+	_ = uc.SetReadDeadline(time.Now().Add(s.cfg.HelloTimeout))
+	var hello Hello
+	fd, err := Read(uc, &hello)
+	if fd != nil {
+		fd.Close()
+		err = errors.New("zds: a file descriptor came with hello")
+	}
+	if err == nil && hello.Version != Version {
+		err = fmt.Errorf("zds: ztunnel speaks version %d, want %d", hello.Version, Version)
+	}
+	if err != nil {
+		log.Warn("ztunnel connection refused", "error", err)
+		uc.Close()
+		return
+	}
+	_ = uc.SetReadDeadline(time.Time{})
+	c := newConn(uc)
+	if !s.snapshot(c) {
+		return
+	}
+	log.Info("ztunnel connected and in step")
+	select {
+	case <-c.dead:
+	case <-ctx.Done():
+	}
+	s.mu.Lock()
+	s.dropLocked(c)
+	s.mu.Unlock()
+	log.Info("ztunnel disconnected")
+}
+
+// snapshot sends every recorded pod and SnapshotSent, then registers c; it
+// reports false (and closes c) if the connection failed.
+func (s *Server) snapshot(c *conn) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, uid := range s.sortedUIDs() {
+		e := s.pods[uid]
+		if err := c.send(Request{Add: &e.pod}, e.netns, "add", uid, s.cfg.AckTimeout); err != nil {
+			s.failed(err)
+			if err.Reason != Refused {
+				c.close()
+				return false
+			}
+		}
+	}
+	if err := c.send(Request{SnapshotSent: &SnapshotSent{}}, nil, "snapshot", "", s.cfg.AckTimeout); err != nil {
+		s.failed(err)
+		c.close()
+		return false
+	}
+	s.conns[c] = struct{}{}
+	s.connectionsChanged()
+	return true
+}
+
+// conn is one ztunnel connection. A reader goroutine delivers acks; send
+// writes a request and waits for the next ack. Sends are serialised by the
+// server's mutex.
+type conn struct {
+	uc      *net.UnixConn
+	acks    chan Ack
+	dead    chan struct{} // closed by the reader when it ends
+	closed  chan struct{} // closed by close
+	readErr error         // set before dead is closed
+	once    sync.Once
+}
+
+func newConn(uc *net.UnixConn) *conn {
+	c := &conn{uc: uc, acks: make(chan Ack), dead: make(chan struct{}), closed: make(chan struct{})}
+	go c.read()
+	return c
+}
+
+func (c *conn) read() {
+	defer close(c.dead)
+	for {
+		var ack Ack
+		fd, err := Read(c.uc, &ack)
+		if fd != nil {
+			fd.Close()
+			err = errors.New("zds: a file descriptor came with an ack")
+		}
+		if err != nil {
+			c.readErr = err
+			c.uc.Close()
+			return
+		}
+		select {
+		case c.acks <- ack:
+		case <-c.closed:
+			return
+		}
+	}
+}
+
+func (c *conn) send(req Request, fd *os.File, op, uid string, timeout time.Duration) *Error {
+	fail := func(r FailureReason, msg string) *Error { return &Error{Reason: r, Op: op, UID: uid, Msg: msg} }
+	if err := Write(c.uc, req, fd); err != nil {
+		return fail(Disconnected, err.Error())
+	}
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	select {
+	case ack := <-c.acks:
+		if ack.Error != "" {
+			return fail(Refused, ack.Error)
+		}
+		return nil
+	case <-c.dead:
+		msg := "connection closed"
+		if c.readErr != nil && !errors.Is(c.readErr, io.EOF) {
+			msg = c.readErr.Error()
+		}
+		return fail(Disconnected, msg)
+	case <-t.C:
+		return fail(Timeout, fmt.Sprintf("no ack within %s", timeout))
+	}
+}
+
+func (c *conn) close() {
+	c.once.Do(func() {
+		close(c.closed)
+		c.uc.Close()
+	})
+}

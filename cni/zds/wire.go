@@ -1,0 +1,173 @@
+// Package zds is the protocol by which the CNI node agent tells ztunnel
+// which pods of its node are enrolled, in the spirit of Istio's ZDS (ztunnel
+// discovery service), and the agent's side of it (Server). ztunnel's side is
+// ztunnel/inpod.
+//
+// The transport is a unix SOCK_SEQPACKET socket the agent listens on (one
+// JSON document per datagram, so message boundaries are kept and a file
+// descriptor travels with exactly one message):
+//
+//	ztunnel -> agent   Hello{version: 1}
+//	agent   -> ztunnel Request{add: {uid, name, namespace, serviceAccount, ips}} + the pod's netns (SCM_RIGHTS)
+//	ztunnel -> agent   Ack{}                  (or Ack{error: "..."})
+//	...                one add per enrolled pod
+//	agent   -> ztunnel Request{snapshotSent: {}}
+//	ztunnel -> agent   Ack{}                  ztunnel drops pods the snapshot did not name
+//	agent   -> ztunnel Request{add: ...} / Request{del: {uid}}, each acked, as pods come and go
+//
+// Every request waits for its ack before the next is sent. A ztunnel that
+// (re)connects is sent the full snapshot. While no ztunnel is connected the
+// agent keeps enrolling pods (their rules capture traffic, which then fails
+// closed) and sends them in the next snapshot.
+package zds
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+
+	"golang.org/x/sys/unix"
+)
+
+// Version is the protocol version this package speaks.
+const Version = 1
+
+// MaxMessage bounds one datagram; a larger one is a protocol error.
+const MaxMessage = 64 << 10
+
+// Hello is ztunnel's first message on a connection.
+type Hello struct {
+	Version int `json:"version"`
+}
+
+// Pod is an enrolled pod as ztunnel needs it: its UID (which names its
+// workload in xDS), name, namespace, service account and addresses.
+type Pod struct {
+	UID            string       `json:"uid"`
+	Name           string       `json:"name"`
+	Namespace      string       `json:"namespace"`
+	ServiceAccount string       `json:"serviceAccount,omitempty"`
+	IPs            []netip.Addr `json:"ips,omitempty"`
+}
+
+// DelPod names a pod ztunnel must stop serving.
+type DelPod struct {
+	UID string `json:"uid"`
+}
+
+// SnapshotSent follows the adds of a full snapshot.
+type SnapshotSent struct{}
+
+// Request is one message from the agent; exactly one field is set. An Add
+// carries the pod's network namespace as its file descriptor.
+type Request struct {
+	Add          *Pod          `json:"add,omitempty"`
+	Del          *DelPod       `json:"del,omitempty"`
+	SnapshotSent *SnapshotSent `json:"snapshotSent,omitempty"`
+}
+
+// Ack answers one Request; Error is empty on success.
+type Ack struct {
+	Error string `json:"error,omitempty"`
+}
+
+// Validate checks that exactly one field is set and that it is complete;
+// hasFD says whether a descriptor came with the message.
+func (r *Request) Validate(hasFD bool) error {
+	n := 0
+	for _, set := range []bool{r.Add != nil, r.Del != nil, r.SnapshotSent != nil} {
+		if set {
+			n++
+		}
+	}
+	switch {
+	case n != 1:
+		return fmt.Errorf("zds: a request sets exactly one of add, del, snapshotSent (%d set)", n)
+	case r.Add != nil && r.Add.UID == "":
+		return errors.New("zds: add without a pod uid")
+	case r.Add != nil && !hasFD:
+		return fmt.Errorf("zds: add of pod %s without its network namespace", r.Add.UID)
+	case r.Add == nil && hasFD:
+		return errors.New("zds: a file descriptor came with a message other than add")
+	case r.Del != nil && r.Del.UID == "":
+		return errors.New("zds: del without a pod uid")
+	}
+	return nil
+}
+
+// Write sends v as one datagram on c, with fd (if not nil) as SCM_RIGHTS.
+func Write(c *net.UnixConn, v any, fd *os.File) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	if len(b) > MaxMessage {
+		return fmt.Errorf("zds: message of %d bytes exceeds %d", len(b), MaxMessage)
+	}
+	var oob []byte
+	if fd != nil {
+		oob = unix.UnixRights(int(fd.Fd()))
+	}
+	_, _, err = c.WriteMsgUnix(b, oob, nil)
+	return err
+}
+
+// Read receives one datagram from c into v. A descriptor that came with it
+// is returned as a file the caller owns; a message with more than one
+// descriptor, or a truncated one, is refused (and its descriptors closed).
+func Read(c *net.UnixConn, v any) (*os.File, error) {
+	buf := make([]byte, MaxMessage+1)
+	oob := make([]byte, unix.CmsgSpace(4*4))
+	n, oobn, flags, _, err := c.ReadMsgUnix(buf, oob)
+	if err != nil {
+		return nil, err
+	}
+	fds, perr := parseRights(oob[:oobn])
+	switch {
+	case perr != nil:
+	case flags&(unix.MSG_TRUNC|unix.MSG_CTRUNC) != 0 || n > MaxMessage:
+		perr = errors.New("zds: message truncated")
+	case len(fds) > 1:
+		perr = fmt.Errorf("zds: %d file descriptors in one message", len(fds))
+	case n == 0:
+		perr = io.EOF // a seqpacket peer that closed reads as an empty message
+	}
+	if perr == nil {
+		if err := json.Unmarshal(buf[:n], v); err != nil {
+			perr = fmt.Errorf("zds: decode message: %w", err)
+		}
+	}
+	if perr != nil {
+		for _, fd := range fds {
+			unix.Close(fd)
+		}
+		return nil, perr
+	}
+	if len(fds) == 1 {
+		return os.NewFile(uintptr(fds[0]), "zds-netns"), nil
+	}
+	return nil, nil
+}
+
+func parseRights(oob []byte) ([]int, error) {
+	if len(oob) == 0 {
+		return nil, nil
+	}
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil, fmt.Errorf("zds: control message: %w", err)
+	}
+	var fds []int
+	for _, m := range msgs {
+		got, err := unix.ParseUnixRights(&m)
+		if err != nil {
+			continue
+		}
+		fds = append(fds, got...)
+	}
+	return fds, nil
+}

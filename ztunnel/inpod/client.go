@@ -1,0 +1,204 @@
+// Package inpod is ztunnel's side of pod enrolment ("in-pod" mode): Client
+// connects to the CNI node agent's socket (protocol in cni/zds), receives
+// the node's enrolled pods, each with its network namespace as a file, and
+// hands them to a PodHandler, which serves each pod from inside its
+// namespace (listeners made with ztunnel/netns). OriginalDst reads where a
+// redirected connection was going.
+//
+// The client keeps no pod state of its own beyond one connection: the
+// handler holds the pods, and keeps serving them while the agent is away;
+// after a reconnect the agent's snapshot tells it which to keep.
+package inpod
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"sync/atomic"
+	"time"
+
+	"github.com/isthmus-mesh/isthmus/cni/zds"
+)
+
+// Pod is an enrolled pod: UID (the xDS workload UID), name, namespace,
+// service account and addresses.
+type Pod = zds.Pod
+
+// PodHandler serves enrolled pods. The client calls it from one goroutine,
+// one call at a time, in the order the agent sent the pods, and acks each
+// message with the call's error.
+type PodHandler interface {
+	// AddPod starts serving pod inside netns, its network namespace. On
+	// nil the handler owns netns and closes it when the pod is removed; on
+	// error the client closes it. AddPod of a UID already served (after a
+	// reconnect) must keep serving it: the handler may keep its current
+	// namespace file and close the new one.
+	AddPod(ctx context.Context, pod Pod, netns *os.File) error
+	// DelPod stops serving the pod and closes its namespace file. An
+	// unknown UID is not an error.
+	DelPod(ctx context.Context, uid string) error
+	// Snapshot follows the adds of a full snapshot: uids are every pod the
+	// agent has enrolled; the handler stops serving every other pod.
+	Snapshot(ctx context.Context, uids []string) error
+}
+
+// Config configures a Client.
+type Config struct {
+	// SocketPath is the agent's ztunnel socket.
+	SocketPath string
+	// InitialBackoff and MaxBackoff bound the reconnect delay, which
+	// doubles after each failed or broken connection and is reset by a
+	// snapshot. Defaults 100ms and 5s.
+	InitialBackoff time.Duration
+	MaxBackoff     time.Duration
+}
+
+func (c Config) withDefaults() Config {
+	if c.InitialBackoff <= 0 {
+		c.InitialBackoff = 100 * time.Millisecond
+	}
+	if c.MaxBackoff < c.InitialBackoff {
+		c.MaxBackoff = max(5*time.Second, c.InitialBackoff)
+	}
+	return c
+}
+
+func (c Config) validate() error {
+	if c.SocketPath == "" {
+		return errors.New("inpod: SocketPath is required")
+	}
+	return nil
+}
+
+// Deps are the client's collaborators.
+type Deps struct {
+	// Handler serves the pods; required.
+	Handler PodHandler
+	// Log defaults to a discarding logger.
+	Log *slog.Logger
+}
+
+// Client is ztunnel's connection to the node agent.
+type Client struct {
+	cfg    Config
+	deps   Deps
+	synced atomic.Bool
+}
+
+// New checks cfg and deps.
+func New(cfg Config, deps Deps) (*Client, error) {
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	if deps.Handler == nil {
+		return nil, errors.New("inpod: Deps.Handler is required")
+	}
+	if deps.Log == nil {
+		deps.Log = slog.New(slog.DiscardHandler)
+	}
+	return &Client{cfg: cfg, deps: deps}, nil
+}
+
+// Synced reports whether the current connection has delivered a full
+// snapshot (ztunnel's readiness can wait for it).
+func (c *Client) Synced() bool { return c.synced.Load() }
+
+// Run connects to the agent and serves its messages until ctx ends,
+// reconnecting with backoff whenever the connection fails. It returns nil
+// when ctx ends. The handler's pods are left as they are.
+func (c *Client) Run(ctx context.Context) error {
+	delay := c.cfg.InitialBackoff
+	for {
+		gotSnapshot, err := c.session(ctx)
+		c.synced.Store(false)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if gotSnapshot {
+			delay = c.cfg.InitialBackoff
+		}
+		c.deps.Log.Warn("agent connection ended; reconnecting", "error", err, "in", delay)
+		t := time.NewTimer(delay)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		case <-t.C:
+		}
+		delay = min(2*delay, c.cfg.MaxBackoff)
+	}
+}
+
+// session runs one connection; it reports whether a snapshot arrived.
+func (c *Client) session(ctx context.Context) (bool, error) {
+	var d net.Dialer
+	nc, err := d.DialContext(ctx, "unixpacket", c.cfg.SocketPath)
+	if err != nil {
+		return false, err
+	}
+	uc := nc.(*net.UnixConn)
+	defer uc.Close()
+	stop := context.AfterFunc(ctx, func() { uc.Close() })
+	defer stop()
+	if err := zds.Write(uc, zds.Hello{Version: zds.Version}, nil); err != nil {
+		return false, err
+	}
+	var snapshot []string
+	inSnapshot := true
+	for {
+		var req zds.Request
+		netns, err := zds.Read(uc, &req)
+		if err != nil {
+			return !inSnapshot, err
+		}
+		if err := req.Validate(netns != nil); err != nil {
+			if netns != nil {
+				netns.Close()
+			}
+			return !inSnapshot, err
+		}
+		herr := c.handle(ctx, &req, netns)
+		switch {
+		case req.Add != nil && inSnapshot:
+			snapshot = append(snapshot, req.Add.UID)
+		case req.SnapshotSent != nil && inSnapshot:
+			inSnapshot = false
+			if herr == nil {
+				herr = c.deps.Handler.Snapshot(ctx, snapshot)
+			}
+			snapshot = nil
+			c.synced.Store(herr == nil)
+		}
+		ack := zds.Ack{}
+		if herr != nil {
+			ack.Error = herr.Error()
+			c.deps.Log.Warn("pod message refused", "error", herr)
+		}
+		if err := zds.Write(uc, ack, nil); err != nil {
+			return !inSnapshot, err
+		}
+	}
+}
+
+func (c *Client) handle(ctx context.Context, req *zds.Request, netns *os.File) error {
+	switch {
+	case req.Add != nil:
+		if err := c.deps.Handler.AddPod(ctx, *req.Add, netns); err != nil {
+			netns.Close()
+			return fmt.Errorf("add pod %s/%s (%s): %w", req.Add.Namespace, req.Add.Name, req.Add.UID, err)
+		}
+		return nil
+	case req.Del != nil:
+		if err := c.deps.Handler.DelPod(ctx, req.Del.UID); err != nil {
+			return fmt.Errorf("del pod %s: %w", req.Del.UID, err)
+		}
+		return nil
+	case req.SnapshotSent != nil:
+		return nil
+	}
+	return errors.New("inpod: empty request")
+}

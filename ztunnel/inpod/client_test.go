@@ -1,0 +1,171 @@
+//go:build linux
+
+package inpod_test
+
+import (
+	"bufio"
+	"context"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+	"golang.org/x/sys/unix"
+
+	"github.com/isthmus-mesh/isthmus/cni/zds"
+	"github.com/isthmus-mesh/isthmus/ztunnel/inpod"
+	"github.com/isthmus-mesh/isthmus/ztunnel/inpod/inpodtest"
+	"github.com/isthmus-mesh/isthmus/ztunnel/netns"
+	"github.com/isthmus-mesh/isthmus/ztunnel/netns/netnstest"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// agent runs a zds.Server on path until the returned stop is called.
+func agent(t *testing.T, path string) (*zds.Server, func()) {
+	t.Helper()
+	srv, err := zds.New(zds.Config{SocketPath: path}, zds.Deps{})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Run(ctx) }()
+	stopped := false
+	stop := func() {
+		if !stopped {
+			stopped = true
+			cancel()
+			require.NoError(t, <-done)
+		}
+	}
+	t.Cleanup(stop)
+	return srv, stop
+}
+
+// ztunnel runs a Client with handler h until the returned stop is called.
+func ztunnel(t *testing.T, path string, h inpod.PodHandler) (*inpod.Client, func()) {
+	t.Helper()
+	c, err := inpod.New(inpod.Config{SocketPath: path, InitialBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond},
+		inpod.Deps{Handler: h})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	stopped := false
+	stop := func() {
+		if !stopped {
+			stopped = true
+			cancel()
+			require.NoError(t, <-done)
+		}
+	}
+	t.Cleanup(stop)
+	return c, stop
+}
+
+func pod(uid string) zds.Pod {
+	return zds.Pod{UID: uid, Name: uid, Namespace: "app", ServiceAccount: "sa"}
+}
+
+// answer dials port on the loopback inside ns and returns the answering
+// listener's line, or the dial error.
+func answer(ns *os.File, port uint16) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := (&netns.Dialer{NetNS: ns}).DialContext(ctx, "tcp", netip.AddrPortFrom(netip.IPv6Loopback(), port).String())
+	if err != nil {
+		return "", err
+	}
+	defer c.Close()
+	line, err := bufio.NewReader(c).ReadString('\n')
+	return strings.TrimSpace(line), err
+}
+
+func TestClientServesPodsInTheirNamespaces(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "ztunnel.sock")
+	srv, _ := agent(t, path)
+	ctx := context.Background()
+	nsA, nsB, nsC := netnstest.New(t), netnstest.New(t), netnstest.New(t)
+	require.NoError(t, srv.AddPod(ctx, pod("a"), nsA))
+	require.NoError(t, srv.AddPod(ctx, pod("b"), nsB))
+
+	h := inpodtest.New(t)
+	c, _ := ztunnel(t, path, h)
+	require.EventuallyWithT(t, func(ct *assert.CollectT) { assert.True(ct, c.Synced()) }, 10*time.Second, 10*time.Millisecond)
+	require.Equal(t, []string{"a", "b"}, h.Pods())
+	require.Equal(t, []string{"add a", "add b", "snapshot [a b]"}, h.Calls())
+
+	// Each pod's listeners live in its own namespace.
+	got, err := answer(nsA, 15001)
+	require.NoError(t, err)
+	require.Equal(t, "a 15001", got)
+	got, err = answer(nsB, 15008)
+	require.NoError(t, err)
+	require.Equal(t, "b 15008", got)
+	_, err = answer(nsC, 15001)
+	require.ErrorIs(t, err, unix.ECONNREFUSED, "nothing listens in a namespace that was not sent")
+
+	// A refusal travels back to the agent as the add's error.
+	h.Refuse("c")
+	err = srv.AddPod(ctx, pod("c"), nsC)
+	var zerr *zds.Error
+	require.ErrorAs(t, err, &zerr)
+	require.Equal(t, zds.Refused, zerr.Reason)
+	require.Contains(t, zerr.Msg, "refused c")
+
+	require.NoError(t, srv.DelPod(ctx, "a"))
+	require.Equal(t, []string{"b"}, h.Pods())
+	_, err = answer(nsA, 15001)
+	require.ErrorIs(t, err, unix.ECONNREFUSED)
+}
+
+func TestReconnectAfterAgentOrZtunnelRestart(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "ztunnel.sock")
+	ctx := context.Background()
+	nsA, nsB := netnstest.New(t), netnstest.New(t)
+	srv, stopAgent := agent(t, path)
+	require.NoError(t, srv.AddPod(ctx, pod("a"), nsA))
+
+	h := inpodtest.New(t)
+	c, stopZtunnel := ztunnel(t, path, h)
+	require.EventuallyWithT(t, func(ct *assert.CollectT) { assert.True(ct, c.Synced()) }, 10*time.Second, 10*time.Millisecond)
+
+	// The agent restarts with another set: the client reconnects by itself
+	// and the snapshot makes the handler drop what is no longer enrolled,
+	// while it kept serving in between.
+	stopAgent()
+	require.EventuallyWithT(t, func(ct *assert.CollectT) { assert.False(ct, c.Synced()) }, 10*time.Second, 10*time.Millisecond)
+	got, err := answer(nsA, 15001)
+	require.NoError(t, err, "pods are served while the agent is away")
+	require.Equal(t, "a 15001", got)
+	srv2, _ := agent(t, path)
+	require.NoError(t, srv2.AddPod(ctx, pod("b"), nsB))
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		assert.True(ct, c.Synced())
+		assert.Equal(ct, []string{"b"}, h.Pods())
+	}, 10*time.Second, 10*time.Millisecond)
+	require.Contains(t, h.Calls(), "snapshot [b]")
+
+	// ztunnel restarts: a new process (handler) gets the full snapshot.
+	stopZtunnel()
+	h.Close()
+	require.NoError(t, srv2.AddPod(ctx, pod("a"), nsA))
+	h2 := inpodtest.New(t)
+	c2, _ := ztunnel(t, path, h2)
+	require.EventuallyWithT(t, func(ct *assert.CollectT) { assert.True(ct, c2.Synced()) }, 10*time.Second, 10*time.Millisecond)
+	require.Equal(t, []string{"add a", "add b", "snapshot [a b]"}, h2.Calls())
+	got, err = answer(nsA, 15006)
+	require.NoError(t, err)
+	require.Equal(t, "a 15006", got)
+}
+
+func TestNewValidates(t *testing.T) {
+	_, err := inpod.New(inpod.Config{}, inpod.Deps{Handler: inpodtest.New(t)})
+	require.ErrorContains(t, err, "SocketPath")
+	_, err = inpod.New(inpod.Config{SocketPath: "x"}, inpod.Deps{})
+	require.ErrorContains(t, err, "Handler")
+}
