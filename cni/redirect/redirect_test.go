@@ -18,7 +18,6 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/isthmus-mesh/isthmus/cni/redirect"
-	"github.com/isthmus-mesh/isthmus/ztunnel/inpod"
 	"github.com/isthmus-mesh/isthmus/ztunnel/netns"
 	"github.com/isthmus-mesh/isthmus/ztunnel/netns/netnstest"
 )
@@ -92,7 +91,7 @@ func serve(t *testing.T, ns *os.File, addr, name string) *server {
 			if err != nil {
 				return
 			}
-			dst, ok, _ := inpod.OriginalDst(c)
+			dst, ok, _ := netns.OriginalDst(c)
 			s.got <- accepted{remote: c.RemoteAddr().(*net.TCPAddr).AddrPort(), origDst: dst, redirected: ok}
 			_, _ = c.Write([]byte(name + "\n"))
 			c.Close()

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
+	"github.com/isthmus-mesh/isthmus/ztunnel/netns"
 	"github.com/isthmus-mesh/isthmus/ztunnel/state"
 )
 
@@ -172,7 +173,7 @@ func (o *Outbound) ServeTransparent(ln net.Listener) error {
 }
 
 func (o *Outbound) handleTransparent(c net.Conn) {
-	dst, err := OriginalDst(c)
+	dst, _, err := netns.OriginalDst(c)
 	if err != nil {
 		o.deps.Metrics.Refused(metrics.ReporterSource, ReasonNoRoute)
 		return

@@ -99,7 +99,7 @@ func (h *Handler) serve(uid string, port uint16, ln net.Listener) {
 		if err != nil {
 			return
 		}
-		dst, _, _ := inpod.OriginalDst(c)
+		dst, _, _ := netns.OriginalDst(c)
 		remote := c.RemoteAddr().(*net.TCPAddr).AddrPort()
 		select {
 		case h.accepted <- Accepted{UID: uid, Port: port, Remote: unmap(remote), OrigDst: dst}:

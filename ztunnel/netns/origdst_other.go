@@ -1,6 +1,6 @@
 //go:build !linux
 
-package inpod
+package netns
 
 import (
 	"errors"
@@ -10,5 +10,5 @@ import (
 
 // OriginalDst needs Linux conntrack; elsewhere it fails.
 func OriginalDst(net.Conn) (netip.AddrPort, bool, error) {
-	return netip.AddrPort{}, false, errors.New("inpod: original destinations need Linux")
+	return netip.AddrPort{}, false, errors.New("netns: original destinations need Linux")
 }

@@ -1,6 +1,6 @@
 //go:build linux
 
-package inpod
+package netns
 
 import (
 	"encoding/binary"
@@ -15,7 +15,7 @@ import (
 // ip6tSoOriginalDst is IP6T_SO_ORIGINAL_DST (linux/netfilter_ipv6/ip6_tables.h).
 const ip6tSoOriginalDst = 80
 
-// OriginalDst returns where a connection accepted by an in-pod listener was
+// OriginalDst returns where a connection accepted by a capturing listener was
 // going before the pod's rules redirected it: SO_ORIGINAL_DST for IPv4,
 // IP6T_SO_ORIGINAL_DST for IPv6 (both read conntrack's NAT record, so they
 // work with nftables' redirect as with iptables' REDIRECT). A connection
@@ -25,7 +25,7 @@ const ip6tSoOriginalDst = 80
 func OriginalDst(c net.Conn) (dst netip.AddrPort, ok bool, err error) {
 	tc, isTCP := c.(*net.TCPConn)
 	if !isTCP {
-		return netip.AddrPort{}, false, errors.New("inpod: original destination of a non-TCP connection")
+		return netip.AddrPort{}, false, errors.New("netns: original destination of a non-TCP connection")
 	}
 	local := tc.LocalAddr().(*net.TCPAddr).AddrPort()
 	local = netip.AddrPortFrom(local.Addr().Unmap(), local.Port())
