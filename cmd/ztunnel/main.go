@@ -66,7 +66,8 @@ func newCommand(stderr io.Writer, run runFunc) *cobra.Command {
 	d := node.DefaultConfig
 	cfg := node.Config{}
 	lc := logConfig{Format: "json", Level: "info"}
-	var mode, inboundPlaintext string
+	var mode string
+	var podDNS bool
 	var nodeIPs []string
 	cmd := &cobra.Command{
 		Use:           "ztunnel",
@@ -87,9 +88,7 @@ func newCommand(stderr io.Writer, run runFunc) *cobra.Command {
 				}
 				cfg.NodeIPs = append(cfg.NodeIPs, a.Unmap())
 			}
-			if inboundPlaintext != node.Disabled && inboundPlaintext != "" {
-				log.Warn("--inbound-plaintext-addr is accepted but not served: this ztunnel has no plaintext inbound capture", "addr", inboundPlaintext)
-			}
+			cfg.DisablePodDNS = !podDNS
 			return run(cmd.Context(), cfg, node.Deps{Log: log})
 		},
 	}
@@ -116,7 +115,11 @@ func newCommand(stderr io.Writer, run runFunc) *cobra.Command {
 	f.Uint16Var(&cfg.HBONEPort, "hbone-port", d.HBONEPort, "HBONE port on each local workload address (inbound) and of the gateway")
 	f.StringVar(&cfg.OutboundListen, "outbound-addr", d.OutboundListen, `outbound capture listen address ("none" disables)`)
 	f.StringVar(&cfg.SOCKS5Listen, "socks5-addr", d.SOCKS5Listen, `SOCKS5 listen address ("none" disables)`)
-	f.StringVar(&inboundPlaintext, "inbound-plaintext-addr", node.Disabled, "accepted for chart compatibility; not served")
+	f.StringVar(&cfg.InPodSocket, "inpod-socket", "", "the CNI node agent's socket for ztunnel: serve enrolled pods inside their network namespaces (empty: serve them on their addresses in ztunnel's own)")
+	f.BoolVar(&podDNS, "pod-dns", true, "serve DNS on 15053 inside each enrolled pod")
+	f.StringVar(&cfg.DNSListen, "dns-addr", d.DNSListen, `node address of the DNS proxy, UDP and TCP ("none" disables)`)
+	f.StringSliceVar(&cfg.DNSUpstreams, "dns-upstream", nil, "resolvers for names outside the mesh (default: the nameservers of /etc/resolv.conf)")
+	f.StringVar(&cfg.DNSDomain, "dns-domain", "", "cluster domain of service names (default cluster.local)")
 	f.StringVar(&cfg.AdminListen, "admin-addr", d.AdminListen, `admin listen address ("none" disables)`)
 	f.StringVar(&cfg.ReadinessListen, "readiness-addr", d.ReadinessListen, `readiness listen address ("none" disables)`)
 	f.StringVar(&cfg.MetricsListen, "metrics-addr", d.MetricsListen, `metrics listen address ("none" disables)`)

@@ -135,11 +135,11 @@ func (c Config) validate() error {
 // Allocator hands out and persists virtual addresses. Addresses is
 // lock-free and safe for concurrent use; Sync calls are serialized.
 type Allocator struct {
-	cfg    Config
-	client kubernetes.Interface
-	log    *slog.Logger
-	now    func() time.Time
-	v4, v6 pool
+	cfg      Config
+	client   kubernetes.Interface
+	log      *slog.Logger
+	now      func() time.Time
+	v4, v6   pool
 	onChange func([]string)
 
 	cur    atomic.Pointer[loaded] // nil until the table was read

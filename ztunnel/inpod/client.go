@@ -23,7 +23,7 @@ import (
 	"github.com/isthmus-mesh/isthmus/cni/zds"
 )
 
-// Pod is an enrolled pod: UID (the xDS workload UID), name, namespace,
+// Pod is an enrolled pod: UID (the Kubernetes pod UID), name, namespace,
 // service account and addresses.
 type Pod = zds.Pod
 

@@ -18,11 +18,23 @@ const (
 	ReporterGateway     = "gateway"
 )
 
+// Directions of captured connections.
+const (
+	// DirectionOutbound: a pod's connection redirected to its 15001.
+	DirectionOutbound = "outbound"
+	// DirectionInboundPlaintext: a connection to a pod redirected to its
+	// 15006 (not HBONE).
+	DirectionInboundPlaintext = "inbound_plaintext"
+	// DirectionInboundHBONE: an HBONE connection to a pod's 15008.
+	DirectionInboundHBONE = "inbound_hbone"
+)
+
 // Metrics holds ztunnel's collectors.
 type Metrics struct {
 	opened, closed   *prometheus.CounterVec
 	sent, received   *prometheus.CounterVec
 	refused, tlsErrs *prometheus.CounterVec
+	captured         *prometheus.CounterVec
 }
 
 var connLabelNames = []string{
@@ -51,8 +63,11 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		tlsErrs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "isthmus_hbone_handshake_errors_total", Help: "Failed TLS handshakes by reason.",
 		}, []string{"reporter", "reason"}),
+		captured: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "isthmus_captured_connections_total", Help: "Connections of enrolled pods accepted by their in-pod listeners, by direction.",
+		}, []string{"direction"}),
 	}
-	for _, c := range []prometheus.Collector{m.opened, m.closed, m.sent, m.received, m.refused, m.tlsErrs} {
+	for _, c := range []prometheus.Collector{m.opened, m.closed, m.sent, m.received, m.refused, m.tlsErrs, m.captured} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -140,6 +155,18 @@ func (m *Metrics) Refused(reporter, reason string) {
 	if m != nil {
 		m.refused.WithLabelValues(safe(reporter), safe(reason)).Inc()
 	}
+}
+
+// Captured counts a connection an enrolled pod's listener accepted.
+func (m *Metrics) Captured(direction string) {
+	if m != nil {
+		m.captured.WithLabelValues(direction).Inc()
+	}
+}
+
+// CapturedCount returns the captured-connection count for direction.
+func (m *Metrics) CapturedCount(direction string) float64 {
+	return counterValue(m, func(m *Metrics) prometheus.Counter { return m.captured.WithLabelValues(direction) })
 }
 
 // HandshakeError counts a failed TLS handshake.

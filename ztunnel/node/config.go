@@ -87,6 +87,28 @@ type Config struct {
 	// GatewayListen is where a gateway serves HBONE (gateway mode); default
 	// 0.0.0.0:<HBONEPort>.
 	GatewayListen string
+	// InPodSocket, in node mode, is the CNI node agent's socket for
+	// ztunnel: enrolled pods are served inside their own network
+	// namespaces (ztunnel/podproxy) instead of by listeners on their
+	// addresses in ztunnel's namespace. Empty: the latter (a node proxy
+	// that shares the pods' network, as in loopback tests and the demo's
+	// --loopback mode).
+	InPodSocket string
+	// DNSListen serves the DNS proxy on a node address (UDP and TCP), for
+	// clients identified by their address; Disabled turns it off (the
+	// default). In-pod DNS (15053 inside each enrolled pod) is on unless
+	// DisablePodDNS.
+	DNSListen     string
+	DisablePodDNS bool
+	// DNSUpstreams are the resolvers the DNS proxy forwards other names to
+	// (default: the nameservers of /etc/resolv.conf).
+	DNSUpstreams []string
+	// DNSDomain is the cluster domain (default cluster.local).
+	DNSDomain string
+	// Mark is the socket mark of connections ztunnel makes from inside
+	// pods; the pods' rules never capture them (default 0x539, the CNI
+	// agent's).
+	Mark uint32
 	// ShutdownTimeout bounds the graceful stop of the HTTP servers.
 	ShutdownTimeout time.Duration
 	// HTTPReadHeaderTimeout and HTTPIdleTimeout bound the admin, readiness
@@ -114,6 +136,8 @@ var DefaultConfig = Config{
 	ShutdownTimeout:       5 * time.Second,
 	HTTPReadHeaderTimeout: 10 * time.Second,
 	HTTPIdleTimeout:       60 * time.Second,
+	DNSListen:             Disabled,
+	Mark:                  0x539,
 }
 
 func (c Config) withDefaults() Config {
@@ -155,6 +179,10 @@ func (c Config) withDefaults() Config {
 	if c.HTTPIdleTimeout <= 0 {
 		c.HTTPIdleTimeout = d.HTTPIdleTimeout
 	}
+	or(&c.DNSListen, d.DNSListen)
+	if c.Mark == 0 {
+		c.Mark = d.Mark
+	}
 	return c
 }
 
@@ -174,6 +202,9 @@ func (c Config) validate() error {
 	}
 	if c.Mode == ModeGateway && c.Network == "" {
 		errs = append(errs, errors.New("a gateway needs its Network"))
+	}
+	if c.Mode == ModeGateway && c.InPodSocket != "" {
+		errs = append(errs, errors.New("a gateway serves no pods: InPodSocket is for node mode"))
 	}
 	return errors.Join(errs...)
 }
@@ -202,4 +233,7 @@ type Deps struct {
 	Registry *prometheus.Registry
 	// Listen opens every listener; net.Listen by default.
 	Listen proxy.ListenFunc
+	// Plaintext decides whether enrolled pods accept plaintext (non-HBONE)
+	// inbound connections (PeerAuthentication); nil refuses all (STRICT).
+	Plaintext proxy.PlaintextPolicy
 }

@@ -25,8 +25,11 @@ import (
 
 	"github.com/isthmus-mesh/isthmus/ztunnel/admin"
 	"github.com/isthmus-mesh/isthmus/ztunnel/caclient"
+	"github.com/isthmus-mesh/isthmus/ztunnel/dns"
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
+	"github.com/isthmus-mesh/isthmus/ztunnel/inpod"
 	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
+	"github.com/isthmus-mesh/isthmus/ztunnel/podproxy"
 	"github.com/isthmus-mesh/isthmus/ztunnel/proxy"
 	"github.com/isthmus-mesh/isthmus/ztunnel/state"
 	"github.com/isthmus-mesh/isthmus/ztunnel/xdsclient"
@@ -45,9 +48,13 @@ type Node struct {
 	roots *caclient.RootsFile // nil with Deps.RootsPEM
 	admin http.Handler
 
-	in  *proxy.Inbound  // node mode
+	in  *proxy.Inbound  // node mode, without InPodSocket
 	out *proxy.Outbound // node mode
 	gw  *proxy.Gateway  // gateway mode
+
+	pods  *podproxy.Manager // node mode with InPodSocket
+	inpod *inpod.Client
+	dnsM  *dns.Metrics
 
 	runMu   sync.Mutex
 	started bool
@@ -137,7 +144,22 @@ func (n *Node) buildProxies() error {
 		n.gw, err = proxy.NewGateway(proxy.GatewayConfig{Config: pcfg, Network: n.cfg.Network, Cluster: n.cfg.ClusterID, Identity: n.id}, pdeps, state.Selector{})
 		return err
 	}
-	if n.in, err = proxy.NewInbound(pcfg, pdeps); err != nil {
+	if n.dnsM, err = dns.NewMetrics(n.deps.Registry); err != nil {
+		return fmt.Errorf("ztunnel dns metrics: %w", err)
+	}
+	dnsCfg := dns.Config{Domain: n.cfg.DNSDomain, Upstreams: n.cfg.DNSUpstreams}
+	if n.cfg.InPodSocket != "" {
+		n.pods, err = podproxy.New(podproxy.Config{Proxy: pcfg, Cluster: n.cfg.ClusterID, Network: n.cfg.Network,
+			DisableDNS: n.cfg.DisablePodDNS, DNS: dnsCfg, Mark: n.cfg.Mark},
+			podproxy.Deps{Store: n.store, Certs: n.certs, Metrics: m, DNSMetrics: n.dnsM, Plaintext: n.deps.Plaintext,
+				Ready: n.xds.HasSynced, Log: n.log})
+		if err != nil {
+			return err
+		}
+		if n.inpod, err = inpod.New(inpod.Config{SocketPath: n.cfg.InPodSocket}, inpod.Deps{Handler: n.pods, Log: n.log}); err != nil {
+			return err
+		}
+	} else if n.in, err = proxy.NewInbound(pcfg, pdeps); err != nil {
 		return err
 	}
 	n.out, err = proxy.NewOutbound(pcfg, pdeps, state.Selector{})
@@ -154,25 +176,42 @@ func (n *Node) Certs() *caclient.Manager { return n.certs }
 func (n *Node) Identity() identity.Identity { return n.id }
 
 // Ready reports whether the first xDS response has been applied and, in
-// node mode, the inbound listeners match the state.
+// node mode, the inbound listeners match the state, or (in-pod) the CNI
+// agent's snapshot of enrolled pods is served.
 func (n *Node) Ready() bool {
 	if !n.xds.HasSynced() {
 		return false
 	}
+	if n.inpod != nil && !n.inpod.Synced() {
+		return false
+	}
 	return n.in == nil || n.in.Ready()
+}
+
+// Pods returns the enrolled pods served in-pod (namespace/name).
+func (n *Node) Pods() []string {
+	if n.pods == nil {
+		return nil
+	}
+	return n.pods.Pods()
 }
 
 // listeners are the fixed listeners of a run.
 type listeners struct {
 	outbound, socks, gateway net.Listener
 	admin, ready, metrics    net.Listener
+	dnsTCP                   net.Listener
+	dnsUDP                   net.PacketConn
 }
 
 func (l *listeners) close() {
-	for _, ln := range []net.Listener{l.outbound, l.socks, l.gateway, l.admin, l.ready, l.metrics} {
+	for _, ln := range []net.Listener{l.outbound, l.socks, l.gateway, l.admin, l.ready, l.metrics, l.dnsTCP} {
 		if ln != nil {
 			ln.Close()
 		}
+	}
+	if l.dnsUDP != nil {
+		l.dnsUDP.Close()
 	}
 }
 
@@ -193,7 +232,15 @@ func (n *Node) listen() (*listeners, error) {
 	if n.cfg.Mode == ModeGateway {
 		errs = append(errs, open(&l.gateway, n.cfg.GatewayListen, "gateway"))
 	} else {
-		errs = append(errs, open(&l.outbound, n.cfg.OutboundListen, "outbound"), open(&l.socks, n.cfg.SOCKS5Listen, "socks5"))
+		errs = append(errs, open(&l.outbound, n.cfg.OutboundListen, "outbound"), open(&l.socks, n.cfg.SOCKS5Listen, "socks5"),
+			open(&l.dnsTCP, n.cfg.DNSListen, "dns"))
+		if l.dnsTCP != nil {
+			pc, err := net.ListenPacket("udp", n.cfg.DNSListen)
+			if err != nil {
+				errs = append(errs, fmt.Errorf("listen dns (udp) on %s: %w", n.cfg.DNSListen, err))
+			}
+			l.dnsUDP = pc
+		}
 	}
 	errs = append(errs,
 		open(&l.admin, n.cfg.AdminListen, "admin"),
@@ -276,9 +323,21 @@ func (n *Node) Run(ctx context.Context) error {
 	if n.gw != nil {
 		serve(lns.gateway, n.gw.Serve)
 	} else {
-		g.Go(func() error { return n.in.Run(gctx) })
+		if n.in != nil {
+			g.Go(func() error { return n.in.Run(gctx) })
+		}
+		if n.inpod != nil {
+			g.Go(func() error { return n.inpod.Run(gctx) })
+		}
 		serve(lns.socks, n.out.ServeSOCKS5)
 		serve(lns.outbound, n.out.ServeTransparent)
+		if lns.dnsTCP != nil && lns.dnsUDP != nil {
+			if err := n.serveNodeDNS(gctx, g, lns); err != nil {
+				cancel()
+				_ = g.Wait()
+				return err
+			}
+		}
 	}
 	n.log.Info("ztunnel started", "identity", n.id.String(), "xds", n.cfg.XDSAddress, "ca", n.cfg.CAAddress)
 
@@ -299,6 +358,11 @@ func (n *Node) Run(ctx context.Context) error {
 		}
 		if n.gw != nil {
 			errs = append(errs, n.gw.Close())
+		}
+		if n.pods != nil {
+			// The pods keep their rules: their traffic fails closed until
+			// a ztunnel serves them again.
+			errs = append(errs, n.pods.Close())
 		}
 		lns.close()
 		return errors.Join(errs...)
@@ -331,5 +395,22 @@ func (n *Node) Close() error {
 	}
 	cancel()
 	<-done
+	return nil
+}
+
+// serveNodeDNS serves the DNS proxy on the node address listeners, for
+// clients identified by their address.
+func (n *Node) serveNodeDNS(ctx context.Context, g *errgroup.Group, lns *listeners) error {
+	cat := &dns.StoreCatalog{Store: n.store, Domain: n.cfg.DNSDomain, Network: n.cfg.Network}
+	srv, err := dns.New(dns.Config{Domain: n.cfg.DNSDomain, Upstreams: n.cfg.DNSUpstreams}, dns.Deps{
+		Catalog: cat, Client: cat.ClientFor, Ready: n.xds.HasSynced,
+		PacketConns: []net.PacketConn{lns.dnsUDP}, Listeners: []net.Listener{lns.dnsTCP},
+		Metrics: n.dnsM, Log: n.log,
+	})
+	if err != nil {
+		return fmt.Errorf("dns on %s: %w", n.cfg.DNSListen, err)
+	}
+	lns.dnsTCP, lns.dnsUDP = nil, nil // the DNS server owns them now
+	g.Go(func() error { return srv.Run(ctx) })
 	return nil
 }

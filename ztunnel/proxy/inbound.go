@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"slices"
 	"strconv"
 	"sync"
 
@@ -79,6 +80,11 @@ type Inbound struct {
 	cfg  Config
 	deps Deps
 	srv  *hbone.Server
+	// pod, when set, pins the Inbound to one enrolled pod's workload (its
+	// listener is inside the pod's network namespace): the certificate
+	// presented and the only destination are that workload's, whatever
+	// address a connection arrived at.
+	pod string
 
 	mu    sync.Mutex
 	lns   map[netip.Addr]net.Listener
@@ -106,6 +112,22 @@ func NewInbound(cfg Config, deps Deps) (*Inbound, error) {
 	}
 	return in, nil
 }
+
+// NewPodInbound returns an Inbound for the enrolled pod whose workload has
+// uid, served on listeners inside the pod's network namespace (Serve);
+// deps.Dialer reaches the pod's application from inside that namespace.
+func NewPodInbound(cfg Config, deps Deps, uid string) (*Inbound, error) {
+	in, err := NewInbound(cfg, deps)
+	if err != nil {
+		return nil, err
+	}
+	in.pod = uid
+	return in, nil
+}
+
+// Serve serves HBONE on ln (an enrolled pod's 15008) until ln or the
+// Inbound is closed.
+func (in *Inbound) Serve(ln net.Listener) error { return in.srv.Serve(ln) }
 
 // Ready reports whether the listeners match the state at least once.
 func (in *Inbound) Ready() bool {
@@ -183,7 +205,15 @@ func (in *Inbound) Close() error {
 }
 
 func (in *Inbound) localWorkload(addr netip.Addr) (*state.Workload, bool) {
-	w, ok := in.deps.Store.Load().WorkloadByAddr(addr)
+	snap := in.deps.Store.Load()
+	if in.pod != "" {
+		w, ok := snap.Workload(in.pod)
+		if !ok || w.Synthetic() || !slices.Contains(w.Addresses, addr) {
+			return nil, false
+		}
+		return w, true
+	}
+	w, ok := snap.WorkloadByAddr(addr)
 	if !ok || w.Node != in.cfg.Node || w.Synthetic() {
 		return nil, false
 	}
@@ -191,6 +221,14 @@ func (in *Inbound) localWorkload(addr netip.Addr) (*state.Workload, bool) {
 }
 
 func (in *Inbound) certFor(ctx context.Context, local netip.Addr) (*tls.Certificate, error) {
+	if in.pod != "" {
+		// In the pod's own namespace, any address the connection arrived
+		// at is the pod's.
+		if w, ok := in.deps.Store.Load().Workload(in.pod); ok && !w.Identity().IsZero() {
+			return in.deps.Certs.Certificate(ctx, w.Identity())
+		}
+		return nil, fmt.Errorf("%w: pod %s not (yet) known", hbone.ErrNoCertificate, in.pod)
+	}
 	w, ok := in.localWorkload(local)
 	if !ok || w.Identity().IsZero() {
 		return nil, fmt.Errorf("%w: %s", hbone.ErrNoCertificate, local)
@@ -216,6 +254,9 @@ func (in *Inbound) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstr
 	}
 	if !tw.ServesPort(uint16(port)) {
 		return hbone.Upstream{}, hbone.Refuse(http.StatusForbidden, ReasonPortNotAllowed, "%s has no port %d", tw.Name, port)
+	}
+	if in.pod != "" {
+		in.deps.Metrics.Captured(metrics.DirectionInboundHBONE)
 	}
 	dctx, cancel := context.WithTimeout(ctx, in.cfg.DialTimeout)
 	defer cancel()

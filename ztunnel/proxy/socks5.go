@@ -167,20 +167,40 @@ func readSOCKSAddr(c net.Conn, atyp byte) (Target, error) {
 
 // ServeTransparent serves captured connections (port 15001) on ln: the
 // destination is the SO_ORIGINAL_DST of each connection, or its local
-// address when it was not redirected.
+// address when it was not redirected; the source is the workload owning
+// the client address.
 func (o *Outbound) ServeTransparent(ln net.Listener) error {
-	return o.serve(ln, o.handleTransparent)
+	return o.serve(ln, func(c net.Conn) {
+		src, err := o.source(c)
+		if err != nil {
+			o.deps.Metrics.Refused(metrics.ReporterSource, ReasonUnknownSource)
+			return
+		}
+		o.handleTransparent(c, src)
+	})
 }
 
-func (o *Outbound) handleTransparent(c net.Conn) {
+// ServeCaptured serves the connections an enrolled pod's rules redirect to
+// ln (its 15001, inside its network namespace). The source is the pod's
+// workload, uid, from its enrolment: never an address. Until xDS knows the
+// workload, or when it is not on this node, connections are refused.
+func (o *Outbound) ServeCaptured(ln net.Listener, uid string) error {
+	return o.serve(ln, func(c net.Conn) {
+		w, ok := o.deps.Store.Load().Workload(uid)
+		if !ok || w.Synthetic() || w.Node != o.cfg.Node {
+			o.deps.Metrics.Refused(metrics.ReporterSource, ReasonUnknownSource)
+			o.deps.Log.Debug("captured connection of a pod xDS does not place on this node", "uid", uid)
+			return
+		}
+		o.deps.Metrics.Captured(metrics.DirectionOutbound)
+		o.handleTransparent(c, w)
+	})
+}
+
+func (o *Outbound) handleTransparent(c net.Conn, src *state.Workload) {
 	dst, _, err := netns.OriginalDst(c)
 	if err != nil {
 		o.deps.Metrics.Refused(metrics.ReporterSource, ReasonNoRoute)
-		return
-	}
-	src, err := o.source(c)
-	if err != nil {
-		o.deps.Metrics.Refused(metrics.ReporterSource, ReasonUnknownSource)
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), o.cfg.DialTimeout+o.cfg.Client.DialTimeout)

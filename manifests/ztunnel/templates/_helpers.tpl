@@ -70,9 +70,18 @@ spec:
         - --root-cert=/var/run/secrets/isthmus/root-cert.pem
         - --hbone-port={{ .Values.ports.hbone }}
         {{- if eq .Values.mode "node" }}
+        {{- if .Values.inpod.enabled }}
+        - --inpod-socket={{ .Values.inpod.socketDir }}/ztunnel.sock
+        - --outbound-addr=none
+        - --socks5-addr=none
+        {{- else }}
         - --outbound-addr=:{{ .Values.ports.outbound }}
-        - --inbound-plaintext-addr=:{{ .Values.ports.inboundPlaintext }}
         - --socks5-addr=:{{ .Values.ports.socks5 }}
+        {{- end }}
+        - --pod-dns={{ .Values.dns.podDNS }}
+        {{- range .Values.dns.upstreams }}
+        - --dns-upstream={{ . }}
+        {{- end }}
         {{- end }}
         - --readiness-addr=:{{ .Values.ports.readiness }}
         - --metrics-addr=:{{ .Values.ports.metrics }}
@@ -97,6 +106,11 @@ spec:
           valueFrom:
             fieldRef:
               fieldPath: status.podIP
+        # The node's addresses are never a source identity or destination.
+        - name: HOST_IPS
+          valueFrom:
+            fieldRef:
+              fieldPath: status.hostIPs
         {{- with .Values.env }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -104,12 +118,9 @@ spec:
         - name: tls-hbone
           containerPort: {{ .Values.ports.hbone }}
           protocol: TCP
-        {{- if eq .Values.mode "node" }}
+        {{- if and (eq .Values.mode "node") (not .Values.inpod.enabled) }}
         - name: tcp-outbound
           containerPort: {{ .Values.ports.outbound }}
-          protocol: TCP
-        - name: tcp-inbound
-          containerPort: {{ .Values.ports.inboundPlaintext }}
           protocol: TCP
         - name: tcp-socks5
           containerPort: {{ .Values.ports.socks5 }}
@@ -130,7 +141,7 @@ spec:
       resources:
         {{- toYaml . | nindent 8 }}
       {{- end }}
-      {{- with .Values.securityContext }}
+      {{- with (ternary .Values.inpod.securityContext .Values.securityContext (and (eq .Values.mode "node") .Values.inpod.enabled)) }}
       securityContext:
         {{- toYaml . | nindent 8 }}
       {{- end }}
@@ -141,7 +152,17 @@ spec:
         - name: isthmus-root-cert
           mountPath: /var/run/secrets/isthmus
           readOnly: true
+        {{- if and (eq .Values.mode "node") .Values.inpod.enabled }}
+        - name: cni-sockets
+          mountPath: {{ .Values.inpod.socketDir }}
+        {{- end }}
   volumes:
+    {{- if and (eq .Values.mode "node") .Values.inpod.enabled }}
+    - name: cni-sockets
+      hostPath:
+        path: {{ .Values.inpod.socketDir }}
+        type: DirectoryOrCreate
+    {{- end }}
     - name: isthmus-token
       projected:
         sources:

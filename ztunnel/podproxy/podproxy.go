@@ -1,0 +1,373 @@
+// Package podproxy serves every enrolled pod from inside its own network
+// namespace. For each pod the CNI node agent hands over (through
+// ztunnel/inpod), it opens the pod's listeners in the pod's namespace —
+// 15001 outbound capture, 15006 inbound plaintext, 15008 HBONE, 15053 DNS
+// (UDP and TCP) — and serves them with the node's proxies. Connections
+// ztunnel makes for the pod (outbound tunnels, inbound to the application)
+// leave from inside the pod's namespace with ztunnel's socket mark, so the
+// pod's rules let them through. The pod's identity comes from its
+// enrolment (cluster/namespace/name, the xDS workload), never from an
+// address. Manager implements inpod.PodHandler.
+package podproxy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/netip"
+	"os"
+	"slices"
+	"sync"
+
+	"github.com/isthmus-mesh/isthmus/ztunnel/dns"
+	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
+	"github.com/isthmus-mesh/isthmus/ztunnel/inpod"
+	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
+	"github.com/isthmus-mesh/isthmus/ztunnel/netns"
+	"github.com/isthmus-mesh/isthmus/ztunnel/proxy"
+	"github.com/isthmus-mesh/isthmus/ztunnel/state"
+)
+
+// Config configures a Manager. Zero fields take the defaults of
+// withDefaults.
+type Config struct {
+	// Proxy configures the pods' proxies (node, trust domain, HBONE port).
+	Proxy proxy.Config
+	// Cluster is this ztunnel's cluster: a pod's workload is
+	// <Cluster>/<namespace>/<name> in xDS.
+	Cluster string
+	// Network is this node's network (DNS answers for it).
+	Network string
+	// OutboundPort (15001), InboundPlaintextPort (15006) and DNSPort
+	// (15053) are the in-pod listeners besides HBONE (Proxy.HBONEPort).
+	OutboundPort, InboundPlaintextPort, DNSPort uint16
+	// DisableDNS opens no DNS listener in pods.
+	DisableDNS bool
+	// DNS configures the pods' DNS proxies (domain, upstreams).
+	DNS dns.Config
+	// Mark is ztunnel's socket mark, which the pods' rules never capture.
+	Mark uint32
+}
+
+func (c Config) withDefaults() Config {
+	if c.OutboundPort == 0 {
+		c.OutboundPort = 15001
+	}
+	if c.InboundPlaintextPort == 0 {
+		c.InboundPlaintextPort = 15006
+	}
+	if c.DNSPort == 0 {
+		c.DNSPort = 15053
+	}
+	if c.Proxy.HBONEPort == 0 {
+		c.Proxy.HBONEPort = 15008
+	}
+	return c
+}
+
+func (c Config) validate() error {
+	var errs []error
+	if c.Cluster == "" {
+		errs = append(errs, errors.New("Cluster is required"))
+	}
+	if c.Proxy.Node == "" {
+		errs = append(errs, errors.New("Proxy.Node is required"))
+	}
+	if c.Mark == 0 {
+		errs = append(errs, errors.New("Mark is required (the pods' rules skip sockets carrying it)"))
+	}
+	return errors.Join(errs...)
+}
+
+// Deps are the Manager's collaborators; Store and Certs are required.
+type Deps struct {
+	Store   *state.Store
+	Certs   identity.CertSource
+	Metrics *metrics.Metrics
+	// DNSMetrics is shared by the pods' DNS servers.
+	DNSMetrics *dns.Metrics
+	// Plaintext decides plaintext inbound (nil: STRICT, all refused).
+	Plaintext proxy.PlaintextPolicy
+	// Ready reports whether the store holds pilot's view (DNS forwards
+	// unknown mesh names until then).
+	Ready func() bool
+	Log   *slog.Logger
+}
+
+// Manager serves the enrolled pods. Its methods are safe for concurrent
+// use; Close is idempotent.
+type Manager struct {
+	cfg  Config
+	deps Deps
+	log  *slog.Logger
+
+	mu     sync.Mutex
+	pods   map[string]*pod // by Kubernetes pod UID
+	closed bool
+}
+
+// New returns a Manager serving no pod yet.
+func New(cfg Config, deps Deps) (*Manager, error) {
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, fmt.Errorf("podproxy: %w", err)
+	}
+	if deps.Store == nil || deps.Certs == nil {
+		return nil, errors.New("podproxy: Store and Certs are required")
+	}
+	if deps.Log == nil {
+		deps.Log = slog.New(slog.DiscardHandler)
+	}
+	return &Manager{cfg: cfg, deps: deps, log: deps.Log.With("component", "podproxy"), pods: map[string]*pod{}}, nil
+}
+
+var _ inpod.PodHandler = (*Manager)(nil)
+
+// pod is one enrolled pod's proxies and listeners.
+type pod struct {
+	info   inpod.Pod
+	uid    string // the xDS workload
+	ns     *os.File
+	nsID   netns.ID
+	out    *proxy.Outbound
+	in     *proxy.Inbound
+	plain  *proxy.PlaintextInbound
+	dns    *dns.Server
+	lns    []net.Listener
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+}
+
+// AddPod implements inpod.PodHandler: it opens the pod's listeners inside
+// ns and serves them. A pod already served in the same namespace is kept
+// (ns is closed); one served in another namespace (a sandbox recreated
+// under the same UID) is replaced.
+func (m *Manager) AddPod(_ context.Context, p inpod.Pod, ns *os.File) error {
+	id, err := netns.IDOf(ns)
+	if err != nil {
+		return fmt.Errorf("pod %s/%s: netns: %w", p.Namespace, p.Name, err)
+	}
+	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		return errors.New("podproxy: closed")
+	}
+	old := m.pods[p.UID]
+	m.mu.Unlock()
+	if old != nil && old.nsID == id {
+		ns.Close()
+		return nil
+	}
+	np, err := m.start(p, ns, id)
+	if err != nil {
+		return fmt.Errorf("pod %s/%s: %w", p.Namespace, p.Name, err)
+	}
+	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		np.stop()
+		return errors.New("podproxy: closed")
+	}
+	m.pods[p.UID] = np
+	m.mu.Unlock()
+	if old != nil {
+		old.stop()
+	}
+	m.log.Info("serving pod", "pod", p.Namespace+"/"+p.Name, "workload", np.uid)
+	return nil
+}
+
+// DelPod implements inpod.PodHandler.
+func (m *Manager) DelPod(_ context.Context, uid string) error {
+	m.mu.Lock()
+	p := m.pods[uid]
+	delete(m.pods, uid)
+	m.mu.Unlock()
+	if p != nil {
+		p.stop()
+		m.log.Info("released pod", "pod", p.info.Namespace+"/"+p.info.Name)
+	}
+	return nil
+}
+
+// Snapshot implements inpod.PodHandler: pods not in uids are released.
+func (m *Manager) Snapshot(ctx context.Context, uids []string) error {
+	m.mu.Lock()
+	var gone []string
+	for uid := range m.pods {
+		if !slices.Contains(uids, uid) {
+			gone = append(gone, uid)
+		}
+	}
+	m.mu.Unlock()
+	for _, uid := range gone {
+		_ = m.DelPod(ctx, uid)
+	}
+	return nil
+}
+
+// Pods returns the served pods (namespace/name), sorted.
+func (m *Manager) Pods() []string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := make([]string, 0, len(m.pods))
+	for _, p := range m.pods {
+		out = append(out, p.info.Namespace+"/"+p.info.Name)
+	}
+	slices.Sort(out)
+	return out
+}
+
+// Close stops serving every pod (their rules stay: traffic fails closed
+// until a ztunnel serves them again); idempotent.
+func (m *Manager) Close() error {
+	m.mu.Lock()
+	m.closed = true
+	pods := m.pods
+	m.pods = map[string]*pod{}
+	m.mu.Unlock()
+	for _, p := range pods {
+		p.stop()
+	}
+	return nil
+}
+
+// listen opens a TCP listener on port inside ns: on every address (IPv6
+// and IPv4), or IPv4 only where the namespace has no IPv6.
+func listen(ns *os.File, port uint16) (net.Listener, error) {
+	ln, err := netns.Listen(context.Background(), ns, "tcp", netip.AddrPortFrom(netip.IPv6Unspecified(), port).String(), nil)
+	if err != nil {
+		ln, err = netns.Listen(context.Background(), ns, "tcp4", netip.AddrPortFrom(netip.IPv4Unspecified(), port).String(), nil)
+	}
+	return ln, err
+}
+
+func listenPacket(ns *os.File, port uint16) (net.PacketConn, error) {
+	pc, err := netns.ListenPacket(context.Background(), ns, "udp", netip.AddrPortFrom(netip.IPv6Unspecified(), port).String(), nil)
+	if err != nil {
+		pc, err = netns.ListenPacket(context.Background(), ns, "udp4", netip.AddrPortFrom(netip.IPv4Unspecified(), port).String(), nil)
+	}
+	return pc, err
+}
+
+// start opens p's listeners in ns and serves them.
+func (m *Manager) start(info inpod.Pod, ns *os.File, id netns.ID) (_ *pod, err error) {
+	p := &pod{info: info, uid: m.cfg.Cluster + "/" + info.Namespace + "/" + info.Name, ns: ns, nsID: id}
+	defer func() {
+		if err != nil {
+			for _, ln := range p.lns {
+				ln.Close()
+			}
+			if p.out != nil {
+				p.out.Close()
+			}
+			if p.in != nil {
+				p.in.Close()
+			}
+			if p.plain != nil {
+				p.plain.Close()
+			}
+		}
+	}()
+	deps := proxy.Deps{Store: m.deps.Store, Certs: m.deps.Certs, Metrics: m.deps.Metrics,
+		Log: m.log.With("pod", info.Namespace+"/"+info.Name),
+		// Every connection made for the pod leaves from its namespace,
+		// marked so that its rules do not capture it again.
+		Dialer: &netns.Dialer{NetNS: ns, Mark: m.cfg.Mark}}
+	open := func(port uint16) (net.Listener, error) {
+		ln, err := listen(ns, port)
+		if err != nil {
+			return nil, fmt.Errorf("listen on %d in the pod: %w", port, err)
+		}
+		p.lns = append(p.lns, ln)
+		return ln, nil
+	}
+	outLn, err := open(m.cfg.OutboundPort)
+	if err != nil {
+		return nil, err
+	}
+	hboneLn, err := open(m.cfg.Proxy.HBONEPort)
+	if err != nil {
+		return nil, err
+	}
+	plainLn, err := open(m.cfg.InboundPlaintextPort)
+	if err != nil {
+		return nil, err
+	}
+	if p.out, err = proxy.NewOutbound(m.cfg.Proxy, deps, state.Selector{}); err != nil {
+		return nil, err
+	}
+	if p.in, err = proxy.NewPodInbound(m.cfg.Proxy, deps, p.uid); err != nil {
+		return nil, err
+	}
+	if p.plain, err = proxy.NewPlaintextInbound(m.cfg.Proxy, deps, p.uid, m.deps.Plaintext); err != nil {
+		return nil, err
+	}
+	if !m.cfg.DisableDNS {
+		if p.dns, err = m.dnsServer(p, ns); err != nil {
+			return nil, err
+		}
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	p.cancel = cancel
+	p.wg.Go(func() { _ = p.out.ServeCaptured(outLn, p.uid) })
+	p.wg.Go(func() { _ = p.in.Serve(hboneLn) })
+	p.wg.Go(func() { _ = p.plain.Serve(plainLn) })
+	if p.dns != nil {
+		p.wg.Go(func() {
+			if err := p.dns.Run(ctx); err != nil {
+				m.log.Warn("pod DNS proxy stopped", "pod", info.Namespace+"/"+info.Name, "err", err)
+			}
+		})
+	}
+	return p, nil
+}
+
+// dnsServer makes the pod's DNS proxy on UDP and TCP DNSPort in ns; the
+// client of every query is the pod.
+func (m *Manager) dnsServer(p *pod, ns *os.File) (*dns.Server, error) {
+	pc, err := listenPacket(ns, m.cfg.DNSPort)
+	if err != nil {
+		return nil, fmt.Errorf("listen on udp %d in the pod: %w", m.cfg.DNSPort, err)
+	}
+	ln, err := listen(ns, m.cfg.DNSPort)
+	if err != nil {
+		pc.Close()
+		return nil, fmt.Errorf("listen on tcp %d in the pod: %w", m.cfg.DNSPort, err)
+	}
+	client := dns.Client{Namespace: p.info.Namespace, Network: m.cfg.Network}
+	srv, err := dns.New(m.cfg.DNS, dns.Deps{
+		Catalog:     &dns.StoreCatalog{Store: m.deps.Store, Domain: m.cfg.DNS.Domain, Network: m.cfg.Network},
+		Client:      func(netip.Addr) (dns.Client, bool) { return client, true },
+		Ready:       m.deps.Ready,
+		PacketConns: []net.PacketConn{pc},
+		Listeners:   []net.Listener{ln},
+		Metrics:     m.deps.DNSMetrics,
+		Log:         m.log,
+	})
+	if err != nil {
+		pc.Close()
+		ln.Close()
+		return nil, err
+	}
+	return srv, nil
+}
+
+// stop closes the pod's listeners and connections, waits for them, and
+// closes its namespace file.
+func (p *pod) stop() {
+	p.cancel()
+	for _, ln := range p.lns {
+		ln.Close()
+	}
+	p.out.Close()
+	p.in.Close()
+	p.plain.Close()
+	if p.dns != nil {
+		p.dns.Close()
+	}
+	p.wg.Wait()
+	p.ns.Close()
+}

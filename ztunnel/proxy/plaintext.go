@@ -1,0 +1,98 @@
+package proxy
+
+import (
+	"context"
+	"net"
+	"net/netip"
+	"slices"
+
+	"github.com/isthmus-mesh/isthmus/internal/conntrack"
+	"github.com/isthmus-mesh/isthmus/ztunnel/hbone"
+	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
+	"github.com/isthmus-mesh/isthmus/ztunnel/netns"
+	"github.com/isthmus-mesh/isthmus/ztunnel/state"
+)
+
+// Plaintext inbound refusal reasons.
+const (
+	// ReasonPlaintextRefused: plaintext to a workload whose peer
+	// authentication is STRICT (the default).
+	ReasonPlaintextRefused = "plaintext_refused"
+	// ReasonUnknownDestination: the original destination is not the pod's.
+	ReasonUnknownDestination = "unknown_destination"
+)
+
+// PlaintextPolicy decides whether plaintext (non-HBONE) connections from
+// src may reach port of workload w: PeerAuthentication (PERMISSIVE,
+// DISABLE) and then the workload's authorization. It must be safe for
+// concurrent use. Nil refuses all plaintext (STRICT).
+type PlaintextPolicy func(w *state.Workload, src, dst netip.AddrPort) bool
+
+// PlaintextInbound serves an enrolled pod's inbound plaintext capture
+// (15006, inside the pod's network namespace): connections that arrive
+// without HBONE. They are refused unless the policy allows plaintext to the
+// destination port; allowed ones are relayed to the application. Safe for
+// concurrent use; Close is idempotent and waits for connections.
+type PlaintextInbound struct {
+	cfg    Config
+	deps   Deps
+	pod    string
+	policy PlaintextPolicy
+	t      *conntrack.Tracker
+}
+
+// NewPlaintextInbound returns the plaintext inbound of the enrolled pod with
+// workload uid; deps.Dialer reaches the application from inside the pod.
+func NewPlaintextInbound(cfg Config, deps Deps, uid string, policy PlaintextPolicy) (*PlaintextInbound, error) {
+	cfg = cfg.withDefaults()
+	deps, err := deps.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	return &PlaintextInbound{cfg: cfg, deps: deps, pod: uid, policy: policy,
+		t: conntrack.New(conntrack.Limits{MaxConns: cfg.MaxClientConns, MaxPerPeer: cfg.MaxClientConnsPerSource})}, nil
+}
+
+// Serve serves ln until ln or p is closed.
+func (p *PlaintextInbound) Serve(ln net.Listener) error {
+	return p.t.Serve(ln, p.handle, func(net.Conn, error) {
+		p.deps.Metrics.Refused(metrics.ReporterDestination, ReasonConnLimit)
+	})
+}
+
+// Close ends every connection and waits; idempotent.
+func (p *PlaintextInbound) Close() error {
+	p.t.Close()
+	return nil
+}
+
+func (p *PlaintextInbound) handle(c net.Conn) {
+	p.deps.Metrics.Captured(metrics.DirectionInboundPlaintext)
+	dst, _, err := netns.OriginalDst(c)
+	src, ok := hbone.AddrPortOf(c.RemoteAddr())
+	w, known := p.deps.Store.Load().Workload(p.pod)
+	if err != nil || !ok || !known || !slices.Contains(w.Addresses, dst.Addr()) {
+		p.deps.Metrics.Refused(metrics.ReporterDestination, ReasonUnknownDestination)
+		return
+	}
+	if p.policy == nil || !p.policy(w, src, dst) {
+		p.deps.Metrics.Refused(metrics.ReporterDestination, ReasonPlaintextRefused)
+		p.deps.Log.Debug("plaintext inbound refused", "pod", p.pod, "port", dst.Port())
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.DialTimeout)
+	up, err := p.deps.Dialer.DialContext(ctx, "tcp", dst.String())
+	cancel()
+	if err != nil {
+		p.deps.Metrics.Refused(metrics.ReporterDestination, ReasonUpstreamConnect)
+		return
+	}
+	defer up.Close()
+	mc := p.deps.Metrics.Open(metrics.ConnLabels{
+		Reporter: metrics.ReporterDestination, DestinationPrincipal: w.Identity().String(),
+		SourceCluster: metrics.Unknown, SourceNetwork: metrics.Unknown,
+		DestinationCluster: w.Cluster, DestinationNetwork: w.Network,
+	})
+	defer mc.Close()
+	_, _, _ = hbone.Relay(c, up, mc.AddReceived, mc.AddSent)
+}
