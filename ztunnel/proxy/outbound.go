@@ -181,12 +181,15 @@ func (o *Outbound) serve(ln net.Listener, handle func(net.Conn)) error {
 	})
 }
 
-// route is a resolved destination.
+// route is a resolved destination: one workload addressed directly, or the
+// endpoints of a service in the order to try them.
 type route struct {
-	dst        *state.Workload
-	svc        *state.Service
-	targetPort uint16
+	svc   *state.Service
+	cands []state.Endpoint
 }
+
+// maxAttempts bounds the endpoints one client connection tries.
+const maxAttempts = 4
 
 func (o *Outbound) resolve(snap *state.Snapshot, src *state.Workload, t Target) (route, error) {
 	var svc *state.Service
@@ -207,31 +210,58 @@ func (o *Outbound) resolve(snap *state.Snapshot, src *state.Workload, t Target) 
 		}
 	}
 	if svc != nil {
-		ep, err := o.sel.Select(snap, svc, t.Port, state.SourceOf(src))
+		cands, err := o.sel.Rank(snap, svc, t.Port, state.SourceOf(src), nil)
 		if err != nil {
 			return route{}, err
 		}
-		return route{dst: ep.Workload, svc: svc, targetPort: ep.TargetPort}, nil
+		return route{svc: svc, cands: cands[:min(len(cands), maxAttempts)]}, nil
 	}
 	w, ok := snap.WorkloadByAddr(t.Addr)
 	if !ok {
 		return route{}, fmt.Errorf("%w: unknown address %s", ErrNoRoute, t.Addr)
 	}
-	return route{dst: w, targetPort: t.Port}, nil
+	return route{cands: []state.Endpoint{{Workload: w, TargetPort: t.Port}}}, nil
 }
 
-// Dial connects src (a local workload) to t the way ztunnel would. Every
-// HBONE hop verifies its peer against the identities xDS says may answer:
-// a workload's own identity on the same network; through a gateway, one of
-// the gateway's identities for the outer tunnel and one of the remote
-// endpoints' identities end to end.
+// Dial connects src (a local workload) to t the way ztunnel would. A
+// service's endpoints are tried in preference order: when one cannot be
+// reached (refused, unreachable, timed out after DialTimeout, or presenting
+// the wrong identity) the next is tried, within this one client connection
+// (at most maxAttempts). Every HBONE hop verifies its peer against the
+// identities xDS says may answer: a workload's own identity on the same
+// network; through a gateway, one of the gateway's identities for the outer
+// tunnel and one of the remote endpoints' identities end to end.
 func (o *Outbound) Dial(ctx context.Context, src *state.Workload, t Target) (net.Conn, metrics.ConnLabels, error) {
-	snap := o.deps.Store.Load()
-	r, err := o.resolve(snap, src, t)
+	r, err := o.resolve(o.deps.Store.Load(), src, t)
 	if err != nil {
 		return nil, metrics.ConnLabels{}, err
 	}
-	dst := r.dst
+	var errs []error
+	var labels metrics.ConnLabels
+	for i, ep := range r.cands {
+		actx, cancel := context.WithTimeout(ctx, o.cfg.DialTimeout)
+		var c net.Conn
+		c, labels, err = o.dialEndpoint(actx, src, t, r.svc, ep)
+		cancel()
+		if err == nil {
+			return c, labels, nil
+		}
+		errs = append(errs, err)
+		if ctx.Err() != nil || i == len(r.cands)-1 {
+			break
+		}
+		// Counted here, as the connection goes on to the next endpoint; a
+		// last failure is counted by the caller.
+		o.deps.Metrics.Refused(metrics.ReporterSource, dialReason(err))
+		o.deps.Log.Debug("endpoint failed, trying the next", "endpoint", ep.Workload.UID, "err", err)
+	}
+	return nil, labels, errors.Join(errs...)
+}
+
+// dialEndpoint connects src to endpoint ep (of svc, nil when t addressed a
+// workload directly).
+func (o *Outbound) dialEndpoint(ctx context.Context, src *state.Workload, t Target, svc *state.Service, ep state.Endpoint) (net.Conn, metrics.ConnLabels, error) {
+	dst := ep.Workload
 	labels := metrics.ConnLabels{
 		Reporter:             metrics.ReporterSource,
 		SourcePrincipal:      src.Identity().String(),
@@ -248,23 +278,21 @@ func (o *Outbound) Dial(ctx context.Context, src *state.Workload, t Target) (net
 	bg := baggage{cluster: src.Cluster, namespace: src.Namespace, name: src.Name, network: src.Network}.String()
 
 	if dst.Synthetic() || dst.Network != src.Network {
-		if !dst.Synthetic() || r.svc == nil {
+		if !dst.Synthetic() || svc == nil {
 			return nil, labels, fmt.Errorf("%w: %s is on network %s and not addressed as a service", ErrNoRoute, t, dst.Network)
 		}
-		c, err := o.dialDouble(ctx, src, dst, r, t, srcAddr, bg)
+		c, err := o.dialDouble(ctx, src, dst, svc, t, srcAddr, bg)
 		return c, labels, err
 	}
 	if len(dst.Addresses) == 0 {
 		return nil, labels, fmt.Errorf("%w: workload %s has no address", ErrNoRoute, dst.UID)
 	}
-	addr := netip.AddrPortFrom(dst.Addresses[0], r.targetPort)
+	addr := netip.AddrPortFrom(dst.Addresses[0], ep.TargetPort)
 	if dst.Protocol != state.TunnelHBONE {
 		if err := o.checkDial(addr); err != nil {
 			return nil, labels, err
 		}
-		dctx, cancel := context.WithTimeout(ctx, o.cfg.DialTimeout)
-		defer cancel()
-		c, err := o.deps.Dialer.DialContext(dctx, "tcp", addr.String())
+		c, err := o.deps.Dialer.DialContext(ctx, "tcp", addr.String())
 		return c, labels, err
 	}
 	peers := dst.PeerIdentities()
@@ -295,29 +323,11 @@ func (o *Outbound) Dial(ctx context.Context, src *state.Workload, t Target) (net
 // order weighted by capacity, so that new tunnels spread over the gateways
 // and each failure falls over to the next.
 func (o *Outbound) gatewayOrder(gws []*state.NetworkGateway) []*state.NetworkGateway {
-	rest := slices.Clone(gws)
-	out := make([]*state.NetworkGateway, 0, len(rest))
 	rnd := o.sel.Rand
 	if rnd == nil {
 		rnd = rand.Uint64N
 	}
-	for len(rest) > 0 {
-		var total uint64
-		for _, g := range rest {
-			total += g.Weight()
-		}
-		pick := rnd(total)
-		i := 0
-		for ; i < len(rest)-1; i++ {
-			if pick < rest[i].Weight() {
-				break
-			}
-			pick -= rest[i].Weight()
-		}
-		out = append(out, rest[i])
-		rest = slices.Delete(rest, i, i+1)
-	}
-	return out
+	return state.WeightedOrder(gws, (*state.NetworkGateway).Weight, rnd)
 }
 
 // dialDouble opens an end-to-end HBONE stream to an endpoint of r.svc on a
@@ -325,14 +335,14 @@ func (o *Outbound) gatewayOrder(gws []*state.NetworkGateway) []*state.NetworkGat
 // the next gateway when one cannot be reached or does not verify. Inner
 // HTTP/2 connections are pooled: streams to the same service through the
 // same gateway share one outer stream while it has room.
-func (o *Outbound) dialDouble(ctx context.Context, src, dst *state.Workload, r route, t Target, srcAddr, bg string) (net.Conn, error) {
+func (o *Outbound) dialDouble(ctx context.Context, src, dst *state.Workload, svc *state.Service, t Target, srcAddr, bg string) (net.Conn, error) {
 	if len(dst.Identities) == 0 {
-		return nil, fmt.Errorf("%w: %s behind network %s", ErrNoPeerIdentity, r.svc.Hostname, dst.Network)
+		return nil, fmt.Errorf("%w: %s behind network %s", ErrNoPeerIdentity, svc.Hostname, dst.Network)
 	}
 	order := o.gatewayOrder(dst.Gateways)
 	var errs []error
 	for i, gw := range order {
-		c, err := o.dialVia(ctx, src, dst, gw, r, t, srcAddr, bg)
+		c, err := o.dialVia(ctx, src, dst, gw, svc, t, srcAddr, bg)
 		if err == nil {
 			return c, nil
 		}
@@ -349,8 +359,8 @@ func (o *Outbound) dialDouble(ctx context.Context, src, dst *state.Workload, r r
 }
 
 // dialVia is dialDouble through gateway gw.
-func (o *Outbound) dialVia(ctx context.Context, src, dst *state.Workload, gw *state.NetworkGateway, r route, t Target, srcAddr, bg string) (net.Conn, error) {
-	outerAuthority := net.JoinHostPort(r.svc.Hostname, strconv.Itoa(int(t.Port)))
+func (o *Outbound) dialVia(ctx context.Context, src, dst *state.Workload, gw *state.NetworkGateway, svc *state.Service, t Target, srcAddr, bg string) (net.Conn, error) {
+	outerAuthority := net.JoinHostPort(svc.Hostname, strconv.Itoa(int(t.Port)))
 	srcID := src.Identity()
 	if len(gw.Identities) == 0 {
 		return nil, fmt.Errorf("%w: gateway %s names no identity", ErrGatewayIdentity, gw.Target())

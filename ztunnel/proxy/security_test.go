@@ -140,10 +140,19 @@ func TestSameNetworkPeerIdentityIsExact(t *testing.T) {
 		tx.RemoveWorkload("b1")
 		tx.UpsertWorkload(pod("d1", d1, "node-d", "n1", "c1", "echo"))
 	})
+	// The impostor is refused; the connection goes on to the next endpoint
+	// (network 2's, through the gateway).
+	m.echoVia(t, echoHost)
+	require.Equal(t, 1.0, m.mOut.RefusedCount(metrics.ReporterSource, ReasonPeerIdentity))
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		require.Equal(c, 1.0, m.mGW.OpenedCount(metrics.ReporterGateway))
+	}, 5*time.Second, 10*time.Millisecond)
+	// With no other endpoint, the connection fails.
+	m.n1.Update(func(tx *state.Tx) { tx.RemoveWorkload("n2/echo") })
 	c, code := socksDial(t, m.socksAddr, m.a1, echoHost, svcPort)
 	c.Close()
 	require.NotEqual(t, byte(0), code)
-	require.Equal(t, 1.0, m.mOut.RefusedCount(metrics.ReporterSource, ReasonPeerIdentity))
+	require.Equal(t, 2.0, m.mOut.RefusedCount(metrics.ReporterSource, ReasonPeerIdentity))
 }
 
 // seriesCount returns the number of label sets of a metric family.
@@ -399,4 +408,25 @@ func TestConnectionCaps(t *testing.T) {
 	_, err = c.Read(make([]byte, 1))
 	require.Error(t, err)
 	require.Equal(t, 1.0, m.mOut.RefusedCount(metrics.ReporterSource, ReasonSourceConnLimit))
+}
+
+// TestConnectFailureFailover: the preferred endpoint (same cluster) is
+// still marked ready but refuses connections (its node is gone); within
+// the one client connection, ztunnel tries the next endpoint in preference
+// order, and counts the failed attempt.
+func TestConnectFailureFailover(t *testing.T) {
+	m := newMesh(t, nil)
+	dead := nextAddr() // nothing listens there, not even an inbound
+	m.n1.Update(func(tx *state.Tx) {
+		w := pod("b0", dead, "node-gone", "n1", "c1", "echo")
+		tx.UpsertWorkload(w)
+		// b1 moves to another cluster of the same network: b0 (same
+		// cluster as the client) is preferred.
+		b1 := pod("b1", m.b1, "node-b", "n1", "c9", "echo")
+		tx.UpsertWorkload(b1)
+	})
+	for range 3 {
+		m.echoVia(t, echoHost)
+	}
+	require.Equal(t, 3.0, m.mOut.RefusedCount(metrics.ReporterSource, ReasonUpstreamUnavailble), "each connection tried b0 first")
 }

@@ -203,7 +203,7 @@ func (o *Outbound) handleTransparent(c net.Conn, src *state.Workload) {
 		o.deps.Metrics.Refused(metrics.ReporterSource, ReasonNoRoute)
 		return
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), o.cfg.DialTimeout+o.cfg.Client.DialTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(maxAttempts)*o.cfg.DialTimeout)
 	defer cancel()
 	o.handle(ctx, c, src, Target{Addr: dst.Addr(), Port: dst.Port()}, func(error) error { return nil })
 }

@@ -1,9 +1,11 @@
 package state
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 )
 
 // ErrNoEndpoint is returned when a service has no ready endpoint for a port.
@@ -115,4 +117,79 @@ func rank(w *Workload, src Source) int {
 		}
 	}
 	return score
+}
+
+// Rank returns every endpoint of svc for port that keep accepts (all when
+// nil), in the order to try them: the tiers of Select's preference (same
+// network, cluster, region, zone, subzone), best first, each in a random
+// order weighted by capacity. A client tries the next when one cannot be
+// reached.
+func (sel Selector) Rank(snap *Snapshot, svc *Service, port uint16, src Source, keep func(*Workload) bool) ([]Endpoint, error) {
+	if !svc.HasPort(port) {
+		return nil, fmt.Errorf("service %s has no port %d: %w", svc.Hostname, port, ErrNoEndpoint)
+	}
+	key := svc.Key()
+	type ranked struct {
+		ep    Endpoint
+		score int
+	}
+	var all []ranked
+	for _, w := range snap.Endpoints(key) {
+		if w.Status != StatusReady || (keep != nil && !keep(w)) || (len(w.Addresses) == 0 && len(w.Gateways) == 0) {
+			continue
+		}
+		tp, ok := w.TargetPort(key, port)
+		if !ok {
+			continue
+		}
+		all = append(all, ranked{Endpoint{Workload: w, TargetPort: tp}, rank(w, src)})
+	}
+	if len(all) == 0 {
+		return nil, fmt.Errorf("service %s port %d: %w", svc.Hostname, port, ErrNoEndpoint)
+	}
+	slices.SortStableFunc(all, func(a, b ranked) int { return cmp.Compare(b.score, a.score) })
+	rnd := sel.Rand
+	if rnd == nil {
+		rnd = rand.Uint64N
+	}
+	out := make([]Endpoint, 0, len(all))
+	for start := 0; start < len(all); {
+		end := start
+		for end < len(all) && all[end].score == all[start].score {
+			end++
+		}
+		tier := make([]Endpoint, 0, end-start)
+		for _, r := range all[start:end] {
+			tier = append(tier, r.ep)
+		}
+		out = append(out, WeightedOrder(tier, func(e Endpoint) uint64 { return e.Workload.Weight() }, rnd)...)
+		start = end
+	}
+	return out, nil
+}
+
+// WeightedOrder returns items in a random order in which each next item is
+// drawn with probability proportional to its weight (at least 1) among
+// those left. rnd returns a uniform integer in [0, n).
+func WeightedOrder[T any](items []T, weight func(T) uint64, rnd func(n uint64) uint64) []T {
+	rest := slices.Clone(items)
+	out := make([]T, 0, len(rest))
+	for len(rest) > 0 {
+		var total uint64
+		for _, it := range rest {
+			total += max(weight(it), 1)
+		}
+		pick := rnd(total)
+		i := 0
+		for ; i < len(rest)-1; i++ {
+			w := max(weight(rest[i]), 1)
+			if pick < w {
+				break
+			}
+			pick -= w
+		}
+		out = append(out, rest[i])
+		rest = slices.Delete(rest, i, i+1)
+	}
+	return out
 }
