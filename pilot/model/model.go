@@ -315,3 +315,73 @@ func (g NetworkGateway) Key() string {
 	}
 	return string(g.Network) + "/" + string(g.Cluster) + "/" + g.Source + "/" + addr
 }
+
+// Istio's canonical-service labels, and the labels controllers put on
+// their pods, which name a pod's workload (its Deployment, StatefulSet,
+// DaemonSet or Job) without keeping its owner references.
+const (
+	LabelCanonicalName     = "service.istio.io/canonical-name"
+	LabelCanonicalRevision = "service.istio.io/canonical-revision"
+	labelAppName           = "app.kubernetes.io/name"
+	labelAppVersion        = "app.kubernetes.io/version"
+	labelPodTemplateHash   = "pod-template-hash"
+	labelStatefulSetPod    = "statefulset.kubernetes.io/pod-name"
+	labelJobName           = "job-name"
+	labelRevisionHash      = "controller-revision-hash"
+	labelTemplateGen       = "pod-template-generation"
+)
+
+// WorkloadName is the name of the workload a pod belongs to, as Istio's
+// telemetry names it: a Deployment's pods <deploy>-<hash>-<x> give <deploy>,
+// a StatefulSet's <sts>-<n> give <sts>, a DaemonSet's <ds>-<x> give <ds>, a
+// Job's its job-name; any other pod is its own workload. A workload made
+// from an EndpointSlice address has none ("").
+func (w *Workload) WorkloadName() string {
+	if w.FromSlice {
+		return ""
+	}
+	l := w.Labels
+	if h := l[labelPodTemplateHash]; h != "" {
+		if i := strings.LastIndex(w.Name, "-"+h+"-"); i > 0 {
+			return w.Name[:i]
+		}
+	}
+	if l[labelStatefulSetPod] == w.Name && l[labelRevisionHash] != "" {
+		if i := strings.LastIndex(w.Name, "-"); i > 0 {
+			return w.Name[:i]
+		}
+	}
+	if j := l[labelJobName]; j != "" {
+		return j
+	}
+	if l[labelRevisionHash] != "" && l[labelTemplateGen] != "" {
+		if i := strings.LastIndex(w.Name, "-"); i > 0 {
+			return w.Name[:i]
+		}
+	}
+	return w.Name
+}
+
+// CanonicalName is the workload's canonical service (Istio's rule: the
+// canonical-name label, else app.kubernetes.io/name, else app, else the
+// workload name).
+func (w *Workload) CanonicalName() string {
+	for _, k := range []string{LabelCanonicalName, labelAppName, "app"} {
+		if v := w.Labels[k]; v != "" {
+			return v
+		}
+	}
+	return w.WorkloadName()
+}
+
+// CanonicalRevision is the workload's canonical revision (the
+// canonical-revision label, else app.kubernetes.io/version, else version,
+// else "latest").
+func (w *Workload) CanonicalRevision() string {
+	for _, k := range []string{LabelCanonicalRevision, labelAppVersion, "version"} {
+		if v := w.Labels[k]; v != "" {
+			return v
+		}
+	}
+	return "latest"
+}

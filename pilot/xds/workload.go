@@ -134,6 +134,9 @@ func buildWorkload(c class, w *model.Workload, trustDomain string, service func(
 		out.TunnelProtocol = workloadv1.TunnelProtocol_NONE
 		out.HostNetwork = true
 	}
+	if !w.FromSlice {
+		out.WorkloadName, out.CanonicalName, out.CanonicalRevision = w.WorkloadName(), w.CanonicalName(), w.CanonicalRevision()
+	}
 	if w.Locality != (model.Locality{}) {
 		out.Locality = &workloadv1.Locality{Region: w.Locality.Region, Zone: w.Locality.Zone, Subzone: w.Locality.Subzone}
 	}

@@ -369,14 +369,15 @@ func (s *Server) serveStream(ci *connInfo, w http.ResponseWriter, r *http.Reques
 	// Whatever happens from here on (a reset, a panic), the upstream the
 	// handler dialled is closed with the stream.
 	defer up.Conn.Close()
+	// Counted before the client hears of it.
+	mc := s.deps.Metrics.Open(up.Labels)
+	defer mc.Close()
 	for k, v := range up.Header {
 		w.Header()[k] = v
 	}
 	w.WriteHeader(http.StatusOK)
 	fl := w.(http.Flusher)
 	fl.Flush()
-	mc := s.deps.Metrics.Open(up.Labels)
-	defer mc.Close()
 	s.relayStream(r, w, fl, up.Conn, mc)
 }
 

@@ -29,12 +29,33 @@ const (
 	DirectionInboundHBONE = "inbound_hbone"
 )
 
-// Metrics holds ztunnel's collectors.
+// Metrics holds ztunnel's collectors: its own (isthmus_*) and Istio's
+// standard TCP metrics (istio_tcp_*, with Istio's label names), so that
+// Istio's dashboards and Kiali's graph work as they are.
 type Metrics struct {
 	opened, closed   *prometheus.CounterVec
 	sent, received   *prometheus.CounterVec
 	refused, tlsErrs *prometheus.CounterVec
 	captured         *prometheus.CounterVec
+	istio            istioTCP
+}
+
+// istioTCP are Istio's TCP metrics, reported by the source and destination
+// ztunnels (not by gateways, which would count each connection twice).
+type istioTCP struct {
+	opened, closed, sent, received *prometheus.CounterVec
+}
+
+// istioLabelNames are the labels of Istio's TCP metrics, as Istio's ztunnel
+// reports them.
+var istioLabelNames = []string{
+	"reporter",
+	"source_workload", "source_canonical_service", "source_canonical_revision", "source_workload_namespace",
+	"source_principal", "source_app", "source_version", "source_cluster",
+	"destination_service", "destination_service_namespace", "destination_service_name",
+	"destination_workload", "destination_canonical_service", "destination_canonical_revision", "destination_workload_namespace",
+	"destination_principal", "destination_app", "destination_version", "destination_cluster",
+	"request_protocol", "response_flags", "connection_security_policy",
 }
 
 var connLabelNames = []string{
@@ -66,8 +87,23 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		captured: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "isthmus_captured_connections_total", Help: "Connections of enrolled pods accepted by their in-pod listeners, by direction.",
 		}, []string{"direction"}),
+		istio: istioTCP{
+			opened: prometheus.NewCounterVec(prometheus.CounterOpts{
+				Name: "istio_tcp_connections_opened_total", Help: "TCP connections opened (Istio's standard metric).",
+			}, istioLabelNames),
+			closed: prometheus.NewCounterVec(prometheus.CounterOpts{
+				Name: "istio_tcp_connections_closed_total", Help: "TCP connections closed (Istio's standard metric).",
+			}, istioLabelNames),
+			sent: prometheus.NewCounterVec(prometheus.CounterOpts{
+				Name: "istio_tcp_sent_bytes_total", Help: "Bytes sent to the source, in the response direction (Istio's standard metric).",
+			}, istioLabelNames),
+			received: prometheus.NewCounterVec(prometheus.CounterOpts{
+				Name: "istio_tcp_received_bytes_total", Help: "Bytes received from the source, in the request direction (Istio's standard metric).",
+			}, istioLabelNames),
+		},
 	}
-	for _, c := range []prometheus.Collector{m.opened, m.closed, m.sent, m.received, m.refused, m.tlsErrs, m.captured} {
+	for _, c := range []prometheus.Collector{m.opened, m.closed, m.sent, m.received, m.refused, m.tlsErrs, m.captured,
+		m.istio.opened, m.istio.closed, m.istio.sent, m.istio.received} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -75,7 +111,9 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 	return m, nil
 }
 
-// ConnLabels identifies a proxied connection in the metrics.
+// ConnLabels identifies a proxied connection in the metrics. Every value
+// comes from the mesh's registry (the ztunnel's store) or a verified
+// identity, never from request data; "" is reported as "unknown".
 type ConnLabels struct {
 	Reporter             string
 	SourcePrincipal      string
@@ -84,6 +122,37 @@ type ConnLabels struct {
 	DestinationCluster   string
 	SourceNetwork        string
 	DestinationNetwork   string
+
+	// Istio's telemetry (istio_tcp_*): the workloads, their canonical
+	// service and revision, and the destination service.
+	SourceWorkload, SourceNamespace, SourceCanonicalService, SourceCanonicalRevision                     string
+	DestinationWorkload, DestinationNamespace, DestinationCanonicalService, DestinationCanonicalRevision string
+	DestinationService, DestinationServiceName, DestinationServiceNamespace                              string
+	// MutualTLS is set when the connection arrived or left over HBONE
+	// (connection_security_policy mutual_tls, else none).
+	MutualTLS bool
+}
+
+func (l ConnLabels) istioValues() []string {
+	or := func(v string) string {
+		if v == "" {
+			return Unknown
+		}
+		return safe(v)
+	}
+	policy := "none"
+	if l.MutualTLS {
+		policy = "mutual_tls"
+	}
+	return []string{
+		or(l.Reporter),
+		or(l.SourceWorkload), or(l.SourceCanonicalService), or(l.SourceCanonicalRevision), or(l.SourceNamespace),
+		or(l.SourcePrincipal), or(l.SourceCanonicalService), or(l.SourceCanonicalRevision), or(l.SourceCluster),
+		or(l.DestinationService), or(l.DestinationServiceNamespace), or(l.DestinationServiceName),
+		or(l.DestinationWorkload), or(l.DestinationCanonicalService), or(l.DestinationCanonicalRevision), or(l.DestinationNamespace),
+		or(l.DestinationPrincipal), or(l.DestinationCanonicalService), or(l.DestinationCanonicalRevision), or(l.DestinationCluster),
+		"tcp", "-", policy,
+	}
 }
 
 // Unknown is the label value of anything the registry does not vouch for.
@@ -117,6 +186,8 @@ func safe(v string) string {
 type Conn struct {
 	closed         prometheus.Counter
 	sent, received prometheus.Counter
+	// Istio's, nil for a gateway hop.
+	iclosed, isent, ireceived prometheus.Counter
 }
 
 // Open counts a new connection and returns its accounting handle.
@@ -126,13 +197,22 @@ func (m *Metrics) Open(l ConnLabels) *Conn {
 	}
 	v := l.values()
 	m.opened.WithLabelValues(v...).Inc()
-	return &Conn{closed: m.closed.WithLabelValues(v...), sent: m.sent.WithLabelValues(v...), received: m.received.WithLabelValues(v...)}
+	c := &Conn{closed: m.closed.WithLabelValues(v...), sent: m.sent.WithLabelValues(v...), received: m.received.WithLabelValues(v...)}
+	if l.Reporter == ReporterSource || l.Reporter == ReporterDestination {
+		iv := l.istioValues()
+		m.istio.opened.WithLabelValues(iv...).Inc()
+		c.iclosed, c.isent, c.ireceived = m.istio.closed.WithLabelValues(iv...), m.istio.sent.WithLabelValues(iv...), m.istio.received.WithLabelValues(iv...)
+	}
+	return c
 }
 
 // AddSent counts n bytes sent towards the source.
 func (c *Conn) AddSent(n int) {
 	if c != nil && n > 0 {
 		c.sent.Add(float64(n))
+		if c.isent != nil {
+			c.isent.Add(float64(n))
+		}
 	}
 }
 
@@ -140,6 +220,9 @@ func (c *Conn) AddSent(n int) {
 func (c *Conn) AddReceived(n int) {
 	if c != nil && n > 0 {
 		c.received.Add(float64(n))
+		if c.ireceived != nil {
+			c.ireceived.Add(float64(n))
+		}
 	}
 }
 
@@ -147,6 +230,9 @@ func (c *Conn) AddReceived(n int) {
 func (c *Conn) Close() {
 	if c != nil {
 		c.closed.Inc()
+		if c.iclosed != nil {
+			c.iclosed.Inc()
+		}
 	}
 }
 

@@ -264,14 +264,8 @@ func (in *Inbound) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstr
 	if err != nil {
 		return hbone.Upstream{}, hbone.Refuse(http.StatusServiceUnavailable, ReasonUpstreamConnect, "dial %s: %v", req.Authority, err)
 	}
-	srcCluster, srcNetwork := sourcePlace(in.deps.Store.Load(), req.Header)
-	return hbone.Upstream{Conn: c, Labels: metrics.ConnLabels{
-		Reporter:             metrics.ReporterDestination,
-		SourcePrincipal:      req.Peer.String(),
-		DestinationPrincipal: tw.Identity().String(),
-		SourceCluster:        srcCluster,
-		DestinationCluster:   tw.Cluster,
-		SourceNetwork:        srcNetwork,
-		DestinationNetwork:   tw.Network,
-	}}, nil
+	snap := in.deps.Store.Load()
+	labels := metrics.ConnLabels{Reporter: metrics.ReporterDestination, MutualTLS: true}
+	labels = withService(withDestination(inboundSource(labels, snap, req.Peer, req.Header), tw), serviceServing(snap, tw, uint16(port)))
+	return hbone.Upstream{Conn: c, Labels: labels}, nil
 }

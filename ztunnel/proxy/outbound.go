@@ -262,15 +262,8 @@ func (o *Outbound) Dial(ctx context.Context, src *state.Workload, t Target) (net
 // workload directly).
 func (o *Outbound) dialEndpoint(ctx context.Context, src *state.Workload, t Target, svc *state.Service, ep state.Endpoint) (net.Conn, metrics.ConnLabels, error) {
 	dst := ep.Workload
-	labels := metrics.ConnLabels{
-		Reporter:             metrics.ReporterSource,
-		SourcePrincipal:      src.Identity().String(),
-		DestinationPrincipal: dst.Identity().String(),
-		SourceCluster:        src.Cluster,
-		DestinationCluster:   dst.Cluster,
-		SourceNetwork:        src.Network,
-		DestinationNetwork:   dst.Network,
-	}
+	labels := withService(withDestination(withSource(metrics.ConnLabels{Reporter: metrics.ReporterSource,
+		MutualTLS: dst.Protocol == state.TunnelHBONE || dst.Synthetic()}, src), dst), svc)
 	srcAddr := ""
 	if len(src.Addresses) > 0 {
 		srcAddr = src.Addresses[0].String()

@@ -88,11 +88,9 @@ func (p *PlaintextInbound) handle(c net.Conn) {
 		return
 	}
 	defer up.Close()
-	mc := p.deps.Metrics.Open(metrics.ConnLabels{
-		Reporter: metrics.ReporterDestination, DestinationPrincipal: w.Identity().String(),
-		SourceCluster: metrics.Unknown, SourceNetwork: metrics.Unknown,
-		DestinationCluster: w.Cluster, DestinationNetwork: w.Network,
-	})
+	snap := p.deps.Store.Load()
+	labels := metrics.ConnLabels{Reporter: metrics.ReporterDestination, SourceCluster: metrics.Unknown, SourceNetwork: metrics.Unknown}
+	mc := p.deps.Metrics.Open(withService(withDestination(labels, w), serviceServing(snap, w, dst.Port())))
 	defer mc.Close()
 	_, _, _ = hbone.Relay(c, up, mc.AddReceived, mc.AddSent)
 }

@@ -159,6 +159,11 @@ type Workload struct {
 	// HostNetwork workloads share their node's address: they are never a
 	// connection's source and are not indexed by address.
 	HostNetwork bool `json:"hostNetwork,omitempty"`
+	// WorkloadName, CanonicalName and CanonicalRevision name the workload
+	// in telemetry (Istio's labels).
+	WorkloadName      string `json:"workloadName,omitempty"`
+	CanonicalName     string `json:"canonicalName,omitempty"`
+	CanonicalRevision string `json:"canonicalRevision,omitempty"`
 	// Services maps "<ns>/<hostname>" of each service the workload backs to
 	// its port mapping.
 	Services map[string]PortMap `json:"services,omitempty"`

@@ -136,6 +136,7 @@ func (cv converter) workload(p *workloadv1.Workload) (*state.Workload, error) {
 		w.Status = state.StatusNotReady
 	}
 	w.HostNetwork = p.GetHostNetwork()
+	w.WorkloadName, w.CanonicalName, w.CanonicalRevision = p.GetWorkloadName(), p.GetCanonicalName(), p.GetCanonicalRevision()
 	for i, gw := range p.GetNetworkGateways() {
 		g, err := gateway(w.Network, gw)
 		if err != nil {

@@ -444,9 +444,16 @@ type Workload struct {
 	// host_network is set for workloads sharing their node's network
 	// namespace (and address): they are never a connection's source identity,
 	// and their address names no single workload.
-	HostNetwork   bool `protobuf:"varint,17,opt,name=host_network,json=hostNetwork,proto3" json:"host_network,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	HostNetwork bool `protobuf:"varint,17,opt,name=host_network,json=hostNetwork,proto3" json:"host_network,omitempty"`
+	// workload_name is the workload (Deployment, StatefulSet, DaemonSet, Job)
+	// the pod belongs to; canonical_name and canonical_revision are its
+	// canonical service and revision (Istio's rules). They name the workload
+	// in telemetry (Istio's source_workload, source_canonical_service, ...).
+	WorkloadName      string `protobuf:"bytes,18,opt,name=workload_name,json=workloadName,proto3" json:"workload_name,omitempty"`
+	CanonicalName     string `protobuf:"bytes,19,opt,name=canonical_name,json=canonicalName,proto3" json:"canonical_name,omitempty"`
+	CanonicalRevision string `protobuf:"bytes,20,opt,name=canonical_revision,json=canonicalRevision,proto3" json:"canonical_revision,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *Workload) Reset() {
@@ -596,6 +603,27 @@ func (x *Workload) GetHostNetwork() bool {
 		return x.HostNetwork
 	}
 	return false
+}
+
+func (x *Workload) GetWorkloadName() string {
+	if x != nil {
+		return x.WorkloadName
+	}
+	return ""
+}
+
+func (x *Workload) GetCanonicalName() string {
+	if x != nil {
+		return x.CanonicalName
+	}
+	return ""
+}
+
+func (x *Workload) GetCanonicalRevision() string {
+	if x != nil {
+		return x.CanonicalRevision
+	}
+	return ""
 }
 
 // Locality is where a workload runs, from its node's topology labels.
@@ -1231,7 +1259,7 @@ const file_pilot_api_workload_v1_workload_proto_rawDesc = "" +
 	"\aAddress\x12;\n" +
 	"\bworkload\x18\x01 \x01(\v2\x1d.isthmus.workload.v1.WorkloadH\x00R\bworkload\x128\n" +
 	"\aservice\x18\x02 \x01(\v2\x1c.isthmus.workload.v1.ServiceH\x00R\aserviceB\x06\n" +
-	"\x04type\"\x9f\x06\n" +
+	"\x04type\"\x9a\a\n" +
 	"\bWorkload\x12\x10\n" +
 	"\x03uid\x18\x01 \x01(\tR\x03uid\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1c\n" +
@@ -1253,7 +1281,10 @@ const file_pilot_api_workload_v1_workload_proto_rawDesc = "" +
 	"\n" +
 	"identities\x18\x10 \x03(\tR\n" +
 	"identities\x12!\n" +
-	"\fhost_network\x18\x11 \x01(\bR\vhostNetwork\x1aZ\n" +
+	"\fhost_network\x18\x11 \x01(\bR\vhostNetwork\x12#\n" +
+	"\rworkload_name\x18\x12 \x01(\tR\fworkloadName\x12%\n" +
+	"\x0ecanonical_name\x18\x13 \x01(\tR\rcanonicalName\x12-\n" +
+	"\x12canonical_revision\x18\x14 \x01(\tR\x11canonicalRevision\x1aZ\n" +
 	"\rServicesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x123\n" +
 	"\x05value\x18\x02 \x01(\v2\x1d.isthmus.workload.v1.PortListR\x05value:\x028\x01\"P\n" +
