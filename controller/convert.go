@@ -213,7 +213,7 @@ func serviceEqual(a, b *svcInfo) bool {
 	x, y := a.cs, b.cs
 	return x.Name == y.Name && x.Namespace == y.Namespace && slices.Equal(x.VIPs, y.VIPs) && slices.Equal(x.Ports, y.Ports) &&
 		x.Headless == y.Headless && maps.Equal(x.Selector, y.Selector) && (x.Selector == nil) == (y.Selector == nil) &&
-		x.Exported == y.Exported && x.Network == y.Network && x.Created.Equal(y.Created) && gatewayEqual(a.gateway, b.gateway)
+		x.Exported == y.Exported && x.ExportCreated.Equal(y.ExportCreated) && x.Network == y.Network && x.Created.Equal(y.Created) && gatewayEqual(a.gateway, b.gateway)
 }
 
 func gatewayEqual(a, b *model.NetworkGateway) bool {

@@ -23,6 +23,7 @@ import (
 	"errors"
 	"log/slog"
 	"sync"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -210,11 +211,11 @@ func start(parent context.Context, cfg Config, c *multicluster.Cluster, sink Sin
 		d.watch(ctx, "serviceexports", &unstructured.Unstructured{}, lw(ex.list, ex.watch),
 			func(obj any) {
 				u := obj.(*unstructured.Unstructured)
-				v.setExported(model.ServiceKey{Namespace: u.GetNamespace(), Name: u.GetName()}, true)
+				v.setExported(model.ServiceKey{Namespace: u.GetNamespace(), Name: u.GetName()}, true, u.GetCreationTimestamp().Time)
 			},
 			func(key string) {
 				ns, name := splitKey(key)
-				v.setExported(model.ServiceKey{Namespace: ns, Name: name}, false)
+				v.setExported(model.ServiceKey{Namespace: ns, Name: name}, false, time.Time{})
 			})
 	}
 	log.Debug("discovery started")

@@ -35,6 +35,10 @@ type ExportStatusWriter struct {
 	reg     FederatedServices
 	clients ClientSource
 	log     *slog.Logger
+	// Conflicts, if set, gives the MCS conflict of a service (the
+	// ServiceImport writer's merge: ports, type); otherwise the registry's
+	// port conflicts are reported.
+	Conflicts func(ns, name string) (reason, message string, ok bool)
 }
 
 // NewExportStatusWriter makes a writer.
@@ -86,17 +90,23 @@ func (w *ExportStatusWriter) sync(ctx context.Context, host string) error {
 	}
 	conflict := metav1.Condition{Type: string(mcsv1beta1.ServiceExportConditionConflict), Status: metav1.ConditionFalse,
 		Reason: "NoConflict", Message: "no conflict"}
-	if len(svc.PortConflicts) > 0 {
+	if w.Conflicts != nil {
+		if reason, msg, ok := w.Conflicts(svc.Namespace, svc.Name); ok {
+			conflict = mcsv1beta1.NewServiceExportCondition(mcsv1beta1.ServiceExportConditionConflict, metav1.ConditionTrue,
+				mcsv1beta1.ServiceExportConditionReason(reason), msg)
+		}
+	} else if len(svc.PortConflicts) > 0 {
 		conflict = mcsv1beta1.NewServiceExportCondition(mcsv1beta1.ServiceExportConditionConflict, metav1.ConditionTrue,
 			mcsv1beta1.ServiceExportReasonPortConflict, strings.Join(svc.PortConflicts, "; "))
 	}
 	valid := mcsv1beta1.NewServiceExportCondition(mcsv1beta1.ServiceExportConditionValid, metav1.ConditionTrue,
 		mcsv1beta1.ServiceExportReasonValid, "service is exported")
 	var errs []error
-	for _, c := range svc.Clusters {
-		if svc.LocalClusters[c] {
+	for _, d := range svc.Definitions {
+		if !d.Exported {
 			continue // not exported there
 		}
+		c := d.Cluster
 		client, ok := w.clients(string(c))
 		if !ok {
 			continue

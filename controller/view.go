@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 )
@@ -44,7 +45,7 @@ type view struct {
 	nsNetwork model.Network                              // the control-plane namespace's network label
 	slices    map[string]*sliceInfo                      // ns/name
 	slicesBy  map[model.ServiceKey]map[string]*sliceInfo // service -> slice name
-	exported  map[model.ServiceKey]bool
+	exported  map[model.ServiceKey]time.Time             // ServiceExport creation times
 	// gatewayNS are the namespaces whose Services may be east-west
 	// gateways; selectedNS those that the operator's namespace selector
 	// matches (maintained by a watch). A candidate elsewhere is ignored.
@@ -72,7 +73,7 @@ func newView(cluster model.ClusterID, gen uint64, domain string, network model.N
 		podsByNS: map[string]map[string]*podInfo{},
 		services: map[model.ServiceKey]*svcInfo{}, svcsByNS: map[string]map[string]*svcInfo{},
 		nodes: map[string]model.Locality{}, slices: map[string]*sliceInfo{}, slicesBy: map[model.ServiceKey]map[string]*sliceInfo{},
-		exported: map[model.ServiceKey]bool{}, gatewayNS: map[string]bool{}, selectedNS: map[string]bool{},
+		exported: map[model.ServiceKey]time.Time{}, gatewayNS: map[string]bool{}, selectedNS: map[string]bool{},
 		workloads: map[string]*model.Workload{}, shards: map[model.ServiceKey]*shard{},
 		portLists: map[string][]model.PortMapping{},
 		labelSets: map[string]map[string]string{}, serviceMaps: map[string]map[string][]model.PortMapping{},
@@ -423,8 +424,8 @@ func (v *view) unindexPod(p *podInfo) {
 
 func (v *view) putService(s *svcInfo) {
 	k := s.cs.Key()
-	if v.exported[k] {
-		s.cs.Exported = true
+	if at, ok := v.exported[k]; ok {
+		s.cs.Exported, s.cs.ExportCreated = true, at
 	}
 	s.cs.Network = v.nsNetworkOr()
 	old := v.services[k]
@@ -548,18 +549,20 @@ func (v *view) setNamespaceNetwork(n model.Network) {
 	}
 }
 
-func (v *view) setExported(k model.ServiceKey, exported bool) {
-	if v.exported[k] == exported {
+// setExported records whether service k has a ServiceExport, created at.
+func (v *view) setExported(k model.ServiceKey, exported bool, at time.Time) {
+	if old, ok := v.exported[k]; ok == exported && old.Equal(at) {
 		return
 	}
 	if exported {
-		v.exported[k] = true
+		v.exported[k] = at
 	} else {
 		delete(v.exported, k)
+		at = time.Time{}
 	}
 	if s := v.services[k]; s != nil {
 		cs := *s.cs
-		cs.Exported = exported
+		cs.Exported, cs.ExportCreated = exported, at
 		v.services[k] = &svcInfo{cs: &cs, selector: s.selector, gateway: s.gateway}
 		v.setServiceDelta(k, &cs)
 	}

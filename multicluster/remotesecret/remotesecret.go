@@ -68,12 +68,14 @@ func (o *ReaderOptions) defaults() {
 
 // ReaderRules are the permissions pilot needs in a remote cluster: read
 // what discovery watches, review tokens for the CA, publish the root
-// certificate, and write ServiceExport status.
+// certificate, write ServiceExport status, and keep ServiceImports.
 var ReaderRules = []rbacv1.PolicyRule{
 	{APIGroups: []string{""}, Resources: []string{"namespaces", "services", "pods", "nodes", "endpoints"}, Verbs: []string{"get", "list", "watch"}},
 	{APIGroups: []string{"discovery.k8s.io"}, Resources: []string{"endpointslices"}, Verbs: []string{"get", "list", "watch"}},
-	{APIGroups: []string{"multicluster.x-k8s.io"}, Resources: []string{"serviceexports", "serviceimports"}, Verbs: []string{"get", "list", "watch"}},
+	{APIGroups: []string{"multicluster.x-k8s.io"}, Resources: []string{"serviceexports"}, Verbs: []string{"get", "list", "watch"}},
 	{APIGroups: []string{"multicluster.x-k8s.io"}, Resources: []string{"serviceexports/status"}, Verbs: []string{"get", "update", "patch"}},
+	{APIGroups: []string{"multicluster.x-k8s.io"}, Resources: []string{"serviceimports"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch", "delete"}},
+	{APIGroups: []string{"multicluster.x-k8s.io"}, Resources: []string{"serviceimports/status"}, Verbs: []string{"get", "update", "patch"}},
 	{APIGroups: []string{"authentication.k8s.io"}, Resources: []string{"tokenreviews"}, Verbs: []string{"create"}},
 	{APIGroups: []string{""}, Resources: []string{"configmaps"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch"}},
 }

@@ -21,8 +21,11 @@ type ClusterService struct {
 	// Selector is the pod selector; nil for a selector-less service whose
 	// endpoints come from EndpointSlices.
 	Selector map[string]string
-	// Exported is set when a ServiceExport (MCS API) exists for the service.
-	Exported bool
+	// Exported is set when a ServiceExport (MCS API) exists for the service;
+	// ExportCreated is that ServiceExport's creation time (the oldest export
+	// wins MCS conflicts).
+	Exported      bool
+	ExportCreated time.Time
 	// Created is the object's creation time (oldest wins port conflicts).
 	Created time.Time
 }
@@ -55,6 +58,24 @@ type Service struct {
 	// PortConflicts describes ports whose definitions differ between
 	// clusters (ignored definitions), empty when there is none.
 	PortConflicts []string
+	// Definitions are every cluster's Service object, oldest first (then by
+	// cluster ID); shared, never modified.
+	Definitions []*ClusterService
+}
+
+// HasExport reports whether some cluster has a ServiceExport (MCS) for s:
+// it then has a clusterset name and a ServiceImport. A cluster-local
+// service never has one.
+func (s *Service) HasExport() bool {
+	if s.Scope == ScopeClusterLocal {
+		return false
+	}
+	for _, d := range s.Definitions {
+		if d.Exported {
+			return true
+		}
+	}
+	return false
 }
 
 // Key returns the service's federation key.
@@ -178,4 +199,28 @@ type ClusterDelta struct {
 // Empty reports whether the delta changes nothing.
 func (d *ClusterDelta) Empty() bool {
 	return len(d.Services) == 0 && len(d.Shards) == 0 && len(d.Workloads) == 0 && !d.GatewaysChanged
+}
+
+// Families reports which IP families s uses: those of its VIPs in any
+// cluster, else (headless) those of its endpoints, else IPv4. Allocated
+// addresses follow them.
+func (s *Service) Families() (v4, v6 bool) {
+	for _, vips := range s.VIPs {
+		for _, a := range vips {
+			v4, v6 = v4 || a.Unmap().Is4(), v6 || (a.Is6() && !a.Is4In6())
+		}
+	}
+	if !v4 && !v6 {
+		for _, sh := range s.Shards {
+			for i := range sh {
+				for _, a := range sh[i].Workload.Addresses {
+					v4, v6 = v4 || a.Unmap().Is4(), v6 || (a.Is6() && !a.Is4In6())
+				}
+			}
+		}
+	}
+	if !v4 && !v6 {
+		v4 = true
+	}
+	return v4, v6
 }

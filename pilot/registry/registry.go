@@ -491,6 +491,7 @@ func (r *Registry) rebuildService(changes []model.Change, k model.ServiceKey) []
 		}
 	}
 	slices.Sort(svc.Clusters)
+	svc.Definitions = defs
 	r.services[host] = svc
 	op := model.Added
 	if old != nil {

@@ -130,9 +130,10 @@ func (c *Config) defaults() {
 			c.XDS.NodeAccounts = []string{c.Namespace + "/ztunnel"}
 		}
 	}
-	if c.Registry.ExportMode {
-		c.Discovery.WatchServiceExports = true
-	}
+	// ServiceExports are watched in every mode: exported services get a
+	// ServiceImport and a clusterset name; in export mode only they are
+	// federated.
+	c.Discovery.WatchServiceExports = true
 }
 
 // Server is one pilot.
@@ -155,6 +156,9 @@ type Server struct {
 	ready     chan struct{}
 
 	handshakeFailures *prometheus.CounterVec
+	vipHooks          *hooks
+	// leader runs the tasks that write shared state (one replica).
+	leader func(context.Context) error
 }
 
 // New assembles a pilot for the config cluster reached by configREST;
@@ -190,22 +194,26 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 		return nil, fmt.Errorf("ca: %w", err)
 	}
 	cfg.XDS.Metrics = reg
-	var xs *xds.Server
-	alloc, err := vip.New(cfg.VIP, vip.Deps{Client: local.Kube, Log: cfg.Logger.With("component", "vip"),
-		OnChange: func(hosts []string) { xs.Refresh(hosts...) }})
+	vipHooks := &hooks{}
+	alloc, err := vip.New(cfg.VIP, vip.Deps{Client: local.Kube, Log: cfg.Logger.With("component", "vip"), OnChange: vipHooks.call})
 	if err != nil {
 		return nil, err
 	}
 	cfg.XDS.Allocations = alloc
-	xs, err = xds.New(cfg.XDS, r, cfg.Logger.With("component", "xds"))
+	xs, err := xds.New(cfg.XDS, r, cfg.Logger.With("component", "xds"))
 	if err != nil {
 		return nil, fmt.Errorf("xds: %w", err)
 	}
+	vipHooks.add(func(hosts []string) { xs.Refresh(hosts...) })
 	mc.AddComponent("ca-root-publisher", func(ctx context.Context, c *multicluster.Cluster) (multicluster.Component, error) {
 		return authority.PublishRoots(ctx, string(c.ID), c.Client.Kube)
 	})
-	return &Server{cfg: cfg, log: cfg.Logger, Metrics: reg, Multicluster: mc, Registry: r, CA: authority, XDS: xs, VIP: alloc, local: local,
-		ready: make(chan struct{}), handshakeFailures: newHandshakeFailures(reg)}, nil
+	s := &Server{cfg: cfg, log: cfg.Logger, Metrics: reg, Multicluster: mc, Registry: r, CA: authority, XDS: xs, VIP: alloc, local: local,
+		ready: make(chan struct{}), handshakeFailures: newHandshakeFailures(reg), vipHooks: vipHooks}
+	if s.leader, err = s.leaderTasks(cfg.Logger); err != nil {
+		return nil, err
+	}
+	return s, nil
 }
 
 // kubeClients adapts the multicluster controller to the CA's Clusters.
@@ -351,13 +359,10 @@ func (s *Server) Run(ctx context.Context) error {
 	run("xds", s.XDS.Run)
 	run("registry", s.Registry.Run)
 	run("multicluster", s.Multicluster.Run)
-	if s.cfg.Registry.ExportMode {
-		writer := controller.NewExportStatusWriter(s.Registry, s.Multicluster.KubeClient, s.log)
-		if s.cfg.NoLeaderElection {
-			run("export-status", writer.Run)
-		} else {
-			run("export-status", func(ctx context.Context) error { return s.leading(ctx, writer.Run) })
-		}
+	if s.cfg.NoLeaderElection {
+		run("leader-tasks", s.leader)
+	} else {
+		run("leader-tasks", func(ctx context.Context) error { return s.leading(ctx, s.leader) })
 	}
 	s.log.Info("pilot running", "cluster", s.cfg.ClusterID, "namespace", s.cfg.Namespace, "debug", s.DebugAddr(), "monitoring", s.MonitoringAddr())
 	wg.Wait()
@@ -382,7 +387,7 @@ func (s *Server) leading(ctx context.Context, fn func(context.Context) error) er
 			ReleaseOnCancel: true, Name: "isthmus-pilot",
 			Callbacks: leaderelection.LeaderCallbacks{
 				OnStartedLeading: func(ctx context.Context) {
-					s.log.Info("leading: writing ServiceExport status", "identity", s.cfg.Identity)
+					s.log.Info("leading: writing ServiceExport status and ServiceImports", "identity", s.cfg.Identity)
 					if err := fn(ctx); err != nil {
 						s.log.Error("leader task failed", "error", err)
 					}

@@ -58,7 +58,7 @@ func (v *vipSync) Run(ctx context.Context) error {
 		case <-retry:
 		}
 		services := v.reg.Services()
-		hosts := vip.Hostnames(services, clientNetworks(services), exported)
+		hosts := vip.Hostnames(services, clientNetworks(services), (*model.Service).HasExport)
 		if synced && slices.Equal(hosts, last) {
 			continue
 		}
@@ -69,12 +69,6 @@ func (v *vipSync) Run(ctx context.Context) error {
 		}
 		last, synced = hosts, true
 	}
-}
-
-// exported reports whether s answers under clusterset.local and so needs a
-// clusterset address.
-func exported(s *model.Service) bool {
-	return s.Scope != model.ScopeClusterLocal && slices.ContainsFunc(s.Clusters, func(cl model.ClusterID) bool { return !s.LocalClusters[cl] })
 }
 
 // clientNetworks returns the networks with workloads or service addresses:

@@ -187,7 +187,7 @@ func buildServiceAddresses(c class, s *model.Service, gws gatewayIndex, trustDom
 		Hostname:  s.Hostname,
 		Scope:     workloadv1.ServiceScope_GLOBAL,
 		Headless:  s.Headless,
-		Exported:  exported(s),
+		Exported:  s.HasExport(),
 	}
 	if s.Scope == model.ScopeClusterLocal {
 		svc.Scope = workloadv1.ServiceScope_CLUSTER_LOCAL
@@ -214,6 +214,11 @@ func buildServiceAddresses(c class, s *model.Service, gws gatewayIndex, trustDom
 	}
 	if !local && alloc != nil && s.Scope != model.ScopeClusterLocal {
 		v4, v6 := alloc.Addresses(s.Hostname)
+		if want4, want6 := s.Families(); !want4 {
+			v4 = netip.Addr{}
+		} else if !want6 {
+			v6 = netip.Addr{}
+		}
 		for _, a := range []netip.Addr{v4, v6} {
 			if a.IsValid() {
 				svc.Addresses = append(svc.Addresses, &workloadv1.NetworkAddress{Network: string(c.Network), Address: addrBytes(a)})
@@ -235,16 +240,6 @@ func buildServiceAddresses(c class, s *model.Service, gws gatewayIndex, trustDom
 		}
 		out[SplitHorizonUID(nw, s.Namespace, s.Hostname)] = splitWorkload(s, nw, gws, r, trustDomain)
 	}
-}
-
-// exported reports whether s answers under clusterset.local: a global
-// service some cluster exports (outside MCS export mode, every cluster's
-// definition counts as exported).
-func exported(s *model.Service) bool {
-	if s.Scope == model.ScopeClusterLocal {
-		return false
-	}
-	return slices.ContainsFunc(s.Clusters, func(cl model.ClusterID) bool { return !s.LocalClusters[cl] })
 }
 
 // remoteEndpoints summarises the ready endpoints of a service on one remote

@@ -202,7 +202,7 @@ func newMesh(t testing.TB, tweak func(*mesh)) *mesh {
 		a1: nextAddr(), b1: nextAddr(), c1: nextAddr(), vip: nextAddr(), gwAddr: nextAddr(),
 		dialer: &recordingDialer{},
 		mOut:   newMetrics(t), mB: newMetrics(t), mC: newMetrics(t), mGW: newMetrics(t),
-		serverConfig: hbone.ServerConfig{HandshakeTimeout: 300 * time.Millisecond},
+		serverConfig: hbone.ServerConfig{HandshakeTimeout: 2 * time.Second}, // long enough under load; slow-loris tests wait it out
 	}
 	m.socksAddr = netip.AddrPortFrom(nextAddr(), 15080)
 	if tweak != nil {

@@ -940,7 +940,7 @@ type Service struct {
 	// to their endpoints on the client's network (or, with none there, to an
 	// allocated address, through the gateway).
 	Headless bool `protobuf:"varint,10,opt,name=headless,proto3" json:"headless,omitempty"`
-	// exported services (MCS; every global service outside export mode) also
+	// exported services (some cluster has an MCS ServiceExport for them) also
 	// resolve as <name>.<namespace>.svc.clusterset.local.
 	Exported bool `protobuf:"varint,11,opt,name=exported,proto3" json:"exported,omitempty"`
 	// allocated_addresses are virtual addresses pilot allocated for the
