@@ -62,9 +62,14 @@ type Config struct {
 	// SyncTimeout after which a cluster that has not synced is reported
 	// timed out (default 30 s).
 	SyncTimeout time.Duration
-	// AllowedKubeconfigOptions names kubeconfig options that run programs or
-	// read files which remote kubeconfigs may use (see the Allow* constants).
+	// AllowedKubeconfigOptions names kubeconfig options that read files or
+	// run auth providers which remote kubeconfigs may use (see the Allow*
+	// constants). "exec" is refused: exec plugins are allowed one by one
+	// in Exec.Allowlist.
 	AllowedKubeconfigOptions []string
+	// Exec says which exec credential plugins remote kubeconfigs may run
+	// and bounds their runs (default timeout 10 s).
+	Exec ExecConfig
 	// LivenessInterval between probes of each cluster's API server (default 5 s).
 	LivenessInterval time.Duration
 	// LivenessTimeout bounds one probe (default 5 s).
@@ -103,9 +108,22 @@ func (c *Config) defaults() {
 	if c.RetryBackoff == 0 {
 		c.RetryBackoff = time.Second
 	}
+	if c.Exec.Timeout == 0 {
+		c.Exec.Timeout = 10 * time.Second
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
+}
+
+func (c *Config) validate() error {
+	if errs := validation.IsDNS1123Label(string(c.ConfigClusterID)); len(errs) > 0 {
+		return fmt.Errorf("config cluster ID %q: %v", c.ConfigClusterID, errs)
+	}
+	if c.Exec.Timeout < 0 {
+		return fmt.Errorf("exec timeout %s is negative", c.Exec.Timeout)
+	}
+	return errors.Join(validateKubeconfigOptions(c.AllowedKubeconfigOptions), validateExecRules(c.Exec.Allowlist))
 }
 
 // Cluster is what a component is built for: one generation of one cluster.
@@ -143,6 +161,7 @@ type namedBuilder struct {
 // Controller runs the remote clusters. It is safe for concurrent use.
 type Controller struct {
 	cfg          Config
+	policy       KubeconfigPolicy
 	configClient *Client
 	build        ClientBuilder
 	log          *slog.Logger
@@ -183,14 +202,15 @@ func New(cfg Config, configClient *Client, build ClientBuilder) (*Controller, er
 	if configClient == nil {
 		return nil, errors.New("multicluster: a config cluster client is required")
 	}
-	if errs := validation.IsDNS1123Label(string(cfg.ConfigClusterID)); len(errs) > 0 {
-		return nil, fmt.Errorf("multicluster: config cluster ID %q: %v", cfg.ConfigClusterID, errs)
+	if err := cfg.validate(); err != nil {
+		return nil, fmt.Errorf("multicluster: %w", err)
 	}
 	if build == nil {
 		build = DefaultClientBuilder
 	}
 	return &Controller{
 		cfg:          cfg,
+		policy:       KubeconfigPolicy{AllowedOptions: cfg.AllowedKubeconfigOptions, Exec: cfg.Exec.Allowlist},
 		configClient: configClient,
 		build:        build,
 		log:          cfg.Logger.With("component", "multicluster"),
@@ -568,19 +588,44 @@ func (c *Controller) buildComponents(ctx context.Context, cl *Cluster) ([]Compon
 	return out, nil
 }
 
-// sanitizedClient sanitizes a remote kubeconfig and builds its client.
-func (c *Controller) sanitizedClient(kubeconfig []byte, id model.ClusterID) (*Client, error) {
-	cfg, err := SanitizeKubeconfig(kubeconfig, c.cfg.AllowedKubeconfigOptions)
+// sanitizedClient sanitizes a remote kubeconfig and builds its client. An
+// exec user is taken out of the kubeconfig the ClientBuilder gets, so
+// client-go never runs the plugin; an execAuth, installed by an override,
+// runs it under the allowlist's rules and closes with the client.
+func (c *Controller) sanitizedClient(kubeconfig []byte, id model.ClusterID, log *slog.Logger) (*Client, error) {
+	cfg, err := c.policy.Sanitize(kubeconfig)
 	if err != nil {
 		return nil, err
+	}
+	kctx := cfg.Contexts[cfg.CurrentContext]
+	var auth *execAuth
+	if user := cfg.AuthInfos[kctx.AuthInfo]; user.Exec != nil {
+		plugin, err := newExecPlugin(user.Exec, cfg.Clusters[kctx.Cluster], c.cfg.Exec.Timeout)
+		if err != nil {
+			return nil, &KubeconfigError{ReasonInvalidKubeconfig, err.Error()}
+		}
+		auth = newExecAuth(plugin, log.With("execCommand", user.Exec.Command), c.metrics)
+		user.Exec = nil
 	}
 	clean, err := clientcmd.Write(*cfg)
 	if err != nil {
 		return nil, &KubeconfigError{ReasonInvalidKubeconfig, "cannot serialize sanitized kubeconfig"}
 	}
-	cl, err := c.build(clean, id)
+	if auth == nil {
+		return c.build(clean, id)
+	}
+	cl, err := c.build(clean, id, auth.configure)
+	if err == nil {
+		if err = auth.ready(); err != nil {
+			cl.Close()
+			err = fmt.Errorf("exec credentials: %w", err)
+		}
+	}
 	if err != nil {
+		auth.close()
 		return nil, err
 	}
+	cl.conns = auth.conns
+	cl.closers = append(cl.closers, auth.close)
 	return cl, nil
 }
