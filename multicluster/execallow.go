@@ -114,7 +114,7 @@ func (r ExecRule) validate() error {
 }
 
 // checkExec decides whether rules allow exec. The error says what did not
-// match (the first mismatch of the first rule for the command); it names
+// match (the first mismatch of the rule that came closest); it names
 // the kubeconfig's command, argument positions and variable names, never
 // the arguments' or the variables' values (they may hold secrets).
 func checkExec(rules []ExecRule, exec *clientcmdapi.ExecConfig) error {
@@ -135,16 +135,17 @@ func checkExec(rules []ExecRule, exec *clientcmdapi.ExecConfig) error {
 		seen[e.Name] = true
 	}
 	var closest error
+	best := -1
 	for _, r := range rules {
 		if r.Command != exec.Command {
 			continue
 		}
-		err := r.match(exec)
+		depth, err := r.match(exec)
 		if err == nil {
 			return nil
 		}
-		if closest == nil {
-			closest = err
+		if depth > best {
+			best, closest = depth, err
 		}
 	}
 	if closest == nil {
@@ -153,22 +154,23 @@ func checkExec(rules []ExecRule, exec *clientcmdapi.ExecConfig) error {
 	return notAllowed("exec command %s: %v", exec.Command, closest)
 }
 
-// match reports the first way exec falls outside r.
-func (r ExecRule) match(exec *clientcmdapi.ExecConfig) error {
+// match reports the first way exec falls outside r, and how far it got
+// (so that the error of the rule that came closest is the one reported).
+func (r ExecRule) match(exec *clientcmdapi.ExecConfig) (int, error) {
 	if len(exec.Args) != len(r.Args) {
-		return fmt.Errorf("%d arguments given, the allowlist entry takes %d", len(exec.Args), len(r.Args))
+		return 0, fmt.Errorf("%d arguments given, the allowlist entry takes %d", len(exec.Args), len(r.Args))
 	}
 	for i, a := range exec.Args {
 		if !matchArg(r.Args[i], a) {
-			return fmt.Errorf("argument %d does not match the allowed pattern %q", i, r.Args[i])
+			return 1 + i, fmt.Errorf("argument %d does not match the allowed pattern %q", i, r.Args[i])
 		}
 	}
 	for _, e := range exec.Env {
 		if !slices.Contains(r.Env, e.Name) {
-			return fmt.Errorf("environment variable %s is not allowed", e.Name)
+			return 1 + len(r.Args), fmt.Errorf("environment variable %s is not allowed", e.Name)
 		}
 	}
-	return nil
+	return 0, nil
 }
 
 func matchArg(pattern, arg string) bool {
