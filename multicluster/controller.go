@@ -6,8 +6,9 @@
 // namespace of the config cluster, labelled istio/multiCluster=true or
 // isthmus.io/multiCluster=true, whose data keys are cluster IDs and values
 // kubeconfigs (Istio's remote-secret format). For each cluster the
-// controller sanitizes the kubeconfig, builds a Client with the
-// ClientBuilder, builds every registered Component with its own child
+// controller sanitizes the kubeconfig (an exec credential plugin runs only
+// if the operator's allowlist names it, and then under the controller's
+// own runner, not client-go's), builds a Client with the ClientBuilder, builds every registered Component with its own child
 // context, starts the informers and reports the cluster synced when every
 // component has synced, or timed out after Config.SyncTimeout (it keeps
 // trying; a remote never blocks readiness or the other clusters).
@@ -41,7 +42,6 @@ import (
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	listerscorev1 "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/workqueue"
 
@@ -586,46 +586,4 @@ func (c *Controller) buildComponents(ctx context.Context, cl *Cluster) ([]Compon
 		return nil, err
 	}
 	return out, nil
-}
-
-// sanitizedClient sanitizes a remote kubeconfig and builds its client. An
-// exec user is taken out of the kubeconfig the ClientBuilder gets, so
-// client-go never runs the plugin; an execAuth, installed by an override,
-// runs it under the allowlist's rules and closes with the client.
-func (c *Controller) sanitizedClient(kubeconfig []byte, id model.ClusterID, log *slog.Logger) (*Client, error) {
-	cfg, err := c.policy.Sanitize(kubeconfig)
-	if err != nil {
-		return nil, err
-	}
-	kctx := cfg.Contexts[cfg.CurrentContext]
-	var auth *execAuth
-	if user := cfg.AuthInfos[kctx.AuthInfo]; user.Exec != nil {
-		plugin, err := newExecPlugin(user.Exec, cfg.Clusters[kctx.Cluster], c.cfg.Exec.Timeout)
-		if err != nil {
-			return nil, &KubeconfigError{ReasonInvalidKubeconfig, err.Error()}
-		}
-		auth = newExecAuth(plugin, log.With("execCommand", user.Exec.Command), c.metrics)
-		user.Exec = nil
-	}
-	clean, err := clientcmd.Write(*cfg)
-	if err != nil {
-		return nil, &KubeconfigError{ReasonInvalidKubeconfig, "cannot serialize sanitized kubeconfig"}
-	}
-	if auth == nil {
-		return c.build(clean, id)
-	}
-	cl, err := c.build(clean, id, auth.configure)
-	if err == nil {
-		if err = auth.ready(); err != nil {
-			cl.Close()
-			err = fmt.Errorf("exec credentials: %w", err)
-		}
-	}
-	if err != nil {
-		auth.close()
-		return nil, err
-	}
-	cl.conns = auth.conns
-	cl.closers = append(cl.closers, auth.close)
-	return cl, nil
 }

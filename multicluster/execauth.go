@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net/http"
 	"sync"
@@ -11,7 +12,10 @@ import (
 
 	utilnet "k8s.io/apimachinery/pkg/util/net"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/transport"
+
+	"github.com/isthmus-mesh/isthmus/pilot/model"
 )
 
 // Backoff of a failing plugin: no run before it has passed (requests get
@@ -270,3 +274,45 @@ func (t *execTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 
 // WrappedRoundTripper lets client-go see through the wrapper.
 func (t *execTransport) WrappedRoundTripper() http.RoundTripper { return t.base }
+
+// sanitizedClient sanitizes a remote kubeconfig and builds its client. An
+// exec user is taken out of the kubeconfig the ClientBuilder gets, so
+// client-go never runs the plugin; an execAuth, installed by an override,
+// runs it under the allowlist's rules and closes with the client.
+func (c *Controller) sanitizedClient(kubeconfig []byte, id model.ClusterID, log *slog.Logger) (*Client, error) {
+	cfg, err := c.policy.Sanitize(kubeconfig)
+	if err != nil {
+		return nil, err
+	}
+	kctx := cfg.Contexts[cfg.CurrentContext]
+	var auth *execAuth
+	if user := cfg.AuthInfos[kctx.AuthInfo]; user.Exec != nil {
+		plugin, err := newExecPlugin(user.Exec, cfg.Clusters[kctx.Cluster], c.cfg.Exec.Timeout)
+		if err != nil {
+			return nil, &KubeconfigError{ReasonInvalidKubeconfig, err.Error()}
+		}
+		auth = newExecAuth(plugin, log.With("execCommand", user.Exec.Command), c.metrics)
+		user.Exec = nil
+	}
+	clean, err := clientcmd.Write(*cfg)
+	if err != nil {
+		return nil, &KubeconfigError{ReasonInvalidKubeconfig, "cannot serialize sanitized kubeconfig"}
+	}
+	if auth == nil {
+		return c.build(clean, id)
+	}
+	cl, err := c.build(clean, id, auth.configure)
+	if err == nil {
+		if err = auth.ready(); err != nil {
+			cl.Close()
+			err = fmt.Errorf("exec credentials: %w", err)
+		}
+	}
+	if err != nil {
+		auth.close()
+		return nil, err
+	}
+	cl.conns = auth.conns
+	cl.closers = append(cl.closers, auth.close)
+	return cl, nil
+}
