@@ -98,6 +98,9 @@ func (o *options) run(ctx context.Context) error {
 		return err
 	}
 	klog.SetSlogLogger(logger.With("source", "client-go"))
+	if o.cfg.Multicluster.Exec.Allowlist, err = execAllowlist(o.execAllowlistFile, o.execAllow); err != nil {
+		return err
+	}
 	rc, err := restConfig(o.kubeconfig, o.kubeContext)
 	if err != nil {
 		return err
@@ -109,9 +112,6 @@ func (o *options) run(ctx context.Context) error {
 			return fmt.Errorf("--gateway-namespace-selector: %w", err)
 		}
 		o.cfg.Discovery.GatewayNamespaceSelector = sel
-	}
-	if o.cfg.Multicluster.Exec.Allowlist, err = execAllowlist(o.execAllowlistFile, o.execAllow); err != nil {
-		return err
 	}
 	o.cfg.Logger = logger
 	srv, err := server.New(o.cfg, rc, nil)
