@@ -35,14 +35,19 @@ type Client struct {
 	// REST is the rest.Config the clients were made from.
 	REST *rest.Config
 
-	conns *connTracker
+	conns   *connTracker
+	closers []func()
 }
 
-// Close closes every connection the client opened. Informers must be shut
-// down first; the client is unusable afterwards.
+// Close closes every connection the client opened and stops what its
+// credentials run (an exec plugin). Informers must be shut down first; the
+// client is unusable afterwards.
 func (c *Client) Close() {
 	if c.conns != nil {
 		c.conns.closeAll()
+	}
+	for _, fn := range c.closers {
+		fn()
 	}
 }
 
@@ -68,6 +73,10 @@ type connTracker struct {
 	done  bool
 }
 
+func newConnTracker() *connTracker {
+	return &connTracker{d: net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}, conns: map[net.Conn]struct{}{}}
+}
+
 func (t *connTracker) DialContext(ctx context.Context, network, addr string) (net.Conn, error) {
 	c, err := t.d.DialContext(ctx, network, addr)
 	if err != nil {
@@ -84,11 +93,26 @@ func (t *connTracker) DialContext(ctx context.Context, network, addr string) (ne
 	return tc, nil
 }
 
+// closeAll closes every connection and refuses to dial again.
 func (t *connTracker) closeAll() {
 	t.mu.Lock()
 	t.done = true
 	conns := t.conns
 	t.conns = nil
+	t.mu.Unlock()
+	for c := range conns {
+		_ = c.(*trackedConn).Conn.Close()
+	}
+}
+
+// closeConns closes the open connections and keeps dialing new ones (on
+// a client certificate change).
+func (t *connTracker) closeConns() {
+	t.mu.Lock()
+	conns := t.conns
+	if !t.done {
+		t.conns = map[net.Conn]struct{}{}
+	}
 	t.mu.Unlock()
 	for c := range conns {
 		_ = c.(*trackedConn).Conn.Close()
@@ -112,7 +136,10 @@ func (c *trackedConn) Close() error {
 
 // ClientBuilder turns a remote secret's kubeconfig into a Client for cluster
 // id. It is the only way the controller makes a remote client, so tests can
-// replace it. The kubeconfig has already been sanitized.
+// replace it. The kubeconfig has already been sanitized. A builder must
+// apply every override to its rest.Config before making the client: exec
+// credentials are installed that way (a client built without them is
+// refused).
 type ClientBuilder func(kubeconfig []byte, id model.ClusterID, overrides ...func(*rest.Config)) (*Client, error)
 
 // NewClient makes a Client from a rest.Config. Unless cfg has its own
@@ -131,7 +158,7 @@ func NewClient(cfg *rest.Config) (*Client, error) {
 	cfg.DisableCompression = true
 	var conns *connTracker
 	if cfg.Dial == nil && cfg.Transport == nil {
-		conns = &connTracker{d: net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}, conns: map[net.Conn]struct{}{}}
+		conns = newConnTracker()
 		cfg.Dial = conns.DialContext
 	}
 	if cfg.UserAgent == "" {

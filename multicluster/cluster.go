@@ -117,13 +117,16 @@ func (i *instance) start(kubeconfig []byte) error {
 		client = i.c.configClient
 	} else {
 		var err error
-		if client, err = i.c.sanitizedClient(kubeconfig, i.e.id); err != nil {
+		if client, err = i.c.sanitizedClient(kubeconfig, i.e.id, i.c.log.With("cluster", i.e.id, "generation", i.gen)); err != nil {
 			return err
 		}
 	}
 	i.cluster = &Cluster{ID: i.e.id, Generation: i.gen, Client: client, Network: i.e.network, IsConfig: kubeconfig == nil}
 	comps, err := i.c.buildComponents(i.ctx, i.cluster)
 	if err != nil {
+		if kubeconfig != nil {
+			client.Close() // the retry builds a new one
+		}
 		return err
 	}
 	i.components = comps
@@ -231,7 +234,10 @@ func classify(err error) (State, string) {
 	var hne x509.HostnameError
 	var cie x509.CertificateInvalidError
 	var tve *tls.CertificateVerificationError
+	var exe *ExecError
 	switch {
+	case errors.As(err, &exe):
+		return StateError, ReasonExecCredential
 	case apierrors.IsUnauthorized(err):
 		return StateError, ReasonUnauthorized
 	case apierrors.IsForbidden(err):

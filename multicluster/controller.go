@@ -6,8 +6,9 @@
 // namespace of the config cluster, labelled istio/multiCluster=true or
 // isthmus.io/multiCluster=true, whose data keys are cluster IDs and values
 // kubeconfigs (Istio's remote-secret format). For each cluster the
-// controller sanitizes the kubeconfig, builds a Client with the
-// ClientBuilder, builds every registered Component with its own child
+// controller sanitizes the kubeconfig (an exec credential plugin runs only
+// if the operator's allowlist names it, and then under the controller's
+// own runner, not client-go's), builds a Client with the ClientBuilder, builds every registered Component with its own child
 // context, starts the informers and reports the cluster synced when every
 // component has synced, or timed out after Config.SyncTimeout (it keeps
 // trying; a remote never blocks readiness or the other clusters).
@@ -41,7 +42,6 @@ import (
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	listerscorev1 "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/workqueue"
 
@@ -62,9 +62,14 @@ type Config struct {
 	// SyncTimeout after which a cluster that has not synced is reported
 	// timed out (default 30 s).
 	SyncTimeout time.Duration
-	// AllowedKubeconfigOptions names kubeconfig options that run programs or
-	// read files which remote kubeconfigs may use (see the Allow* constants).
+	// AllowedKubeconfigOptions names kubeconfig options that read files or
+	// run auth providers which remote kubeconfigs may use (see the Allow*
+	// constants). "exec" is refused: exec plugins are allowed one by one
+	// in Exec.Allowlist.
 	AllowedKubeconfigOptions []string
+	// Exec says which exec credential plugins remote kubeconfigs may run
+	// and bounds their runs (default timeout 10 s).
+	Exec ExecConfig
 	// LivenessInterval between probes of each cluster's API server (default 5 s).
 	LivenessInterval time.Duration
 	// LivenessTimeout bounds one probe (default 5 s).
@@ -103,9 +108,22 @@ func (c *Config) defaults() {
 	if c.RetryBackoff == 0 {
 		c.RetryBackoff = time.Second
 	}
+	if c.Exec.Timeout == 0 {
+		c.Exec.Timeout = 10 * time.Second
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
+}
+
+func (c *Config) validate() error {
+	if errs := validation.IsDNS1123Label(string(c.ConfigClusterID)); len(errs) > 0 {
+		return fmt.Errorf("config cluster ID %q: %v", c.ConfigClusterID, errs)
+	}
+	if c.Exec.Timeout < 0 {
+		return fmt.Errorf("exec timeout %s is negative", c.Exec.Timeout)
+	}
+	return errors.Join(validateKubeconfigOptions(c.AllowedKubeconfigOptions), validateExecRules(c.Exec.Allowlist))
 }
 
 // Cluster is what a component is built for: one generation of one cluster.
@@ -143,6 +161,7 @@ type namedBuilder struct {
 // Controller runs the remote clusters. It is safe for concurrent use.
 type Controller struct {
 	cfg          Config
+	policy       KubeconfigPolicy
 	configClient *Client
 	build        ClientBuilder
 	log          *slog.Logger
@@ -183,14 +202,15 @@ func New(cfg Config, configClient *Client, build ClientBuilder) (*Controller, er
 	if configClient == nil {
 		return nil, errors.New("multicluster: a config cluster client is required")
 	}
-	if errs := validation.IsDNS1123Label(string(cfg.ConfigClusterID)); len(errs) > 0 {
-		return nil, fmt.Errorf("multicluster: config cluster ID %q: %v", cfg.ConfigClusterID, errs)
+	if err := cfg.validate(); err != nil {
+		return nil, fmt.Errorf("multicluster: %w", err)
 	}
 	if build == nil {
 		build = DefaultClientBuilder
 	}
 	return &Controller{
 		cfg:          cfg,
+		policy:       KubeconfigPolicy{AllowedOptions: cfg.AllowedKubeconfigOptions, Exec: cfg.Exec.Allowlist},
 		configClient: configClient,
 		build:        build,
 		log:          cfg.Logger.With("component", "multicluster"),
@@ -566,21 +586,4 @@ func (c *Controller) buildComponents(ctx context.Context, cl *Cluster) ([]Compon
 		return nil, err
 	}
 	return out, nil
-}
-
-// sanitizedClient sanitizes a remote kubeconfig and builds its client.
-func (c *Controller) sanitizedClient(kubeconfig []byte, id model.ClusterID) (*Client, error) {
-	cfg, err := SanitizeKubeconfig(kubeconfig, c.cfg.AllowedKubeconfigOptions)
-	if err != nil {
-		return nil, err
-	}
-	clean, err := clientcmd.Write(*cfg)
-	if err != nil {
-		return nil, &KubeconfigError{ReasonInvalidKubeconfig, "cannot serialize sanitized kubeconfig"}
-	}
-	cl, err := c.build(clean, id)
-	if err != nil {
-		return nil, err
-	}
-	return cl, nil
 }

@@ -12,9 +12,9 @@ import (
 
 // Options a remote kubeconfig may use only when the operator allows them by
 // name (Config.AllowedKubeconfigOptions): each runs a program or reads the
-// local filesystem of pilot.
+// local filesystem of pilot. Exec plugins are not among them: they are
+// allowed command by command (Config.Exec.Allowlist).
 const (
-	AllowExec                 = "exec"
 	AllowAuthProvider         = "auth-provider" // every provider; "auth-provider:<name>" allows one
 	AllowTokenFile            = "tokenFile"
 	AllowClientCertificate    = "clientCertificate"
@@ -38,13 +38,52 @@ const (
 	ReasonInvalidKubeconfig = "InvalidKubeconfig"
 	ReasonNoCurrentContext  = "NoCurrentContext"
 	ReasonForbiddenOption   = "ForbiddenKubeconfigOption"
+	// ReasonExecNotAllowed: the kubeconfig's exec command, an argument or
+	// an environment variable is not on the operator's exec allowlist.
+	ReasonExecNotAllowed = "ExecNotAllowed"
 )
 
-// SanitizeKubeconfig parses a remote kubeconfig and rebuilds, field by
-// field, a config holding only its current context, that context's cluster
-// and user. Options that run programs or read files are refused unless
-// allowed by name; unknown fields never pass.
+// KubeconfigPolicy says what a remote kubeconfig may use besides inline
+// credentials. The zero value allows only inline credentials (and oidc).
+type KubeconfigPolicy struct {
+	// AllowedOptions names options that read files or run auth providers
+	// (the Allow* constants).
+	AllowedOptions []string
+	// Exec lists the exec credential plugins remote kubeconfigs may run;
+	// none when empty.
+	Exec []ExecRule
+}
+
+// validateKubeconfigOptions checks operator-given option names. "exec" is
+// refused with a pointer to the allowlist: it used to allow every command.
+func validateKubeconfigOptions(opts []string) error {
+	for _, o := range opts {
+		switch {
+		case o == "exec":
+			return errors.New(`kubeconfig option "exec" no longer allows every command: list the allowed exec plugins instead (Config.Exec.Allowlist; pilot --exec-allowlist or --exec-allow)`)
+		case o == AllowAuthProvider, o == AllowTokenFile, o == AllowClientCertificate, o == AllowClientKey, o == AllowCertificateAuthority:
+		case strings.HasPrefix(o, AllowAuthProvider+":") && len(o) > len(AllowAuthProvider)+1:
+		default:
+			return fmt.Errorf("unknown kubeconfig option %q (known: %s, %s[:name], %s, %s, %s)", o,
+				AllowCertificateAuthority, AllowAuthProvider, AllowTokenFile, AllowClientCertificate, AllowClientKey)
+		}
+	}
+	return nil
+}
+
+// SanitizeKubeconfig sanitizes raw under a policy that allows the named
+// options and no exec plugin (see KubeconfigPolicy.Sanitize).
 func SanitizeKubeconfig(raw []byte, allowed []string) (*clientcmdapi.Config, error) {
+	return KubeconfigPolicy{AllowedOptions: allowed}.Sanitize(raw)
+}
+
+// Sanitize parses a remote kubeconfig and rebuilds, field by field, a
+// config holding only its current context, that context's cluster and
+// user. Options that read files or run auth providers are refused unless
+// allowed by name, an exec plugin unless an allowlist rule allows its
+// command, arguments and environment; unknown fields never pass.
+func (p KubeconfigPolicy) Sanitize(raw []byte) (*clientcmdapi.Config, error) {
+	allowed := p.AllowedOptions
 	if len(raw) == 0 {
 		return nil, &KubeconfigError{ReasonInvalidKubeconfig, "empty kubeconfig"}
 	}
@@ -118,10 +157,14 @@ func SanitizeKubeconfig(raw []byte, allowed []string) (*clientcmdapi.Config, err
 		outUser.ClientKey = user.ClientKey
 	}
 	if user.Exec != nil {
-		if !allow(AllowExec) {
-			return nil, forbidden(AllowExec)
+		if err := checkExecUser(p.Exec, user); err != nil {
+			return nil, err
 		}
-		outUser.Exec = user.Exec.DeepCopy()
+		outUser.Exec = &clientcmdapi.ExecConfig{
+			Command: user.Exec.Command, Args: slices.Clone(user.Exec.Args), Env: slices.Clone(user.Exec.Env),
+			APIVersion: user.Exec.APIVersion, ProvideClusterInfo: user.Exec.ProvideClusterInfo,
+			InteractiveMode: user.Exec.InteractiveMode,
+		}
 	}
 	if p := user.AuthProvider; p != nil {
 		if p.Name != "oidc" && !allow(AllowAuthProvider) && !allow(AllowAuthProvider+":"+p.Name) {
@@ -139,6 +182,31 @@ func SanitizeKubeconfig(raw []byte, allowed []string) (*clientcmdapi.Config, err
 		return nil, &KubeconfigError{ReasonInvalidKubeconfig, redactValidation(err)}
 	}
 	return out, nil
+}
+
+// Exec credential API versions pilot speaks.
+const (
+	execAPIv1      = "client.authentication.k8s.io/v1"
+	execAPIv1beta1 = "client.authentication.k8s.io/v1beta1"
+)
+
+// checkExecUser refuses an exec user pilot cannot run safely: one that
+// mixes exec with other credentials, needs a terminal, speaks an unknown
+// API version, or is not allowlisted.
+func checkExecUser(rules []ExecRule, user *clientcmdapi.AuthInfo) error {
+	ex := user.Exec
+	invalid := func(msg string) error { return &KubeconfigError{ReasonInvalidKubeconfig, msg} }
+	switch {
+	case user.Token != "" || user.TokenFile != "" || user.Username != "" || user.Password != "" ||
+		len(user.ClientCertificateData) > 0 || user.ClientCertificate != "" || len(user.ClientKeyData) > 0 || user.ClientKey != "" ||
+		user.AuthProvider != nil:
+		return invalid("exec cannot be combined with other credentials (token, basic auth, client certificate, auth-provider)")
+	case ex.APIVersion != execAPIv1 && ex.APIVersion != execAPIv1beta1:
+		return invalid(fmt.Sprintf("exec apiVersion %q is not supported (%s or %s)", firstLine(ex.APIVersion, 80), execAPIv1, execAPIv1beta1))
+	case ex.InteractiveMode == clientcmdapi.AlwaysExecInteractiveMode:
+		return invalid("exec interactiveMode Always needs a terminal; pilot runs plugins without one")
+	}
+	return checkExec(rules, ex)
 }
 
 // redactValidation keeps validation messages but never values of fields.

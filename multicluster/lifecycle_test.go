@@ -121,8 +121,10 @@ func TestBadInput(t *testing.T) {
 		}), multicluster.StateUnreachable, multicluster.ReasonUnreachable},
 		{"wrong CA", "wrong-ca", wrongCA, multicluster.StateError, multicluster.ReasonTLSError},
 		{"exec user", "exec", rewrite(t, kubeconfig(t, "remote-2", "exec"), func(cfg *clientcmdapiConfig) {
-			cfg.AuthInfos["exec"].Exec = &clientcmdapiExec{Command: "/bin/sh", Args: []string{"-c", "touch /tmp/pwned"}, APIVersion: "client.authentication.k8s.io/v1"}
-		}), multicluster.StateError, multicluster.ReasonForbiddenOption},
+			cfg.AuthInfos["exec"].Token = ""
+			cfg.AuthInfos["exec"].Exec = &clientcmdapiExec{Command: "/bin/sh", Args: []string{"-c", "touch /tmp/pwned"}, APIVersion: "client.authentication.k8s.io/v1",
+				InteractiveMode: "Never"}
+		}), multicluster.StateError, multicluster.ReasonExecNotAllowed},
 		{"tokenFile user", "tokenfile", rewrite(t, kubeconfig(t, "remote-2", "tokenfile"), func(cfg *clientcmdapiConfig) {
 			cfg.AuthInfos["tokenfile"].Token = ""
 			cfg.AuthInfos["tokenfile"].TokenFile = "/etc/shadow"

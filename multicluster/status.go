@@ -44,6 +44,9 @@ const (
 	ReasonUnauthorized     = "Unauthorized"
 	ReasonForbidden        = "Forbidden"
 	ReasonRemoved          = "Removed"
+	// ReasonExecCredential: the cluster's exec credential plugin failed,
+	// timed out or printed no valid ExecCredential (retried with backoff).
+	ReasonExecCredential = "ExecCredentialError"
 )
 
 // Status is the observable state of one cluster.
@@ -73,6 +76,8 @@ type metrics struct {
 	clusters     *prometheus.GaugeVec
 	syncDuration prometheus.Histogram
 	secretEvents *prometheus.CounterVec
+	execRuns     *prometheus.CounterVec
+	execRejected prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -87,9 +92,20 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		secretEvents: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "isthmus_remote_secret_events_total", Help: "Remote secret events handled, by kind.",
 		}, []string{"event"}),
+		execRuns: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "isthmus_remote_exec_credential_runs_total",
+			Help: "Runs of remote kubeconfigs' exec credential plugins, by result (ok, failed, timeout, invalid).",
+		}, []string{"result"}),
+		execRejected: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "isthmus_remote_exec_credential_rejected_total",
+			Help: "Exec credentials dropped because a remote API server answered 401 to them.",
+		}),
+	}
+	for _, r := range []string{"ok", "failed", "timeout", "invalid"} {
+		m.execRuns.WithLabelValues(r)
 	}
 	if reg != nil {
-		reg.MustRegister(m.clusters, m.syncDuration, m.secretEvents)
+		reg.MustRegister(m.clusters, m.syncDuration, m.secretEvents, m.execRuns, m.execRejected)
 	}
 	return m
 }

@@ -19,6 +19,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
 
+	"github.com/isthmus-mesh/isthmus/multicluster"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 	"github.com/isthmus-mesh/isthmus/pilot/server"
 )
@@ -31,6 +32,8 @@ type options struct {
 	namespace, clusterID    string
 	network                 string
 	gatewaySelector         string
+	execAllowlistFile       string
+	execAllow               []string
 	cfg                     server.Config
 }
 
@@ -66,7 +69,12 @@ func newCommand() *cobra.Command {
 	f.StringVar(&o.cfg.DebugAddr, "debug-addr", "127.0.0.1:8080", "address of /debug/*; - disables")
 	f.DurationVar(&o.cfg.Multicluster.SyncTimeout, "sync-timeout", 30*time.Second, "a remote not synced after this is reported timed out")
 	f.StringSliceVar(&o.cfg.Multicluster.AllowedKubeconfigOptions, "allow-kubeconfig-option", nil,
-		"kubeconfig options remote secrets may use although they run programs or read files (exec, auth-provider[:name], tokenFile, clientCertificate, clientKey, certificateAuthority)")
+		"kubeconfig options remote secrets may use although they read files or run auth providers (auth-provider[:name], tokenFile, clientCertificate, clientKey, certificateAuthority); exec plugins are allowed by --exec-allowlist and --exec-allow, and \"exec\" here is an error")
+	f.StringVar(&o.execAllowlistFile, "exec-allowlist", "",
+		"file (YAML or JSON) listing the exec credential plugins remote kubeconfigs may run: {commands: [{command: /abs/path, args: [pattern, ...], env: [NAME, ...]}]}; read at start")
+	f.StringArrayVar(&o.execAllow, "exec-allow", nil,
+		"one more allowed exec credential plugin, as a YAML flow mapping: '{command: /abs/path, args: [get-token, \"prod-*\"], env: [NAME]}' (repeatable)")
+	f.DurationVar(&o.cfg.Multicluster.Exec.Timeout, "exec-timeout", 10*time.Second, "bound of one exec credential plugin run")
 	f.BoolVar(&o.cfg.Registry.ExportMode, "export-mode", false, "federate only services with an MCS ServiceExport")
 	f.DurationVar(&o.cfg.Registry.StaleGrace, "stale-grace", 0, "how long an unreachable cluster's last state is kept (0: forever)")
 	f.DurationVar(&o.cfg.Registry.QuietPeriod, "debounce-quiet", 100*time.Millisecond, "changes closer than this are merged")
@@ -90,6 +98,9 @@ func (o *options) run(ctx context.Context) error {
 		return err
 	}
 	klog.SetSlogLogger(logger.With("source", "client-go"))
+	if o.cfg.Multicluster.Exec.Allowlist, err = execAllowlist(o.execAllowlistFile, o.execAllow); err != nil {
+		return err
+	}
 	rc, err := restConfig(o.kubeconfig, o.kubeContext)
 	if err != nil {
 		return err
@@ -109,6 +120,29 @@ func (o *options) run(ctx context.Context) error {
 	}
 	logger.Info("starting pilot", "version", version)
 	return srv.Run(ctx)
+}
+
+// execAllowlist reads the exec allowlist file (if any) and appends the
+// rules given one by one.
+func execAllowlist(path string, specs []string) ([]multicluster.ExecRule, error) {
+	var rules []multicluster.ExecRule
+	if path != "" {
+		data, err := os.ReadFile(path)
+		if err != nil {
+			return nil, fmt.Errorf("--exec-allowlist: %w", err)
+		}
+		if rules, err = multicluster.ParseExecAllowlist(data); err != nil {
+			return nil, fmt.Errorf("--exec-allowlist %s: %w", path, err)
+		}
+	}
+	for _, s := range specs {
+		r, err := multicluster.ParseExecRule(s)
+		if err != nil {
+			return nil, fmt.Errorf("--exec-allow: %w", err)
+		}
+		rules = append(rules, r)
+	}
+	return rules, nil
 }
 
 func restConfig(path, kubeContext string) (*rest.Config, error) {
