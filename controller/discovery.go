@@ -105,16 +105,38 @@ func (e *exportSource) list(ctx context.Context, o metav1.ListOptions) (runtime.
 }
 
 func (e *exportSource) watch(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-	var err error
 	for _, gvr := range ServiceExportGVRs {
-		var w watch.Interface
-		if w, err = e.client.Dynamic.Resource(gvr).Watch(ctx, o); !apierrors.IsNotFound(err) {
+		w, err := e.client.Dynamic.Resource(gvr).Watch(ctx, o)
+		if !apierrors.IsNotFound(err) {
 			return w, err
 		}
 	}
-	// No CRD: the reflector backs off, lists (nothing) and tries again, so a
-	// CRD installed later is found.
-	return nil, err
+	// No CRD: a watch that delivers nothing (but, when asked for initial
+	// events, their end) and ends after a while, so that the reflector
+	// starts over and finds a CRD installed later, without an error logged
+	// at every attempt.
+	return idleWatch(noCRDRecheck, o.SendInitialEvents != nil && *o.SendInitialEvents), nil
+}
+
+// noCRDRecheck is how often a cluster without the ServiceExport CRD is
+// checked for it again.
+const noCRDRecheck = time.Minute
+
+// idleWatch returns a watch that sends nothing — or, for a watch-list
+// request, only the bookmark that ends the (empty) initial events — and
+// ends after d.
+func idleWatch(d time.Duration, initialEvents bool) watch.Interface {
+	w := watch.NewFakeWithChanSize(1, false)
+	if initialEvents {
+		end := &unstructured.Unstructured{}
+		end.SetAPIVersion(ServiceExportGVRs[0].GroupVersion().String())
+		end.SetKind("ServiceExport")
+		end.SetResourceVersion("1")
+		end.SetAnnotations(map[string]string{metav1.InitialEventsAnnotationKey: "true"})
+		w.Action(watch.Bookmark, end)
+	}
+	time.AfterFunc(d, w.Stop)
+	return w
 }
 
 // NewBuilder returns the multicluster component builder of discovery: one

@@ -36,6 +36,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes/scheme"
@@ -84,6 +85,10 @@ type Config struct {
 	Registerer prometheus.Registerer
 	// Logger (default slog.Default()).
 	Logger *slog.Logger
+	// RecordEvents reports whether this replica writes Events on remote
+	// Secrets (nil: always). With several replicas only the leader does, so
+	// that every transition is one Event.
+	RecordEvents func() bool
 }
 
 func (c *Config) defaults() {
@@ -485,7 +490,7 @@ func (c *Controller) reconcile(ctx context.Context, key string) {
 func (c *Controller) refuse(ref *corev1.ObjectReference, key string, id model.ClusterID, reason, msg string) Status {
 	c.log.Warn("remote cluster refused", "cluster", id, "secret", key, "reason", reason, "detail", msg)
 	if ref != nil {
-		c.recorder.Event(ref, corev1.EventTypeWarning, reason, msg)
+		c.event(ref, corev1.EventTypeWarning, reason, msg)
 	}
 	return Status{ID: id, Secret: key, State: StateError, Reason: reason, Message: msg, LastTransitionTime: time.Now()}
 }
@@ -546,8 +551,8 @@ func (c *Controller) statusChanged(inst *instance, s Status, event *eventInfo) {
 	if cur, ok := c.clusters[e.id]; !ok || cur != e {
 		return
 	}
-	if event != nil && e.ref != nil && c.recorder != nil {
-		c.recorder.Event(e.ref, event.kind, event.reason, event.msg)
+	if event != nil && e.ref != nil {
+		c.event(e.ref, event.kind, event.reason, event.msg)
 	}
 	if e.active == inst {
 		c.notifyLocked(s)
@@ -586,4 +591,12 @@ func (c *Controller) buildComponents(ctx context.Context, cl *Cluster) ([]Compon
 		return nil, err
 	}
 	return out, nil
+}
+
+// event records an Event on ref, when this replica records them.
+func (c *Controller) event(ref runtime.Object, kind, reason, msg string) {
+	if c.recorder == nil || (c.cfg.RecordEvents != nil && !c.cfg.RecordEvents()) {
+		return
+	}
+	c.recorder.Event(ref, kind, reason, msg)
 }

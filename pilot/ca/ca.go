@@ -268,6 +268,13 @@ func (c *CA) subscribe(fn func()) (cancel func()) {
 	}
 }
 
+// Republish makes every root publisher check its cluster's ConfigMap again
+// (a replica that just became the leader).
+func (c *CA) Republish() { c.notify() }
+
+// leading reports whether this replica writes the published roots.
+func (c *CA) leading() bool { return c.deps.Leading == nil || c.deps.Leading() }
+
 func (c *CA) notify() {
 	c.mu.Lock()
 	defer c.mu.Unlock()

@@ -196,4 +196,8 @@ type Deps struct {
 	Registerer prometheus.Registerer
 	// Now is the clock (default time.Now).
 	Now func() time.Time
+	// Leading reports whether this replica writes shared state: the root
+	// publishers write the published roots only while it is true (nil:
+	// always). Call CA.Republish when it becomes true.
+	Leading func() bool
 }

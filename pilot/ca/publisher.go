@@ -136,8 +136,12 @@ func (p *publisher) run(ctx context.Context, informerSynced cache.InformerSynced
 }
 
 // reconcile makes the ConfigMap hold the current bundle. It reads the live object (the informer
-// only tells when to look), so a lost race is settled by reading again.
+// only tells when to look), so a lost race is settled by reading again. A replica that is not the
+// leader writes nothing: it has synced once it has read the cluster.
 func (p *publisher) reconcile(ctx context.Context) error {
+	if !p.ca.leading() {
+		return nil
+	}
 	want := string(p.ca.Roots())
 	ns, name := p.ca.cfg.Namespace, p.ca.cfg.RootConfigMap
 	cms := p.client.CoreV1().ConfigMaps(ns)

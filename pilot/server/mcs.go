@@ -6,6 +6,8 @@ import (
 	"log/slog"
 	"slices"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"golang.org/x/sync/errgroup"
 	corev1 "k8s.io/api/core/v1"
@@ -124,3 +126,34 @@ func (h *hooks) call(hosts []string) {
 		fn(hosts)
 	}
 }
+
+// LeaseName is the Lease (in the control-plane namespace) the replicas
+// elect their leader with.
+const LeaseName = "isthmus-pilot-leader"
+
+// LeaderElection times the leader Lease.
+type LeaderElection struct {
+	LeaseDuration, RenewDeadline, RetryPeriod time.Duration
+}
+
+func (l LeaderElection) withDefaults() LeaderElection {
+	if l.LeaseDuration <= 0 {
+		l.LeaseDuration = 15 * time.Second
+	}
+	if l.RenewDeadline <= 0 {
+		l.RenewDeadline = 10 * time.Second
+	}
+	if l.RetryPeriod <= 0 {
+		l.RetryPeriod = 2 * time.Second
+	}
+	return l
+}
+
+// leadership says whether this replica is the leader: the one that writes
+// shared state. With leader election off it always is.
+type leadership struct {
+	leading atomic.Bool
+}
+
+// Leading reports whether this replica is the leader.
+func (s *Server) Leading() bool { return s.lead.leading.Load() }

@@ -72,6 +72,9 @@ type Config struct {
 	NoLeaderElection bool
 	// Identity of this replica in leader election (default hostname-pid).
 	Identity string
+	// LeaderElection times the leader Lease (defaults: lease 15 s, renew
+	// deadline 10 s, retry 2 s).
+	LeaderElection LeaderElection
 	// GRPCLimits bound what a client of the TLS gRPC port may cost.
 	GRPCLimits GRPCLimits
 	// VIP configures the allocation of virtual addresses to services with
@@ -111,6 +114,7 @@ func (c *Config) defaults() {
 		c.ShutdownTimeout = 5 * time.Second
 	}
 	c.GRPCLimits = c.GRPCLimits.withDefaults()
+	c.LeaderElection = c.LeaderElection.withDefaults()
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -159,6 +163,7 @@ type Server struct {
 	vipHooks          *hooks
 	// leader runs the tasks that write shared state (one replica).
 	leader func(context.Context) error
+	lead   *leadership
 }
 
 // New assembles a pilot for the config cluster reached by configREST;
@@ -172,6 +177,9 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 	if err != nil {
 		return nil, fmt.Errorf("config cluster client: %w", err)
 	}
+	lead := &leadership{}
+	lead.leading.Store(cfg.NoLeaderElection)
+	cfg.Multicluster.RecordEvents = lead.leading.Load
 	mc, err := multicluster.New(cfg.Multicluster, local, build)
 	if err != nil {
 		return nil, err
@@ -189,6 +197,7 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 	})
 	authority, err := ca.New(cfg.CA, ca.Deps{
 		ConfigClient: local.Kube, Clusters: kubeClients{mc}, Nodes: r, Logger: cfg.Logger.With("component", "ca"), Registerer: reg,
+		Leading: lead.leading.Load,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("ca: %w", err)
@@ -209,7 +218,7 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 		return authority.PublishRoots(ctx, string(c.ID), c.Client.Kube)
 	})
 	s := &Server{cfg: cfg, log: cfg.Logger, Metrics: reg, Multicluster: mc, Registry: r, CA: authority, XDS: xs, VIP: alloc, local: local,
-		ready: make(chan struct{}), handshakeFailures: newHandshakeFailures(reg), vipHooks: vipHooks}
+		ready: make(chan struct{}), handshakeFailures: newHandshakeFailures(reg), vipHooks: vipHooks, lead: lead}
 	if s.leader, err = s.leaderTasks(cfg.Logger); err != nil {
 		return nil, err
 	}
@@ -377,28 +386,34 @@ func (s *Server) Run(ctx context.Context) error {
 // leading runs fn while this replica holds the leader Lease, until ctx ends.
 func (s *Server) leading(ctx context.Context, fn func(context.Context) error) error {
 	lock := &resourcelock.LeaseLock{
-		LeaseMeta:  metav1.ObjectMeta{Namespace: s.cfg.Namespace, Name: "isthmus-pilot-leader"},
+		LeaseMeta:  metav1.ObjectMeta{Namespace: s.cfg.Namespace, Name: LeaseName},
 		Client:     s.local.Kube.CoordinationV1(),
 		LockConfig: resourcelock.ResourceLockConfig{Identity: s.cfg.Identity},
 	}
+	le := s.cfg.LeaderElection
 	for ctx.Err() == nil {
-		le, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
-			Lock: lock, LeaseDuration: 15 * time.Second, RenewDeadline: 10 * time.Second, RetryPeriod: 2 * time.Second,
+		elector, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
+			Lock: lock, LeaseDuration: le.LeaseDuration, RenewDeadline: le.RenewDeadline, RetryPeriod: le.RetryPeriod,
 			ReleaseOnCancel: true, Name: "isthmus-pilot",
 			Callbacks: leaderelection.LeaderCallbacks{
 				OnStartedLeading: func(ctx context.Context) {
-					s.log.Info("leading: writing ServiceExport status and ServiceImports", "identity", s.cfg.Identity)
+					s.log.Info("leading: writing shared state (published roots, ServiceImports, ServiceExport status, Events)", "identity", s.cfg.Identity)
+					s.lead.leading.Store(true)
+					s.CA.Republish()
 					if err := fn(ctx); err != nil {
 						s.log.Error("leader task failed", "error", err)
 					}
 				},
-				OnStoppedLeading: func() { s.log.Info("no longer leading", "identity", s.cfg.Identity) },
+				OnStoppedLeading: func() {
+					s.lead.leading.Store(false)
+					s.log.Info("no longer leading", "identity", s.cfg.Identity)
+				},
 			},
 		})
 		if err != nil {
 			return err
 		}
-		le.Run(ctx) // returns when leadership is lost or ctx ends; then campaign again
+		elector.Run(ctx) // returns when leadership is lost or ctx ends; then campaign again
 	}
 	return nil
 }

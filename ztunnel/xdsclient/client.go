@@ -129,6 +129,9 @@ type Stats struct {
 	Streams int64
 	// Responses, ACKs and NACKs count responses received and answered.
 	Responses, ACKs, NACKs int64
+	// Resources and Removals count the resources and removals received
+	// (a resume after a reconnect that re-sends nothing adds none).
+	Resources, Removals int64
 }
 
 // Client is a delta xDS client feeding a state.Store. Run drives it; the
@@ -160,6 +163,7 @@ type Client struct {
 	syncOnce  sync.Once
 
 	streams, responses, acks, nacks atomic.Int64
+	resources, removals             atomic.Int64
 
 	closeOnce sync.Once
 	closed    chan struct{}
@@ -225,7 +229,8 @@ func (c *Client) Connected() bool { return c.connected.Load() }
 
 // Stats returns the protocol counters.
 func (c *Client) Stats() Stats {
-	return Stats{Streams: c.streams.Load(), Responses: c.responses.Load(), ACKs: c.acks.Load(), NACKs: c.nacks.Load()}
+	return Stats{Streams: c.streams.Load(), Responses: c.responses.Load(), ACKs: c.acks.Load(), NACKs: c.nacks.Load(),
+		Resources: c.resources.Load(), Removals: c.removals.Load()}
 }
 
 // Versions returns the resources the client holds, name -> version.
@@ -352,6 +357,8 @@ func (c *Client) stream(ctx context.Context, ads discovery.AggregatedDiscoverySe
 		}
 		got = true
 		c.responses.Add(1)
+		c.resources.Add(int64(len(resp.GetResources())))
+		c.removals.Add(int64(len(resp.GetRemovedResources())))
 		if resp.GetTypeUrl() != workloadv1.TypeURL {
 			c.log.Warn("ignoring response of an unexpected type", "type", resp.GetTypeUrl())
 			continue
