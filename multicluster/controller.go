@@ -570,7 +570,14 @@ func (c *Controller) buildComponents(ctx context.Context, cl *Cluster) ([]Compon
 
 // sanitizedClient sanitizes a remote kubeconfig and builds its client.
 func (c *Controller) sanitizedClient(kubeconfig []byte, id model.ClusterID) (*Client, error) {
-	cfg, err := SanitizeKubeconfig(kubeconfig, c.cfg.AllowedKubeconfigOptions)
+	return SanitizedClient(kubeconfig, id, c.cfg.AllowedKubeconfigOptions, c.build)
+}
+
+// SanitizedClient builds the client of a remote kubeconfig exactly as pilot
+// does: SanitizeKubeconfig with the allowed options, then build on the
+// rebuilt kubeconfig. A refused kubeconfig is a *KubeconfigError.
+func SanitizedClient(kubeconfig []byte, id model.ClusterID, allowed []string, build ClientBuilder) (*Client, error) {
+	cfg, err := SanitizeKubeconfig(kubeconfig, allowed)
 	if err != nil {
 		return nil, err
 	}
@@ -578,9 +585,5 @@ func (c *Controller) sanitizedClient(kubeconfig []byte, id model.ClusterID) (*Cl
 	if err != nil {
 		return nil, &KubeconfigError{ReasonInvalidKubeconfig, "cannot serialize sanitized kubeconfig"}
 	}
-	cl, err := c.build(clean, id)
-	if err != nil {
-		return nil, err
-	}
-	return cl, nil
+	return build(clean, id)
 }
