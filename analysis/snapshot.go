@@ -107,6 +107,13 @@ const (
 	KindRootCertificate       = "configmaps"
 )
 
+// ReaderOptionalKinds are the kinds pilot's remote reader is not granted
+// (remotesecret.ReaderRules): a remote cluster read with its Secret's
+// kubeconfig is expected to refuse them, so a refusal is not reported as
+// incomplete data; the checks that use them see the clusters that allow
+// them (the config cluster, read with the operator's own credentials).
+var ReaderOptionalKinds = []string{KindServiceAccounts, KindAuthorizationPolicies}
+
 // Cluster is what was read from one cluster.
 type Cluster struct {
 	ID model.ClusterID

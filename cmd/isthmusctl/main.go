@@ -10,6 +10,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -31,10 +32,33 @@ func main() {
 	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "Error:", err)
-		os.Exit(1)
+		code := 1
+		var exit *exitError
+		if errors.As(err, &exit) {
+			code = exit.code
+		}
+		if msg := err.Error(); msg != "" {
+			fmt.Fprintln(os.Stderr, "Error:", msg)
+		}
+		os.Exit(code)
 	}
 }
+
+// exitError ends isthmusctl with its code; its message, if any, is printed.
+type exitError struct {
+	code int
+	msg  string
+	err  error
+}
+
+func (e *exitError) Error() string {
+	if e.err != nil {
+		return e.err.Error()
+	}
+	return e.msg
+}
+
+func (e *exitError) Unwrap() error { return e.err }
 
 // globalConfig holds the flags every subcommand shares.
 type globalConfig struct {
@@ -88,6 +112,7 @@ func newRootCommand(stdout, stderr io.Writer) *cobra.Command {
 
 	root.AddCommand(
 		newCreateRemoteSecretCommand(logger),
+		newAnalyzeCommand(logger),
 		newRemoteClustersCommand(pilot),
 		newRegistryCommand(pilot),
 		newProxyStatusCommand(pilot),
