@@ -117,13 +117,22 @@ func (NetworkGateways) Analyze(s *analysis.Snapshot) []msg.Message {
 		var others []string
 		for n := range clients {
 			if n != net {
-				others = append(others, n)
+				others = append(others, networkName(n))
 			}
 		}
 		if len(others) == 0 {
 			continue
 		}
-		out = append(out, msg.NewNetworkWithoutGateway(msg.Resource{Kind: "Network", Name: net}, net, list(stranded[net]), list(others)))
+		out = append(out, msg.NewNetworkWithoutGateway(msg.Resource{Kind: "Network", Name: networkName(net)}, networkName(net), list(stranded[net]), list(others)))
 	}
 	return out
+}
+
+// networkName shows the unnamed network (a cluster without a default
+// network) as "".
+func networkName(n string) string {
+	if n == "" {
+		return `""`
+	}
+	return n
 }

@@ -95,11 +95,15 @@ func TestNetworkWithoutGateway(t *testing.T) {
 	ctx := context.Background()
 	_, err := c2.CreateService(ctx, demoNS, "ledger", map[string]string{"app": "ledger"}, framework.ServicePort{Name: "http", Port: 80, TargetPort: 8080})
 	require.NoError(t, err)
-	cleanup(t, func(ctx context.Context) error { return c2.Client.CoreV1().Services(demoNS).Delete(ctx, "ledger", metav1.DeleteOptions{}) })
+	cleanup(t, func(ctx context.Context) error {
+		return c2.Client.CoreV1().Services(demoNS).Delete(ctx, "ledger", metav1.DeleteOptions{})
+	})
 	_, err = c2.CreatePod(ctx, framework.PodOptions{Namespace: demoNS, Name: "ledger-0", ServiceAccount: "ledger",
 		Labels: map[string]string{"app": "ledger", "topology.istio.io/network": "network-3"}, IP: netip.MustParseAddr("10.3.0.10"), Ready: true})
 	require.NoError(t, err)
-	cleanup(t, func(ctx context.Context) error { return c2.Client.CoreV1().Pods(demoNS).Delete(ctx, "ledger-0", metav1.DeleteOptions{}) })
+	cleanup(t, func(ctx context.Context) error {
+		return c2.Client.CoreV1().Pods(demoNS).Delete(ctx, "ledger-0", metav1.DeleteOptions{})
+	})
 
 	_, msgs := analyzeLive(t, analysis.Mesh{})
 	requireOnly(t, msgs, "ISM0005 Network/network-3 ")
@@ -146,11 +150,15 @@ func TestServicePortConflict(t *testing.T) {
 	ctx := context.Background()
 	_, err := primary.CreateService(ctx, demoNS, "web", map[string]string{"app": "web"}, framework.ServicePort{Name: "http", Port: 80, TargetPort: 8080})
 	require.NoError(t, err)
-	cleanup(t, func(ctx context.Context) error { return primary.Client.CoreV1().Services(demoNS).Delete(ctx, "web", metav1.DeleteOptions{}) })
+	cleanup(t, func(ctx context.Context) error {
+		return primary.Client.CoreV1().Services(demoNS).Delete(ctx, "web", metav1.DeleteOptions{})
+	})
 	waitNewerSecond(t)
 	_, err = c2.CreateService(ctx, demoNS, "web", map[string]string{"app": "web"}, framework.ServicePort{Name: "http", Port: 8080, TargetPort: 8080})
 	require.NoError(t, err)
-	cleanup(t, func(ctx context.Context) error { return c2.Client.CoreV1().Services(demoNS).Delete(ctx, "web", metav1.DeleteOptions{}) })
+	cleanup(t, func(ctx context.Context) error {
+		return c2.Client.CoreV1().Services(demoNS).Delete(ctx, "web", metav1.DeleteOptions{})
+	})
 
 	_, msgs := analyzeLive(t, analysis.Mesh{})
 	requireOnly(t, msgs, "ISM0008 Service/demo/web cluster-2")
@@ -197,7 +205,9 @@ func TestServiceExportConflict(t *testing.T) {
 	crds := filepath.Join("..", "..", "manifests", "base", "crds")
 	_, err := c2.CreateService(ctx, demoNS, "catalog", map[string]string{"app": "catalog"}, framework.ServicePort{Name: "http", Port: 80, TargetPort: 8080})
 	require.NoError(t, err)
-	cleanup(t, func(ctx context.Context) error { return c2.Client.CoreV1().Services(demoNS).Delete(ctx, "catalog", metav1.DeleteOptions{}) })
+	cleanup(t, func(ctx context.Context) error {
+		return c2.Client.CoreV1().Services(demoNS).Delete(ctx, "catalog", metav1.DeleteOptions{})
+	})
 	headless := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "catalog", Namespace: demoNS}, Spec: corev1.ServiceSpec{
 		ClusterIP: corev1.ClusterIPNone, Selector: map[string]string{"app": "catalog"},
 		Ports: []corev1.ServicePort{{Name: "http", Port: 80, Protocol: corev1.ProtocolTCP}}}}
@@ -281,7 +291,9 @@ func TestClusterDataIncomplete(t *testing.T) {
 	const sa = "namespace-reader"
 	_, err := c2.Client.CoreV1().ServiceAccounts(cpNS).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: sa, Namespace: cpNS}}, metav1.CreateOptions{})
 	require.NoError(t, err)
-	cleanup(t, func(ctx context.Context) error { return c2.Client.CoreV1().ServiceAccounts(cpNS).Delete(ctx, sa, metav1.DeleteOptions{}) })
+	cleanup(t, func(ctx context.Context) error {
+		return c2.Client.CoreV1().ServiceAccounts(cpNS).Delete(ctx, sa, metav1.DeleteOptions{})
+	})
 	rbac := c2.Client.RbacV1()
 	_, err = rbac.ClusterRoles().Create(ctx, &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: sa},
 		Rules: []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"namespaces", "pods", "configmaps"}, Verbs: []string{"get", "list"}}}}, metav1.CreateOptions{})
@@ -291,7 +303,9 @@ func TestClusterDataIncomplete(t *testing.T) {
 		RoleRef:  rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "ClusterRole", Name: sa},
 		Subjects: []rbacv1.Subject{{Kind: "ServiceAccount", Name: sa, Namespace: cpNS}}}, metav1.CreateOptions{})
 	require.NoError(t, err)
-	cleanup(t, func(ctx context.Context) error { return rbac.ClusterRoleBindings().Delete(ctx, sa, metav1.DeleteOptions{}) })
+	cleanup(t, func(ctx context.Context) error {
+		return rbac.ClusterRoleBindings().Delete(ctx, sa, metav1.DeleteOptions{})
+	})
 	tr, err := c2.Client.CoreV1().ServiceAccounts(cpNS).CreateToken(ctx, sa, &authenticationv1.TokenRequest{}, metav1.CreateOptions{})
 	require.NoError(t, err)
 
