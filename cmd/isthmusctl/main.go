@@ -1,6 +1,7 @@
 // Command isthmusctl operates an Isthmus mesh: it registers remote clusters
-// (create-remote-secret) and reads pilot's debug endpoints (remote-clusters,
-// registry, proxy-status).
+// (create-remote-secret), reads pilot's debug endpoints (remote-clusters,
+// registry, proxy-status), diagnoses misconfigurations across clusters
+// (analyze) and compares rendered manifests (manifest diff).
 //
 // Every subcommand parses its flags into a config struct and runs a plain
 // function of that struct; the pilot debug address comes from --pilot
@@ -113,6 +114,7 @@ func newRootCommand(stdout, stderr io.Writer) *cobra.Command {
 	root.AddCommand(
 		newCreateRemoteSecretCommand(logger),
 		newAnalyzeCommand(logger),
+		newManifestCommand(),
 		newRemoteClustersCommand(pilot),
 		newRegistryCommand(pilot),
 		newProxyStatusCommand(pilot),
