@@ -189,16 +189,18 @@ var (
 		Description: "An AuthorizationPolicy (security.istio.io/v1) names a principal <trust-domain>/ns/<namespace>/sa/<account> of the mesh's trust domain that no cluster has: no ServiceAccount of that name (where ServiceAccounts can be read) and no pod running under it. The rule never matches; usually a typo or a namespace that differs between clusters.",
 	}
 	// ClusterDataIncomplete (ISM0016, Info): Some kind of object could not be read
-	// in a cluster (for example ServiceAccounts or AuthorizationPolicies with the
-	// remote reader's token, which does not grant them). The checks that need it
-	// used what was readable.
+	// in a cluster (for example Services or Pods that a remote Secret's
+	// credentials may not list). The checks that need it used what was readable.
+	// ServiceAccounts and AuthorizationPolicies, which pilot's remote reader is
+	// not granted, are expected to be refused in remote clusters and are not
+	// reported.
 	ClusterDataIncomplete = &Type{
 		Code:        "ISM0016",
 		Name:        "ClusterDataIncomplete",
 		Level:       Info,
 		Template:    "cluster %s: %s could not be read (%s); checks that use them saw only the other clusters",
 		Args:        []string{"cluster", "kind", "reason"},
-		Description: "Some kind of object could not be read in a cluster (for example ServiceAccounts or AuthorizationPolicies with the remote reader's token, which does not grant them). The checks that need it used what was readable.",
+		Description: "Some kind of object could not be read in a cluster (for example Services or Pods that a remote Secret's credentials may not list). The checks that need it used what was readable. ServiceAccounts and AuthorizationPolicies, which pilot's remote reader is not granted, are expected to be refused in remote clusters and are not reported.",
 	}
 )
 

@@ -21,7 +21,9 @@ func TestGeneratedFilesAreFresh(t *testing.T) {
 	for path, want := range files {
 		got, err := os.ReadFile(filepath.Join(root, path))
 		require.NoError(t, err)
-		require.Equal(t, string(want), string(got), "%s is stale: run `make generate`", path)
+		if line, ok := firstDifference(string(want), string(got)); !ok {
+			t.Errorf("%s is stale (line %d differs): run `make generate`", path, line)
+		}
 	}
 }
 
@@ -55,4 +57,19 @@ func TestCatalogueValidation(t *testing.T) {
 	dup := ok + strings.Replace(strings.TrimPrefix(ok, "messages:\n"), "name: A\n", "name: B\n", 1)
 	_, err = parseCatalogue([]byte(dup))
 	require.ErrorContains(t, err, "duplicate code")
+}
+
+// firstDifference returns the first line (from 1) where a and b differ,
+// and whether they are equal.
+func firstDifference(a, b string) (int, bool) {
+	if a == b {
+		return 0, true
+	}
+	al, bl := strings.Split(a, "\n"), strings.Split(b, "\n")
+	for i := range min(len(al), len(bl)) {
+		if al[i] != bl[i] {
+			return i + 1, false
+		}
+	}
+	return min(len(al), len(bl)) + 1, false
 }
