@@ -260,7 +260,7 @@ func TestRootCertificates(t *testing.T) {
 func TestUnknownPrincipal(t *testing.T) {
 	primary, _ := topology(t)
 	ctx := context.Background()
-	require.NoError(t, primary.InstallCRDs(istioCRDs(t)))
+	require.NoError(t, primary.InstallCRDs(authorizationPolicyCRD(t)))
 	ap := &securityv1.AuthorizationPolicy{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "security.istio.io/v1", Kind: "AuthorizationPolicy"},
 		ObjectMeta: metav1.ObjectMeta{Name: "allow-callers", Namespace: demoNS},

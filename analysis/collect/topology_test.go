@@ -10,6 +10,7 @@ import (
 	"encoding/pem"
 	"math/big"
 	"net/netip"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
@@ -30,6 +31,7 @@ import (
 	"github.com/isthmus-mesh/isthmus/analysis/analyzers"
 	"github.com/isthmus-mesh/isthmus/analysis/collect"
 	"github.com/isthmus-mesh/isthmus/analysis/msg"
+	"github.com/isthmus-mesh/isthmus/internal/kubeyaml"
 	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
 	"github.com/isthmus-mesh/isthmus/pilot/ca"
 	"github.com/isthmus-mesh/isthmus/test/framework"
@@ -249,12 +251,26 @@ func texts(msgs []msg.Message) string {
 	return b.String()
 }
 
-// istioCRDs is the path of Istio's CRDs in the istio.io/api module.
-func istioCRDs(t *testing.T) string {
+// authorizationPolicyCRD writes the AuthorizationPolicy CRD of the
+// istio.io/api module (only that one: the module's file holds every Istio
+// CRD) into a temporary folder and returns its path.
+func authorizationPolicyCRD(t *testing.T) string {
 	t.Helper()
 	out, err := exec.Command("go", "list", "-m", "-f", "{{.Dir}}", "istio.io/api").Output()
 	require.NoError(t, err, "locate the istio.io/api module")
-	return filepath.Join(strings.TrimSpace(string(out)), "kubernetes", "customresourcedefinitions.gen.yaml")
+	objs, err := kubeyaml.LoadFile(filepath.Join(strings.TrimSpace(string(out)), "kubernetes", "customresourcedefinitions.gen.yaml"))
+	require.NoError(t, err)
+	for _, o := range objs {
+		if o.GetKind() == "CustomResourceDefinition" && o.GetName() == "authorizationpolicies.security.istio.io" {
+			raw, err := o.MarshalJSON()
+			require.NoError(t, err)
+			path := filepath.Join(t.TempDir(), "authorizationpolicies.json")
+			require.NoError(t, os.WriteFile(path, raw, 0o644))
+			return path
+		}
+	}
+	t.Fatal("no AuthorizationPolicy CRD in istio.io/api")
+	return ""
 }
 
 // waitNewerSecond waits until the wall clock is in a later second than
