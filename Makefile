@@ -38,9 +38,11 @@ test: testbin lint
 bench: testbin
 	$(GO) test -p 1 -run '^$$' -bench '$(BENCH)' -benchtime $(BENCHTIME) -benchmem -timeout 60m ./...
 
-## generate: regenerate the committed protobuf Go code (needs protoc; see hack/gen-proto.sh).
+## generate: regenerate the committed protobuf Go code (needs protoc; see
+## hack/gen-proto.sh) and the analyze message catalogue (analysis/msg).
 generate:
 	hack/gen-proto.sh
+	$(GO) run ./analysis/msg/gen
 
 ## demo: a two-cluster, two-network federation on this machine; runs until Ctrl-C.
 demo: testbin build

@@ -160,6 +160,18 @@ func convertService(cluster model.ClusterID, svc *corev1.Service) *svcInfo {
 	return info
 }
 
+// GatewayCandidate returns the east-west gateway candidate a Service of
+// cluster describes: nil unless it is labelled with a network
+// (topology.istio.io/network) and has an HBONE port. TrustGateway decides
+// whether it is trusted.
+func GatewayCandidate(cluster model.ClusterID, svc *corev1.Service) *model.NetworkGateway {
+	net := svc.Labels[NetworkLabel]
+	if net == "" {
+		return nil
+	}
+	return gatewayOf(cluster, model.Network(net), svc)
+}
+
 // gatewayOf returns the east-west gateway candidate a Service labelled with
 // a network describes: its HBONE port (15008, or the port named tls-hbone),
 // its address (load balancer ingress, else external IP; none yet is

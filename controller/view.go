@@ -780,13 +780,25 @@ func (v *view) resolveGateway(k model.ServiceKey, g model.NetworkGateway) model.
 			podAccounts = append(podAccounts, cmp.Or(e.ServiceAccount(), "default"))
 		}
 	}
+	return TrustGateway(g, v.gatewayNS[k.Namespace] || v.selectedNS[k.Namespace], podAccounts, ready)
+}
+
+// TrustGateway decides whether the candidate g (from GatewayCandidate) is a
+// gateway: trustedNamespace says whether its Service's namespace is one of
+// the operator's gateway namespaces; podAccounts are the service accounts
+// of the pods the Service selects ("default" for none named) and ready
+// counts the ready ones. Without annotated accounts the pods' are its
+// identities; the capacity is its ready pods, at least 1. An untrusted
+// candidate gets its reason in Ignored.
+func TrustGateway(g model.NetworkGateway, trustedNamespace bool, podAccounts []string, ready uint32) model.NetworkGateway {
 	if len(g.ServiceAccounts) == 0 {
-		slices.Sort(podAccounts)
-		g.ServiceAccounts = slices.Compact(podAccounts)
+		accounts := slices.Clone(podAccounts)
+		slices.Sort(accounts)
+		g.ServiceAccounts = slices.Compact(accounts)
 	}
 	g.Capacity = max(ready, 1)
 	switch {
-	case !v.gatewayNS[k.Namespace] && !v.selectedNS[k.Namespace]:
+	case !trustedNamespace:
 		g.Ignored = model.GatewayIgnoredUntrustedNamespace
 	case !g.Address.IsValid() && g.Hostname == "":
 		g.Ignored = model.GatewayIgnoredNoAddress

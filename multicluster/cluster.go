@@ -228,6 +228,14 @@ func (i *instance) probe() error {
 	return err
 }
 
+// ProbeFailure classifies the error of a request to a cluster's API server
+// as pilot's liveness probe does: ReasonUnauthorized, ReasonForbidden,
+// ReasonTLSError or ReasonUnreachable.
+func ProbeFailure(err error) string {
+	_, reason := classify(err)
+	return reason
+}
+
 // classify maps a probe error to a state and a reason.
 func classify(err error) (State, string) {
 	var uae x509.UnknownAuthorityError

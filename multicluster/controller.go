@@ -43,6 +43,7 @@ import (
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	listerscorev1 "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/workqueue"
 
@@ -599,4 +600,20 @@ func (c *Controller) event(ref runtime.Object, kind, reason, msg string) {
 		return
 	}
 	c.recorder.Event(ref, kind, reason, msg)
+}
+
+// SanitizedClient builds the client of a remote kubeconfig as pilot does
+// (SanitizeKubeconfig with the allowed options, then build on the rebuilt
+// kubeconfig), for tools: it runs no exec plugin, so a kubeconfig with one
+// is refused. A refused kubeconfig is a *KubeconfigError.
+func SanitizedClient(kubeconfig []byte, id model.ClusterID, allowed []string, build ClientBuilder) (*Client, error) {
+	cfg, err := SanitizeKubeconfig(kubeconfig, allowed)
+	if err != nil {
+		return nil, err
+	}
+	clean, err := clientcmd.Write(*cfg)
+	if err != nil {
+		return nil, &KubeconfigError{ReasonInvalidKubeconfig, "cannot serialize sanitized kubeconfig"}
+	}
+	return build(clean, id)
 }

@@ -1,6 +1,7 @@
 // Command isthmusctl operates an Isthmus mesh: it registers remote clusters
-// (create-remote-secret) and reads pilot's debug endpoints (remote-clusters,
-// registry, proxy-status).
+// (create-remote-secret), reads pilot's debug endpoints (remote-clusters,
+// registry, proxy-status), diagnoses misconfigurations across clusters
+// (analyze) and compares rendered manifests (manifest diff).
 //
 // Every subcommand parses its flags into a config struct and runs a plain
 // function of that struct; the pilot debug address comes from --pilot
@@ -10,6 +11,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -31,10 +33,33 @@ func main() {
 	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "Error:", err)
-		os.Exit(1)
+		code := 1
+		var exit *exitError
+		if errors.As(err, &exit) {
+			code = exit.code
+		}
+		if msg := err.Error(); msg != "" {
+			fmt.Fprintln(os.Stderr, "Error:", msg)
+		}
+		os.Exit(code)
 	}
 }
+
+// exitError ends isthmusctl with its code; its message, if any, is printed.
+type exitError struct {
+	code int
+	msg  string
+	err  error
+}
+
+func (e *exitError) Error() string {
+	if e.err != nil {
+		return e.err.Error()
+	}
+	return e.msg
+}
+
+func (e *exitError) Unwrap() error { return e.err }
 
 // globalConfig holds the flags every subcommand shares.
 type globalConfig struct {
@@ -88,6 +113,8 @@ func newRootCommand(stdout, stderr io.Writer) *cobra.Command {
 
 	root.AddCommand(
 		newCreateRemoteSecretCommand(logger),
+		newAnalyzeCommand(logger),
+		newManifestCommand(),
 		newRemoteClustersCommand(pilot),
 		newRegistryCommand(pilot),
 		newProxyStatusCommand(pilot),

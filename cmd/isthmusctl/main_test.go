@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -69,6 +70,37 @@ func TestVersionFromLdflags(t *testing.T) {
 	require.ErrorAs(t, err, &exit)
 	require.Equal(t, 1, exit.ExitCode())
 	require.Contains(t, stderr.String(), `unknown output format "xml"`)
+
+	// Commands with their own exit codes: analyze (79 on issues) and
+	// manifest diff (1 when different, 2 on error).
+	for _, tc := range []struct {
+		args   []string
+		code   int
+		stderr string
+	}{
+		{[]string{"analyze", "-f", "testdata/analyze"}, exitAnalyzeIssues, "analyze found issues"},
+		{[]string{"analyze", "-f", "testdata/analyze", "--failure-threshold", "Error", "--suppress", "ISM0008=*"}, 0, ""},
+		{[]string{"manifest", "diff", "testdata/analyze/primary", "testdata/analyze/cluster-2"}, exitDiffers, ""},
+		{[]string{"manifest", "diff", "testdata/analyze/primary", "testdata/analyze/primary"}, 0, ""},
+		{[]string{"manifest", "diff", "testdata/analyze/primary"}, exitDiffError, "takes two paths"},
+	} {
+		cmd := exec.Command(bin, tc.args...)
+		stderr.Reset()
+		cmd.Stderr = &stderr
+		err := cmd.Run()
+		code := 0
+		if errors.As(err, &exit) {
+			code = exit.ExitCode()
+		} else {
+			require.NoError(t, err)
+		}
+		require.Equal(t, tc.code, code, "%v: %s", tc.args, stderr.String())
+		if tc.stderr == "" {
+			require.Empty(t, stderr.String(), "%v", tc.args)
+		} else {
+			require.Contains(t, stderr.String(), tc.stderr, "%v", tc.args)
+		}
+	}
 }
 
 // TestCompletion checks that cobra's completion command is wired in.

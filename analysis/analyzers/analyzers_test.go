@@ -1,0 +1,183 @@
+package analyzers_test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	securityv1beta1 "istio.io/api/security/v1beta1"
+	securityv1 "istio.io/client-go/pkg/apis/security/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	mcsv1beta1 "sigs.k8s.io/mcs-api/pkg/apis/v1beta1"
+
+	"github.com/isthmus-mesh/isthmus/analysis"
+	"github.com/isthmus-mesh/isthmus/analysis/analyzers"
+	"github.com/isthmus-mesh/isthmus/analysis/msg"
+	"github.com/isthmus-mesh/isthmus/pilot/model"
+)
+
+var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+
+func meta(ns, name string, created time.Time) metav1.ObjectMeta {
+	return metav1.ObjectMeta{Namespace: ns, Name: name, CreationTimestamp: metav1.NewTime(created)}
+}
+
+func service(ns, name string, created time.Time, ports ...corev1.ServicePort) *corev1.Service {
+	return &corev1.Service{ObjectMeta: meta(ns, name, created), Spec: corev1.ServiceSpec{Selector: map[string]string{"app": name}, Ports: ports}}
+}
+
+func pod(ns, name, app, sa string) *corev1.Pod {
+	return &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Labels: map[string]string{"app": app}},
+		Spec: corev1.PodSpec{ServiceAccountName: sa}}
+}
+
+func codes(msgs []msg.Message) []string {
+	out := []string{}
+	for _, m := range msgs {
+		out = append(out, m.Type.Code+" "+m.Resource.String()+" "+m.Resource.Cluster)
+	}
+	return out
+}
+
+func mesh() analysis.Mesh {
+	return analysis.Mesh{Namespace: "isthmus-system", ConfigCluster: "primary", TrustDomain: "cluster.local"}
+}
+
+// TestServicePorts: a protocol differing is a conflict like a number; the
+// oldest definition is the reference, ties broken by cluster ID.
+func TestServicePorts(t *testing.T) {
+	tcp := corev1.ServicePort{Name: "dns", Port: 53}
+	udp := corev1.ServicePort{Name: "dns", Port: 53, Protocol: corev1.ProtocolUDP}
+	snap := &analysis.Snapshot{Mesh: mesh(), Clusters: []*analysis.Cluster{
+		{ID: "a", Services: []*corev1.Service{service("x", "dns", t0, udp)}},
+		{ID: "b", Services: []*corev1.Service{service("x", "dns", t0, tcp)}},
+		{ID: "c", Services: []*corev1.Service{service("x", "dns", t0.Add(-time.Hour), udp)}},
+		{ID: "d", Services: []*corev1.Service{service("kube-system", "dns", t0, tcp)}},
+	}}
+	msgs := analyzers.ServicePorts{}.Analyze(snap)
+	require.Equal(t, []string{"ISM0008 Service/x/dns b"}, codes(msgs))
+	require.Equal(t, "port dns is 53/TCP in cluster b but 53/UDP in cluster c (the oldest definition, which is used)", msgs[0].Text())
+}
+
+// TestNetworkGateways: one network needs no gateway; a trusted gateway
+// serves its network; a gateway outside the trusted namespaces does not.
+func TestNetworkGateways(t *testing.T) {
+	gw := func(ns string) *corev1.Service {
+		s := service(ns, "gw", t0, corev1.ServicePort{Name: "tls-hbone", Port: 15008})
+		s.Labels = map[string]string{"topology.istio.io/network": "n2"}
+		s.Spec.ExternalIPs = []string{"192.0.2.9"}
+		return s
+	}
+	build := func(gwNS string, clientNet model.Network) *analysis.Snapshot {
+		return &analysis.Snapshot{Mesh: mesh(), Clusters: []*analysis.Cluster{
+			{ID: "primary", Network: clientNet, Pods: []*corev1.Pod{pod("demo", "sleep", "sleep", "sleep")}},
+			{ID: "c2", Network: "n2", Services: []*corev1.Service{service("demo", "echo", t0), gw(gwNS)},
+				Pods: []*corev1.Pod{pod("demo", "echo-0", "echo", "echo"), pod(gwNS, "gw-0", "gw", "gw")}},
+		}}
+	}
+	require.Empty(t, analyzers.NetworkGateways{}.Analyze(build("isthmus-system", "n1")))
+	require.Empty(t, analyzers.NetworkGateways{}.Analyze(build("tenant", "n2")), "one network: no gateway needed")
+	msgs := analyzers.NetworkGateways{}.Analyze(build("tenant", "n1"))
+	require.Equal(t, []string{"ISM0005 Network/n2 "}, codes(msgs))
+	require.Equal(t, "network n2 has no trusted east-west gateway, but service demo/echo, tenant/gw has endpoints there and is used from network(s) n1", msgs[0].Text())
+	require.Equal(t, []string{"ISM0006 Service/tenant/gw c2"}, codes(analyzers.GatewayCandidates{}.Analyze(build("tenant", "n1"))))
+}
+
+// TestPrincipals: a ServiceAccount object or a pod makes a principal
+// known; wildcards, other trust domains and malformed principals are left
+// alone; each unknown principal is reported once per policy.
+func TestPrincipals(t *testing.T) {
+	ap := &securityv1.AuthorizationPolicy{ObjectMeta: meta("demo", "ap", t0), Spec: securityv1beta1.AuthorizationPolicy{
+		Rules: []*securityv1beta1.Rule{
+			{From: []*securityv1beta1.Rule_From{{Source: &securityv1beta1.Source{
+				Principals:    []string{"cluster.local/ns/demo/sa/object", "cluster.local/ns/demo/sa/runs", "*", "cluster.local/ns/*/sa/x", "other/ns/demo/sa/none", "not-a-principal"},
+				NotPrincipals: []string{"spiffe://cluster.local/ns/demo/sa/ghost"},
+			}}}},
+			{From: []*securityv1beta1.Rule_From{{Source: &securityv1beta1.Source{Principals: []string{"spiffe://cluster.local/ns/demo/sa/ghost"}}}}},
+		}}}
+	snap := &analysis.Snapshot{Mesh: mesh(), Clusters: []*analysis.Cluster{
+		{ID: "primary", AuthorizationPolicies: []*securityv1.AuthorizationPolicy{ap},
+			ServiceAccounts: []*corev1.ServiceAccount{{ObjectMeta: meta("demo", "object", t0)}}},
+		{ID: "c2", Pods: []*corev1.Pod{pod("demo", "p", "p", "runs")}},
+	}}
+	msgs := analyzers.Principals{}.Analyze(snap)
+	require.Equal(t, []string{"ISM0015 AuthorizationPolicy/demo/ap primary"}, codes(msgs))
+	require.Equal(t, "principal spiffe://cluster.local/ns/demo/sa/ghost names service account demo/ghost, which no cluster has", msgs[0].Text())
+}
+
+// TestDuplicateClusterIDs: every Secret after the oldest is reported.
+func TestDuplicateClusterIDs(t *testing.T) {
+	snap := &analysis.Snapshot{RemoteSecrets: []analysis.RemoteSecret{
+		{Namespace: "ns", Name: "b", Created: t0, Clusters: []model.ClusterID{"c2", "c3"}},
+		{Namespace: "ns", Name: "a", Created: t0.Add(time.Hour), Clusters: []model.ClusterID{"c2"}},
+		{Namespace: "ns", Name: "c", Created: t0.Add(time.Hour), Clusters: []model.ClusterID{"c2", "c4"}},
+	}}
+	msgs := analyzers.DuplicateClusterIDs{}.Analyze(snap)
+	require.Equal(t, []string{"ISM0004 Secret/ns/a ", "ISM0004 Secret/ns/c "}, codes(msgs))
+	require.Equal(t, "cluster ID c2 is claimed by secret ns/b and by secret ns/a; only one is used", msgs[0].Text())
+}
+
+// TestServiceExports: a ServiceExport without its Service exports nothing;
+// conflicting ports are reported on the overruled clusters.
+func TestServiceExports(t *testing.T) {
+	export := func(created time.Time) *mcsv1beta1.ServiceExport {
+		return &mcsv1beta1.ServiceExport{ObjectMeta: meta("demo", "echo", created)}
+	}
+	snap := &analysis.Snapshot{Mesh: mesh(), Clusters: []*analysis.Cluster{
+		{ID: "a", Services: []*corev1.Service{service("demo", "echo", t0, corev1.ServicePort{Name: "http", Port: 80})},
+			ServiceExports: []*mcsv1beta1.ServiceExport{export(t0)}},
+		{ID: "b", Services: []*corev1.Service{service("demo", "echo", t0, corev1.ServicePort{Name: "http", Port: 81})},
+			ServiceExports: []*mcsv1beta1.ServiceExport{export(t0.Add(time.Hour))}},
+		{ID: "c", ServiceExports: []*mcsv1beta1.ServiceExport{export(t0.Add(-time.Hour))}},
+	}}
+	msgs := analyzers.ServiceExports{}.Analyze(snap)
+	require.Equal(t, []string{"ISM0011 ServiceExport/demo/echo b"}, codes(msgs))
+	require.Contains(t, msgs[0].Text(), "PortConflict")
+}
+
+// TestRootCertificates: without a config cluster the first publishing
+// cluster is the reference; a bundle that is not PEM is missing roots.
+func TestRootCertificates(t *testing.T) {
+	cm := func(data string) *corev1.ConfigMap {
+		return &corev1.ConfigMap{Data: map[string]string{"root-cert.pem": data}}
+	}
+	snap := &analysis.Snapshot{Mesh: mesh(), Clusters: []*analysis.Cluster{
+		{ID: "a", RootCertificate: cm("garbage")},
+		{ID: "b", Unread: map[string]string{analysis.KindRootCertificate: "Forbidden"}},
+		{ID: "c"},
+	}}
+	msgs := analyzers.RootCertificates{}.Analyze(snap)
+	require.Equal(t, []string{"ISM0014 ConfigMap/isthmus-system/isthmus-ca-root-cert a", "ISM0014 ConfigMap/isthmus-system/isthmus-ca-root-cert c"}, codes(msgs))
+	require.Contains(t, msgs[0].Text(), "root-cert.pem holds no PEM certificate")
+}
+
+// TestAmbientEnrollment: a namespace in one cluster only, or the
+// control-plane namespace, is never a mismatch.
+func TestAmbientEnrollment(t *testing.T) {
+	ns := func(name string, ambient bool) *corev1.Namespace {
+		n := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}
+		if ambient {
+			n.Labels = map[string]string{"istio.io/dataplane-mode": "ambient"}
+		}
+		return n
+	}
+	snap := &analysis.Snapshot{Mesh: mesh(), Clusters: []*analysis.Cluster{
+		{ID: "a", Namespaces: []*corev1.Namespace{ns("only-here", true), ns("isthmus-system", true), ns("shop", true)}},
+		{ID: "b", Namespaces: []*corev1.Namespace{ns("isthmus-system", false), ns("shop", false)}},
+		{ID: "c", Namespaces: []*corev1.Namespace{ns("shop", true)}},
+	}}
+	msgs := analyzers.AmbientEnrollment{}.Analyze(snap)
+	require.Equal(t, []string{"ISM0010 Namespace/shop "}, codes(msgs))
+	require.Equal(t, "namespace is enrolled in ambient in cluster(s) a, c but not in cluster(s) b", msgs[0].Text())
+}
+
+// TestAllHaveDistinctNames keeps analyzer names unique.
+func TestAllHaveDistinctNames(t *testing.T) {
+	seen := map[string]bool{}
+	for _, a := range analyzers.All() {
+		require.False(t, seen[a.Name()], a.Name())
+		seen[a.Name()] = true
+	}
+	require.Len(t, seen, 11)
+}

@@ -1,0 +1,24 @@
+package collect_test
+
+import (
+	"fmt"
+	"os"
+	"testing"
+
+	"go.uber.org/goleak"
+
+	"github.com/isthmus-mesh/isthmus/test/framework"
+)
+
+var clusters *framework.ClusterSet
+
+func TestMain(m *testing.M) {
+	code := framework.Main(m, framework.Options{Names: []string{"primary", "cluster-2"}}, &clusters)
+	if code == 0 {
+		if err := goleak.Find(goleak.IgnoreTopFunction("k8s.io/klog/v2.(*flushDaemon).run.func1")); err != nil {
+			fmt.Fprintln(os.Stderr, "goleak:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
