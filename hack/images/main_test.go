@@ -3,6 +3,8 @@ package main
 import (
 	"bytes"
 	"context"
+	"io"
+	"log"
 	"net"
 	"net/http/httptest"
 	"path/filepath"
@@ -42,7 +44,7 @@ func TestBuildThenPush(t *testing.T) {
 
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	srv := httptest.NewUnstartedServer(registry.New(registry.Logger(nil)))
+	srv := httptest.NewUnstartedServer(registry.New(registry.Logger(log.New(io.Discard, "", 0))))
 	srv.Listener = ln
 	srv.Start()
 	t.Cleanup(srv.Close)
