@@ -191,11 +191,12 @@ func TestChartsApplyToAPIServer(t *testing.T) {
 		{name: "pilot", chart: "pilot", want: []string{
 			"ClusterRole/isthmusd-isthmus-system", "ClusterRoleBinding/isthmusd-isthmus-system", "Deployment/isthmusd",
 			"Role/isthmusd", "RoleBinding/isthmusd", "Service/isthmusd", "ServiceAccount/isthmusd"}},
-		{name: "pilot with PDB and network", chart: "pilot",
-			values: map[string]any{"network": "net-a", "podDisruptionBudget": map[string]any{"enabled": true}},
+		{name: "pilot with PDB, network and dashboard", chart: "pilot",
+			values: map[string]any{"network": "net-a", "podDisruptionBudget": map[string]any{"enabled": true},
+				"dashboards": map[string]any{"enabled": true}},
 			want: []string{
-				"ClusterRole/isthmusd-isthmus-system", "ClusterRoleBinding/isthmusd-isthmus-system", "Deployment/isthmusd",
-				"PodDisruptionBudget/isthmusd", "Role/isthmusd", "RoleBinding/isthmusd", "Service/isthmusd", "ServiceAccount/isthmusd"}},
+				"ClusterRole/isthmusd-isthmus-system", "ClusterRoleBinding/isthmusd-isthmus-system", "ConfigMap/isthmus-pilot-dashboard",
+				"Deployment/isthmusd", "PodDisruptionBudget/isthmusd", "Role/isthmusd", "RoleBinding/isthmusd", "Service/isthmusd", "ServiceAccount/isthmusd"}},
 		{name: "remote", chart: "remote", want: []string{
 			"ClusterRole/isthmus-reader-isthmus-system", "ClusterRoleBinding/isthmus-reader-isthmus-system",
 			"ServiceAccount/isthmus-reader-service-account"}},
@@ -247,7 +248,9 @@ func TestChartValues(t *testing.T) {
 		ctr := dep.Spec.Template.Spec.Containers[0]
 		require.Equal(t, "docker.io/isthmus/pilot:0.1.0", ctr.Image)
 		require.Equal(t, []string{"--namespace=isthmus-system", "--cluster-id=east", "--network=net-a",
-			"--xds-addr=:15012", "--monitoring-addr=:15014", "--debug-addr=127.0.0.1:8080"}, ctr.Args, "no plaintext xDS by default")
+			"--xds-addr=:15012", "--monitoring-addr=:15014", "--debug-addr=127.0.0.1:8080",
+			"--trust-domain=cluster.local", "--sync-timeout=30s", "--stale-grace=0s", "--debounce-quiet=100ms", "--debounce-max=1s",
+			"--log-level=info", "--log-format=json"}, ctr.Args, "no plaintext xDS by default; pilot's own defaults")
 		require.Equal(t, "/readyz", ctr.ReadinessProbe.HTTPGet.Path)
 		require.Equal(t, int32(15014), ctr.ReadinessProbe.HTTPGet.Port.IntVal)
 		require.Equal(t, "/healthz", ctr.LivenessProbe.HTTPGet.Path)
@@ -309,7 +312,7 @@ func TestChartValues(t *testing.T) {
 		inst := action.NewInstall(&action.Configuration{Log: func(string, ...any) {}})
 		inst.DryRun, inst.ClientOnly, inst.ReleaseName, inst.Namespace = true, true, "z", namespace
 		_, err = inst.Run(ch, map[string]any{"mode": "sidecar"})
-		require.ErrorContains(t, err, `mode must be "node" or "gateway"`)
+		require.ErrorContains(t, err, `at '/mode': value must be one of 'node', 'gateway'`, "the schema refuses it before the template's own check")
 	})
 	t.Run("cni agent: host network, the three capabilities, the mounts its README names", func(t *testing.T) {
 		objs := render(t, "cni", namespace, map[string]any{"excludedNamespaces": []any{"kube-system", "legacy"}})

@@ -27,6 +27,7 @@ import (
 
 	"github.com/isthmus-mesh/isthmus/cni/agent"
 	"github.com/isthmus-mesh/isthmus/cni/plugin"
+	"github.com/isthmus-mesh/isthmus/internal/version"
 )
 
 func main() {
@@ -72,10 +73,12 @@ func runAgent(ctx context.Context, cfg agent.Config, kubeconfig string, log *slo
 
 func newCommand(stderr io.Writer, run runFunc) *cobra.Command {
 	root := &cobra.Command{
-		Use:   "isthmus-cni",
-		Short: "Isthmus pod enrolment: the chained CNI plugin (when run with CNI_COMMAND) and its node agent",
-		Args:  cobra.NoArgs,
+		Use:     "isthmus-cni",
+		Short:   "Isthmus pod enrolment: the chained CNI plugin (when run with CNI_COMMAND) and its node agent",
+		Args:    cobra.NoArgs,
+		Version: version.String(),
 	}
+	root.SetVersionTemplate("isthmus-cni {{.Version}}\n")
 	root.SetErr(stderr)
 	root.AddCommand(newAgentCommand(stderr, run))
 	return root

@@ -1,6 +1,6 @@
 // Command isthmusctl operates an Isthmus mesh: it registers remote clusters
 // (create-remote-secret), reads pilot's debug endpoints (remote-clusters,
-// registry, proxy-status), diagnoses misconfigurations across clusters
+// registry, proxy-status, version), diagnoses misconfigurations across clusters
 // (analyze) and compares rendered manifests (manifest diff).
 //
 // Every subcommand parses its flags into a config struct and runs a plain
@@ -23,10 +23,9 @@ import (
 	"github.com/go-logr/logr"
 	"github.com/spf13/cobra"
 	"k8s.io/klog/v2"
-)
 
-// version is set at build time: go build -ldflags "-X main.version=v1.2.3".
-var version = "dev"
+	"github.com/isthmus-mesh/isthmus/internal/version"
+)
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
@@ -86,7 +85,9 @@ func newRootCommand(stdout, stderr io.Writer) *cobra.Command {
 		Short:         "Operate an Isthmus multicluster mesh",
 		SilenceUsage:  true,
 		SilenceErrors: true,
+		Version:       version.String(),
 	}
+	root.SetVersionTemplate("isthmusctl {{.Version}}\n")
 	root.SetOut(stdout)
 	root.SetErr(stderr)
 	root.PersistentFlags().StringVar(&g.Pilot, "pilot", "http://127.0.0.1:8080", "base URL of pilot's debug server")
@@ -118,15 +119,7 @@ func newRootCommand(stdout, stderr io.Writer) *cobra.Command {
 		newRemoteClustersCommand(pilot),
 		newRegistryCommand(pilot),
 		newProxyStatusCommand(pilot),
-		&cobra.Command{
-			Use:   "version",
-			Short: "Print isthmusctl's version",
-			Args:  cobra.NoArgs,
-			RunE: func(cmd *cobra.Command, _ []string) error {
-				_, err := fmt.Fprintln(cmd.OutOrStdout(), version)
-				return err
-			},
-		},
+		newVersionCommand(pilot),
 	)
 	return root
 }

@@ -20,11 +20,10 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/isthmus-mesh/isthmus/multicluster"
+	"github.com/isthmus-mesh/isthmus/internal/version"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 	"github.com/isthmus-mesh/isthmus/pilot/server"
 )
-
-var version = "dev"
 
 type options struct {
 	kubeconfig, kubeContext string
@@ -48,7 +47,7 @@ func newCommand() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:           "pilot",
 		Short:         "Isthmus control plane: multicluster federation, xDS and the mesh CA",
-		Version:       version,
+		Version:       version.String(),
 		SilenceUsage:  true,
 		SilenceErrors: false,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -57,6 +56,7 @@ func newCommand() *cobra.Command {
 			return o.run(ctx)
 		},
 	}
+	cmd.SetVersionTemplate("pilot {{.Version}}\n")
 	f := cmd.Flags()
 	f.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig of the config cluster (default: in-cluster)")
 	f.StringVar(&o.kubeContext, "context", "", "context in --kubeconfig")
@@ -118,7 +118,7 @@ func (o *options) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	logger.Info("starting pilot", "version", version)
+	logger.Info("starting pilot", "version", version.Version(), "commit", version.Commit())
 	return srv.Run(ctx)
 }
 

@@ -16,6 +16,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/isthmus-mesh/isthmus/internal/version"
 	"github.com/isthmus-mesh/isthmus/ztunnel/node"
 )
 
@@ -72,6 +73,7 @@ func newCommand(stderr io.Writer, run runFunc) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:           "ztunnel",
 		Short:         "Isthmus node proxy and east-west gateway",
+		Version:       version.String(),
 		Args:          cobra.NoArgs,
 		SilenceUsage:  true,
 		SilenceErrors: true,
@@ -81,6 +83,7 @@ func newCommand(stderr io.Writer, run runFunc) *cobra.Command {
 				return err
 			}
 			cfg.Mode = node.Mode(mode)
+			log.Info("starting ztunnel", "version", version.Version(), "commit", version.Commit())
 			for _, ip := range nodeIPs {
 				a, err := netip.ParseAddr(strings.TrimSpace(ip))
 				if err != nil {
@@ -93,6 +96,7 @@ func newCommand(stderr io.Writer, run runFunc) *cobra.Command {
 		},
 	}
 	cmd.SetErr(stderr)
+	cmd.SetVersionTemplate("ztunnel {{.Version}}\n")
 	f := cmd.Flags()
 	f.StringVar(&mode, "mode", string(d.Mode), "node (node proxy) or gateway (east-west gateway)")
 	f.StringVar(&cfg.NodeName, "node", os.Getenv("NODE_NAME"), "Kubernetes node this ztunnel runs on (default $NODE_NAME)")

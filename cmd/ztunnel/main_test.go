@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	"github.com/isthmus-mesh/isthmus/internal/version"
 	"github.com/isthmus-mesh/isthmus/ztunnel/node"
 )
 
@@ -81,4 +82,17 @@ func TestRunNodeRejectsBadConfig(t *testing.T) {
 	err := runNode(context.Background(), node.Config{Mode: "sidecar", XDSAddress: "127.0.0.1:1", CAAddress: "127.0.0.1:1"}, node.Deps{})
 	require.ErrorContains(t, err, "NodeName is required")
 	require.ErrorContains(t, err, `mode "sidecar"`)
+}
+
+// TestVersionFlag proves --version prints the stamped version and commit
+// and runs nothing.
+func TestVersionFlag(t *testing.T) {
+	var out bytes.Buffer
+	cmd := newCommand(&bytes.Buffer{}, func(context.Context, node.Config, node.Deps) error {
+		return errors.New("must not run")
+	})
+	cmd.SetOut(&out)
+	cmd.SetArgs([]string{"--version"})
+	require.NoError(t, cmd.ExecuteContext(context.Background()))
+	require.Equal(t, "ztunnel "+version.String()+"\n", out.String())
 }

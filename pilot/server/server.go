@@ -29,6 +29,7 @@ import (
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
 
 	"github.com/isthmus-mesh/isthmus/controller"
+	"github.com/isthmus-mesh/isthmus/internal/version"
 	"github.com/isthmus-mesh/isthmus/multicluster"
 	"github.com/isthmus-mesh/isthmus/pilot/ca"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
@@ -171,7 +172,7 @@ type Server struct {
 func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) (*Server, error) {
 	cfg.defaults()
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), version.NewCollector())
 	cfg.Multicluster.Registerer = reg
 	local, err := multicluster.NewClient(configREST)
 	if err != nil {
@@ -248,9 +249,11 @@ func (s *Server) GRPCAddr() string { return addrOf(&s.mu, &s.grpcLn) }
 // never hold readiness back).
 func (s *Server) Ready() bool { return s.Multicluster.Ready() }
 
-// DebugMux returns the debug endpoints.
+// DebugMux returns the debug endpoints, and /version (the build, as JSON,
+// read by `isthmusctl version`).
 func (s *Server) DebugMux() *http.ServeMux {
 	mux := http.NewServeMux()
+	mux.Handle("/version", version.Handler())
 	mux.Handle("/debug/clusterz", s.Multicluster.ClusterzHandler())
 	mux.Handle("/debug/registryz", s.Registry.RegistryzHandler())
 	mux.Handle("/debug/endpointz", s.Registry.EndpointzHandler())

@@ -19,10 +19,12 @@ import (
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/isthmus-mesh/isthmus/internal/version"
 	"github.com/isthmus-mesh/isthmus/ztunnel/admin"
 	"github.com/isthmus-mesh/isthmus/ztunnel/caclient"
 	"github.com/isthmus-mesh/isthmus/ztunnel/dns"
@@ -75,6 +77,9 @@ func New(cfg Config, deps Deps) (*Node, error) {
 	}
 	if deps.Registry == nil {
 		deps.Registry = prometheus.NewRegistry()
+	}
+	if err := registerProcessMetrics(deps.Registry); err != nil {
+		return nil, fmt.Errorf("ztunnel metrics: %w", err)
 	}
 	if deps.Listen == nil {
 		deps.Listen = net.Listen
@@ -131,6 +136,13 @@ func New(cfg Config, deps Deps) (*Node, error) {
 	}
 	n.admin = admin.New(admin.Deps{Store: n.store, Certs: n.certs.Dump, Gatherer: deps.Registry, Ready: n.Ready})
 	return n, nil
+}
+
+// registerProcessMetrics adds isthmus_build_info and the Go runtime and
+// process collectors to reg.
+func registerProcessMetrics(reg prometheus.Registerer) error {
+	return errors.Join(reg.Register(collectors.NewGoCollector()),
+		reg.Register(collectors.NewProcessCollector(collectors.ProcessCollectorOpts{})), reg.Register(version.NewCollector()))
 }
 
 func (n *Node) buildProxies() error {

@@ -1,0 +1,165 @@
+package manifests_test
+
+import (
+	"encoding/json"
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"helm.sh/helm/v3/pkg/action"
+	"helm.sh/helm/v3/pkg/chart/loader"
+	"helm.sh/helm/v3/pkg/release"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/isthmus-mesh/isthmus/internal/imagebuild"
+)
+
+// install runs `helm install --dry-run` (client only) of chart dir with
+// values and returns the release (manifest and NOTES) or the error.
+func install(t *testing.T, dir string, values map[string]any) (*release.Release, error) {
+	t.Helper()
+	ch, err := loader.Load(dir)
+	require.NoError(t, err)
+	inst := action.NewInstall(&action.Configuration{Log: func(string, ...any) {}})
+	inst.DryRun, inst.ClientOnly, inst.ReleaseName, inst.Namespace = true, true, "r", namespace
+	return inst.Run(ch, values)
+}
+
+// projectVersion is the VERSION file: the version make build and make
+// images stamp and tag.
+func projectVersion(t *testing.T) string {
+	t.Helper()
+	b, err := os.ReadFile("../VERSION")
+	require.NoError(t, err)
+	return strings.TrimSpace(string(b))
+}
+
+// TestChartsFollowProjectVersion: every chart's appVersion is the project
+// version, and each workload's default image is the reference `make
+// images` tags and `make push` pushes (docker.io/isthmus/<name>:<version>).
+func TestChartsFollowProjectVersion(t *testing.T) {
+	v := projectVersion(t)
+	for _, c := range charts {
+		ch, err := loader.Load(c)
+		require.NoError(t, err)
+		require.Equal(t, v, ch.Metadata.AppVersion, "chart %s", c)
+	}
+	ref := func(name string) string { return imagebuild.Config{Version: v}.Ref(imagebuild.Image{Name: name}) }
+	pilot := convert[appsv1.Deployment](t, find(t, render(t, "pilot", namespace, nil), "Deployment", "isthmusd"))
+	require.Equal(t, ref("pilot"), pilot.Spec.Template.Spec.Containers[0].Image)
+	zt := convert[appsv1.DaemonSet](t, find(t, render(t, "ztunnel", namespace, nil), "DaemonSet", "ztunnel"))
+	require.Equal(t, ref("ztunnel"), zt.Spec.Template.Spec.Containers[0].Image)
+	gw := convert[appsv1.Deployment](t, find(t, render(t, "eastwest-gateway", namespace, nil), "Deployment", "isthmus-eastwestgateway"))
+	require.Equal(t, ref("ztunnel"), gw.Spec.Template.Spec.Containers[0].Image)
+	var names []string
+	for _, im := range imagebuild.Images() {
+		names = append(names, im.Name)
+	}
+	require.Subset(t, names, []string{"pilot", "ztunnel"}, "the charts' images are built by make images")
+}
+
+// TestSchemasRefuseWrongValues: in every chart a value of the wrong type
+// (or an unknown key, where the chart closes its keys) fails the install
+// and the strict lint, naming the value; the defaults pass both.
+func TestSchemasRefuseWrongValues(t *testing.T) {
+	cases := []struct {
+		chart  string
+		values map[string]any
+		want   string
+	}{
+		{"pilot", map[string]any{"replicaCount": "two"}, "/replicaCount"},
+		{"pilot", map[string]any{"exportMode": "yes"}, "/exportMode"},
+		{"pilot", map[string]any{"syncTimeout": 30}, "/syncTimeout"},
+		{"pilot", map[string]any{"staleGrace": "forever"}, "/staleGrace"},
+		{"pilot", map[string]any{"debounce": map[string]any{"quiet": true}}, "/debounce/quiet"},
+		{"pilot", map[string]any{"allowedKubeconfigOptions": []any{"gcp-magic"}}, "/allowedKubeconfigOptions/0"},
+		{"pilot", map[string]any{"ports": map[string]any{"xds": "15012"}}, "/ports/xds"},
+		{"pilot", map[string]any{"clusterID": "Not_A_Label"}, "/clusterID"},
+		{"pilot", map[string]any{"syncTimout": "1m"}, "syncTimout"},
+		{"pilot", map[string]any{"dashboards": map[string]any{"enabled": "true"}}, "/dashboards/enabled"},
+		{"ztunnel", map[string]any{"mode": "sidecar"}, "/mode"},
+		{"ztunnel", map[string]any{"ports": map[string]any{"hbone": "15008"}}, "/ports/hbone"},
+		{"eastwest-gateway", map[string]any{"replicaCount": "2"}, "/replicaCount"},
+		{"eastwest-gateway", map[string]any{"service": map[string]any{"type": "Ingress"}}, "/service/type"},
+		{"base", map[string]any{"namespace": map[string]any{"create": "true"}}, "/namespace/create"},
+		{"remote", map[string]any{"serviceAccount": map[string]any{"name": 5}}, "/serviceAccount/name"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.chart+" "+tc.want, func(t *testing.T) {
+			_, err := install(t, tc.chart, tc.values)
+			require.ErrorContains(t, err, "values don't meet the specifications of the schema")
+			require.ErrorContains(t, err, tc.want)
+
+			l := action.NewLint()
+			l.Strict, l.Namespace = true, namespace
+			res := l.Run([]string{tc.chart}, tc.values)
+			require.NotEmpty(t, res.Errors, "lint --strict accepts %v", tc.values)
+		})
+	}
+	for _, c := range charts {
+		_, err := install(t, c, nil)
+		require.NoError(t, err, "chart %s with its defaults", c)
+	}
+}
+
+// TestPilotOperatorValues: every pilot flag an operator needs is a value,
+// rendered as its flag; the defaults are pilot's own.
+func TestPilotOperatorValues(t *testing.T) {
+	objs := render(t, "pilot", namespace, map[string]any{
+		"clusterID": "east", "trustDomain": "mesh.example", "exportMode": true, "syncTimeout": "45s", "staleGrace": "10m",
+		"debounce":                 map[string]any{"quiet": "50ms", "max": "2s"},
+		"allowedKubeconfigOptions": []any{"exec", "auth-provider:gcp"}, "servingSANs": []any{"pilot.example"},
+		"log": map[string]any{"level": "debug", "format": "text"},
+	})
+	args := convert[appsv1.Deployment](t, find(t, objs, "Deployment", "isthmusd")).Spec.Template.Spec.Containers[0].Args
+	for _, want := range []string{"--trust-domain=mesh.example", "--export-mode", "--sync-timeout=45s", "--stale-grace=10m",
+		"--debounce-quiet=50ms", "--debounce-max=2s", "--allow-kubeconfig-option=exec", "--allow-kubeconfig-option=auth-provider:gcp",
+		"--serving-san=pilot.example", "--log-level=debug", "--log-format=text"} {
+		require.Contains(t, args, want)
+	}
+}
+
+// TestNotes: each chart's NOTES.txt renders with the release's values and
+// names the next step.
+func TestNotes(t *testing.T) {
+	for _, tc := range []struct {
+		chart  string
+		values map[string]any
+		want   []string
+	}{
+		{"pilot", map[string]any{"clusterID": "cluster-1", "network": "network1"}, []string{
+			`as cluster "cluster-1" on network "network1"`, "rollout status deployment/isthmusd",
+			"helm install isthmus-ztunnel manifests/ztunnel -n isthmus-system --set clusterID=cluster-1 --set network=network1",
+			"isthmusctl create-remote-secret", "port-forward deployment/isthmusd 8080:8080", "isthmusctl version", "--set dashboards.enabled=true"}},
+		{"pilot", map[string]any{"dashboards": map[string]any{"enabled": true}}, []string{"ConfigMap isthmus-pilot-dashboard (grafana_dashboard=1)"}},
+		{"ztunnel", nil, []string{"rollout status daemonset/ztunnel", "isthmusd.isthmus-system.svc:15012", "isthmus-ca-root-cert"}},
+		{"ztunnel", map[string]any{"mode": "gateway"}, []string{"rollout status deployment/ztunnel-gateway"}},
+		{"eastwest-gateway", map[string]any{"network": "network2"}, []string{`network "network2"`, "get service isthmus-eastwestgateway"}},
+		{"base", nil, []string{"namespace isthmus-system is created", "helm install isthmus-pilot manifests/pilot"}},
+		{"remote", nil, []string{"isthmusctl create-remote-secret", "--namespace isthmus-system"}},
+	} {
+		rel, err := install(t, tc.chart, tc.values)
+		require.NoError(t, err)
+		for _, w := range tc.want {
+			require.Contains(t, rel.Info.Notes, w, "NOTES of %s", tc.chart)
+		}
+	}
+}
+
+// TestDashboardConfigMap: with dashboards.enabled the pilot chart ships
+// dashboards/pilot.json unchanged in a ConfigMap Grafana's sidecar picks
+// up; without, no ConfigMap.
+func TestDashboardConfigMap(t *testing.T) {
+	require.NotContains(t, kinds(render(t, "pilot", namespace, nil)), "ConfigMap/isthmus-pilot-dashboard")
+	objs := render(t, "pilot", namespace, map[string]any{"dashboards": map[string]any{"enabled": true}})
+	cm := convert[corev1.ConfigMap](t, find(t, objs, "ConfigMap", "isthmus-pilot-dashboard"))
+	require.Equal(t, "1", cm.Labels["grafana_dashboard"])
+	file, err := os.ReadFile("pilot/dashboards/pilot.json")
+	require.NoError(t, err)
+	require.Equal(t, strings.TrimRight(string(file), "\n"), cm.Data["isthmus-pilot.json"])
+	var dash map[string]any
+	require.NoError(t, json.Unmarshal([]byte(cm.Data["isthmus-pilot.json"]), &dash))
+	require.Equal(t, "isthmus-pilot", dash["uid"])
+}
