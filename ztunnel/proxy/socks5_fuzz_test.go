@@ -128,15 +128,6 @@ func TestSOCKSEmptyDomainNameIsRefused(t *testing.T) {
 // a host name or an (unmapped) address; what it writes back must be the
 // protocol's method selection and at most one reply.
 func FuzzReadSOCKSRequest(f *testing.F) {
-	f.Add(uint8(0), []byte("\x05\x01\x00\x05\x01\x00\x01\x7f\x00\x00\x01\x1f\x90"))
-	f.Add(uint8(1), []byte("\x05\x02\x02\x00\x05\x01\x00\x03\x0becho.default\x46\xa0payload"))
-	f.Add(uint8(3), []byte("\x05\x01\x00\x05\x01\x00\x04\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\xff\xff\x0a\x00\x00\x01\x00\x50"))
-	f.Add(uint8(0), []byte("\x05\x01\x00\x05\x01\x00\x03\x0910.0.0.10\x00\x50"))
-	f.Add(uint8(0), []byte("\x05\x01\x00\x05\x02\x00\x01\x7f\x00\x00\x01\x1f\x90"))
-	f.Add(uint8(0), []byte("\x05\x01\x02"))
-	f.Add(uint8(0), []byte("\x04\x01\x00\x50\x7f\x00\x00\x01\x00"))
-	f.Add(uint8(0), []byte("\x05\x01\x00\x05\x01\x00\x05\x7f\x00\x00\x01\x1f\x90"))
-	f.Add(uint8(2), []byte("\x05\x00\x05\x01\x00\x03\x00\x00\x00"))
 	f.Fuzz(func(t *testing.T, chunk uint8, in []byte) {
 		c := &scriptConn{in: in, chunk: int(chunk%16) + 1}
 		got, err := readSOCKSRequest(c)
