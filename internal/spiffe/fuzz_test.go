@@ -2,9 +2,10 @@ package spiffe
 
 import "testing"
 
-// FuzzParse: whatever Parse accepts is a workload identity whose String is
-// a valid SPIFFE ID (ID succeeds) that parses back to the same identity,
-// and is the string form of its URL.
+// FuzzParse: whatever Parse accepts is a workload identity spelled exactly
+// as its String (one spelling per identity, so identities compare as
+// strings), a valid SPIFFE ID (ID succeeds) that parses back to the same
+// identity, and the string form of its URL.
 func FuzzParse(f *testing.F) {
 	f.Fuzz(func(t *testing.T, s string) {
 		id, err := Parse(s)
@@ -18,6 +19,9 @@ func FuzzParse(f *testing.F) {
 			t.Fatalf("%q parsed as %+v", s, id)
 		}
 		str := id.String()
+		if str != s {
+			t.Fatalf("%q parsed as %+v, which prints as %q", s, id, str)
+		}
 		again, err := Parse(str)
 		if err != nil || again != id {
 			t.Fatalf("%q parsed as %+v, printed as %q, re-parsed as %+v (%v)", s, id, str, again, err)

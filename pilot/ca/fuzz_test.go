@@ -26,7 +26,8 @@ func (f fixedCaller) Authenticate(context.Context) (*Caller, error) { return f.c
 // vouches for caller. It has no cluster clients: an impersonation that
 // passes every local check ends at the caller's pod lookup.
 func fuzzCA(t testing.TB, caller *Caller) *CA {
-	data, err := generateSelfSigned("cluster.local", 24*time.Hour, t0)
+	// The chain outlives MaxTTL, so that the cap on a leaf's life is MaxTTL's.
+	data, err := generateSelfSigned("cluster.local", 365*24*time.Hour, t0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -99,7 +100,7 @@ func checkCertRefusal(t *testing.T, err error, impersonate, own string, nodeAcco
 		if !nodeAccount || perr != nil || want.TrustDomain != "cluster.local" {
 			t.Fatalf("impersonation of %q reached the pod lookup (%v)", impersonate, perr)
 		}
-		checkIdentityRoundTrip(t, want)
+		checkIdentityRoundTrip(t, impersonate, want)
 	default:
 		t.Fatalf("unexpected refusal: %v", err)
 	}
@@ -135,15 +136,27 @@ func checkLeaf(t *testing.T, c *CA, resp *pb.IstioCertificateResponse, csrPEM, w
 	if err != nil || !publicKeysEqual(csr.PublicKey, leaf.PublicKey) {
 		t.Fatalf("leaf key is not the CSR's (%v)", err)
 	}
+	for _, u := range csr.URIs {
+		if u.String() != want {
+			t.Fatalf("issued %s for a CSR asking for %s", want, u)
+		}
+	}
+	if len(csr.DNSNames)+len(csr.IPAddresses)+len(csr.EmailAddresses) > 0 {
+		t.Fatalf("issued %s for a CSR asking for DNS, IP or email SANs", want)
+	}
 	if life := leaf.NotAfter.Sub(leaf.NotBefore); life > c.cfg.MaxTTL+clockSkew {
 		t.Fatalf("leaf lives %s, over MaxTTL %s", life, c.cfg.MaxTTL)
 	}
 }
 
-// checkIdentityRoundTrip requires id to print as a SPIFFE ID that parses
-// back to id, by the CA's parser and the mesh's.
-func checkIdentityRoundTrip(t *testing.T, id Identity) {
+// checkIdentityRoundTrip requires id, parsed from in, to print as in (the
+// one spelling of an identity) and to parse back to id by the CA's parser
+// and the mesh's.
+func checkIdentityRoundTrip(t *testing.T, in string, id Identity) {
 	s := id.String()
+	if s != in {
+		t.Fatalf("%q parsed as %+v, which prints as %q", in, id, s)
+	}
 	again, err := ParseIdentity(s)
 	if err != nil || again != id {
 		t.Fatalf("%+v prints as %q, which parses as %+v (%v)", id, s, again, err)
@@ -157,7 +170,7 @@ func checkIdentityRoundTrip(t *testing.T, id Identity) {
 }
 
 // FuzzParseIdentity: an identity the CA accepts has Kubernetes names for
-// namespace and ServiceAccount and round-trips through its string form.
+// namespace and ServiceAccount, and is spelled exactly as it prints.
 func FuzzParseIdentity(f *testing.F) {
 	f.Fuzz(func(t *testing.T, s string) {
 		id, err := ParseIdentity(s)
@@ -167,7 +180,7 @@ func FuzzParseIdentity(f *testing.F) {
 		if len(validation.IsDNS1123Label(id.Namespace))+len(validation.IsDNS1123Subdomain(id.ServiceAccount)) > 0 {
 			t.Fatalf("%q accepted with namespace %q, service account %q", s, id.Namespace, id.ServiceAccount)
 		}
-		checkIdentityRoundTrip(t, id)
+		checkIdentityRoundTrip(t, s, id)
 	})
 }
 
