@@ -2,6 +2,10 @@ package ca
 
 import (
 	"context"
+	"crypto/ecdsa"
+	"crypto/ed25519"
+	"crypto/elliptic"
+	"crypto/rsa"
 	"crypto/x509"
 	"errors"
 	"slices"
@@ -106,7 +110,9 @@ func checkCertRefusal(t *testing.T, err error, impersonate, own string, nodeAcco
 	}
 }
 
-// checkLeaf verifies an issued chain.
+// checkLeaf verifies an issued chain: it chains to the CA's root, names
+// want and nothing else, for the CSR's own (strong enough) key, which asked
+// for nothing else, within MaxTTL.
 func checkLeaf(t *testing.T, c *CA, resp *pb.IstioCertificateResponse, csrPEM, want string) {
 	var certs []*x509.Certificate
 	for _, p := range resp.GetCertChain() {
@@ -143,6 +149,19 @@ func checkLeaf(t *testing.T, c *CA, resp *pb.IstioCertificateResponse, csrPEM, w
 	}
 	if len(csr.DNSNames)+len(csr.IPAddresses)+len(csr.EmailAddresses) > 0 {
 		t.Fatalf("issued %s for a CSR asking for DNS, IP or email SANs", want)
+	}
+	switch k := leaf.PublicKey.(type) {
+	case *rsa.PublicKey:
+		if k.N.BitLen() < 2048 {
+			t.Fatalf("issued for an RSA key of %d bits", k.N.BitLen())
+		}
+	case *ecdsa.PublicKey:
+		if k.Curve != elliptic.P256() && k.Curve != elliptic.P384() && k.Curve != elliptic.P521() {
+			t.Fatalf("issued for an ECDSA key on %s", k.Curve.Params().Name)
+		}
+	case ed25519.PublicKey:
+	default:
+		t.Fatalf("issued for a %T key", k)
 	}
 	if life := leaf.NotAfter.Sub(leaf.NotBefore); life > c.cfg.MaxTTL+clockSkew {
 		t.Fatalf("leaf lives %s, over MaxTTL %s", life, c.cfg.MaxTTL)
