@@ -184,7 +184,9 @@ func (tx *Tx) RemoveService(key string) { tx.services[key] = nil }
 
 // Update runs fn to collect changes and publishes one new snapshot holding
 // them. Indexes are rebuilt only for the changed keys; the maps themselves
-// are copied, so an update costs O(size) map copying plus O(change) work.
+// are copied, so an update costs O(size) map copying plus O(change) work
+// (plus one pass over the services when a removed service leaves a VIP or
+// hostname that another service may share).
 func (st *Store) Update(fn func(tx *Tx)) *Snapshot {
 	tx := &Tx{workloads: map[string]*Workload{}, services: map[string]*Service{}}
 	fn(tx)
