@@ -219,8 +219,8 @@ func (fz *serverFuzzer) exchange(t *testing.T, addr string, frames []byte) (goAw
 
 // FuzzServerRequest sends arbitrary HTTP/2 frames (after a valid preface)
 // over a real mutual-TLS HBONE connection on loopback, to a server of its
-// own. The server must not crash; the handler only gets CONNECTs within the
-// header limit from the verified peer; once the client is done the server
+// own. The server must not crash; the handler only gets requests within the
+// header limit, from the verified peer; once the client is done the server
 // ends the connection by itself, Close returns at once, and no upstream
 // outlives its stream. After a connection error (a GOAWAY with an error
 // code) x/net/http2 stops reading and holds the connection and its streams
