@@ -25,7 +25,9 @@ REGISTRY  ?= docker.io
 PLATFORMS ?= linux/amd64,linux/arm64
 export KUBEBUILDER_ASSETS := $(TESTBIN)
 
-.PHONY: all build images images-check push test bench lint testbin generate demo demo-once clean
+FUZZTIME  ?= 30s
+FUZZ_FLAGS ?=
+.PHONY: all build images images-check push test bench fuzz fuzz-targets lint testbin generate demo demo-once clean
 
 all: build
 
@@ -70,6 +72,40 @@ test: testbin lint
 ## benchmarks of different packages must not share the cores).
 bench: testbin
 	$(GO) test -p 1 -run '^$$' -bench '$(BENCH)' -benchtime $(BENCHTIME) -benchmem -timeout 60m ./...
+
+## The native Go fuzz targets, as <package>:<target>. Their seed corpora
+## (testdata/fuzz/<target>/ in each package) run as ordinary tests in `make test`.
+FUZZ_TARGETS := \
+	./ztunnel/proxy:FuzzReadSOCKSRequest \
+	./ztunnel/proxy:FuzzInboundConnect \
+	./ztunnel/proxy:FuzzGatewayConnect \
+	./ztunnel/hbone:FuzzServerRequest \
+	./ztunnel/xdsclient:FuzzDecodeApply \
+	./multicluster:FuzzSanitizeKubeconfig \
+	./pilot/ca:FuzzCreateCertificate \
+	./pilot/ca:FuzzParseIdentity \
+	./pilot/ca:FuzzBearerToken \
+	./internal/spiffe:FuzzParse \
+	./ztunnel/dns:FuzzAnswer
+
+## fuzz: fuzz each target for FUZZTIME (e.g. `make fuzz FUZZTIME=5m`), one
+## after the other (-fuzz takes one target per run), and fail at the end if
+## any target failed. New crashers land in the package's testdata/fuzz/.
+fuzz: fuzz-targets
+	@failed=""; for t in $(FUZZ_TARGETS); do \
+	  pkg=$${t%%:*}; name=$${t##*:}; \
+	  echo ">> $$name ($$pkg) for $(FUZZTIME)"; \
+	  $(GO) test -run '^$$' -fuzz "^$$name\$$" -fuzztime $(FUZZTIME) $(FUZZ_FLAGS) $$pkg || failed="$$failed $$name"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "fuzz targets failed:$$failed"; exit 1; fi
+
+## fuzz-targets: check that FUZZ_TARGETS lists every func Fuzz* of the repo.
+fuzz-targets:
+	@have=$$(grep -rE --include='*_test.go' -o '^func Fuzz[A-Za-z0-9_]*' . | \
+	  sed -E 's|^(.*)/[^/]*_test.go:func (Fuzz.*)$$|\1:\2|' | sort); \
+	want=$$(printf '%s\n' $(FUZZ_TARGETS) | sort); \
+	if [ "$$have" != "$$want" ]; then \
+	  printf 'FUZZ_TARGETS lists:\n%s\nbut the tree has:\n%s\n' "$$want" "$$have"; exit 1; fi
 
 ## generate: regenerate the committed protobuf Go code (needs protoc; see
 ## hack/gen-proto.sh) and the analyze message catalogue (analysis/msg).

@@ -146,6 +146,9 @@ func readSOCKSAddr(c net.Conn, atyp byte) (Target, error) {
 		if _, err := io.ReadFull(c, n[:]); err != nil {
 			return t, err
 		}
+		if n[0] == 0 {
+			return t, &socksError{reply: socksGeneralFailure, msg: "empty domain name"}
+		}
 		name := make([]byte, n[0])
 		if _, err := io.ReadFull(c, name); err != nil {
 			return t, err

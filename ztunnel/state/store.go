@@ -184,7 +184,9 @@ func (tx *Tx) RemoveService(key string) { tx.services[key] = nil }
 
 // Update runs fn to collect changes and publishes one new snapshot holding
 // them. Indexes are rebuilt only for the changed keys; the maps themselves
-// are copied, so an update costs O(size) map copying plus O(change) work.
+// are copied, so an update costs O(size) map copying plus O(change) work
+// (plus one pass over the services when a removed service leaves a VIP or
+// hostname that another service may share).
 func (st *Store) Update(fn func(tx *Tx)) *Snapshot {
 	tx := &Tx{workloads: map[string]*Workload{}, services: map[string]*Service{}}
 	fn(tx)
@@ -232,14 +234,22 @@ func apply(old *Snapshot, tx *Tx) *Snapshot {
 			dirty[k] = true
 		}
 	}
+	// VIPs and hostnames whose indexed service goes: another service may
+	// have them too (overlapping service CIDRs of two clusters on one
+	// network), and then keeps them.
+	orphanVIPs, orphanHosts := map[netip.Addr]bool{}, map[string]bool{}
 	for key, svc := range tx.services {
 		if prev, ok := n.services[key]; ok {
 			for _, v := range prev.VIPs {
 				if n.byVIP[v] == prev {
 					delete(n.byVIP, v)
+					orphanVIPs[v] = true
 				}
 			}
-			delete(n.byHost, prev.Hostname)
+			if n.byHost[prev.Hostname] == prev {
+				delete(n.byHost, prev.Hostname)
+				orphanHosts[prev.Hostname] = true
+			}
 			delete(n.services, key)
 		}
 		if svc == nil {
@@ -252,10 +262,34 @@ func apply(old *Snapshot, tx *Tx) *Snapshot {
 			n.byVIP[v.Unmap()] = svc
 		}
 	}
+	n.adoptServiceKeys(orphanVIPs, orphanHosts)
 	if len(dirty) > 0 {
 		rebuildEndpoints(n, dirty)
 	}
 	return n
+}
+
+// adoptServiceKeys indexes each of vips and hosts that no service holds any
+// more to a remaining service that has it (the smallest key, whatever the
+// order of writes). It costs one pass over the services, and only when an
+// update left such a key behind.
+func (n *Snapshot) adoptServiceKeys(vips map[netip.Addr]bool, hosts map[string]bool) {
+	maps.DeleteFunc(vips, func(v netip.Addr, _ bool) bool { _, ok := n.byVIP[v]; return ok })
+	maps.DeleteFunc(hosts, func(h string, _ bool) bool { _, ok := n.byHost[h]; return ok })
+	if len(vips)+len(hosts) == 0 {
+		return
+	}
+	better := func(cur *Service, ok bool, key string) bool { return !ok || key < cur.Key() }
+	for key, svc := range n.services {
+		for _, v := range svc.VIPs {
+			if cur, ok := n.byVIP[v]; vips[v] && better(cur, ok, key) {
+				n.byVIP[v] = svc
+			}
+		}
+		if cur, ok := n.byHost[svc.Hostname]; hosts[svc.Hostname] && better(cur, ok, key) {
+			n.byHost[svc.Hostname] = svc
+		}
+	}
 }
 
 func rebuildEndpoints(n *Snapshot, dirty map[string]bool) {
@@ -294,6 +328,9 @@ func (n *Snapshot) index(w *Workload) {
 		claims := n.contested[a]
 		if claims == nil {
 			claims = []*Workload{cur}
+		}
+		if slices.Contains(claims, w) { // w lists a twice: one claim
+			continue
 		}
 		claims = append(slices.Clone(claims), w)
 		slices.SortFunc(claims, func(x, y *Workload) int { return cmp.Compare(x.UID, y.UID) })
