@@ -73,7 +73,7 @@ func TestEvaluate(t *testing.T) {
 		{name: "ALLOW with an empty rule allows all",
 			res: []*securityv1.Authorization{pol("prod", "all", NS, ALW, rule())}, conn: hbone, want: authz.Decision{Allowed: true, Namespace: "prod", Name: "all"}},
 		{name: "DENY wins over ALLOW",
-			res: []*securityv1.Authorization{pol("prod", "all", NS, ALW, rule()), pol("prod", "none", NS, DNY, rule())},
+			res:  []*securityv1.Authorization{pol("prod", "all", NS, ALW, rule()), pol("prod", "none", NS, DNY, rule())},
 			conn: hbone, want: authz.Decision{Reason: authz.ReasonDenyPolicy, Namespace: "prod", Name: "none"}},
 		{name: "prefix principal",
 			res:  []*securityv1.Authorization{pol("prod", "p", NS, ALW, from(&securityv1.Match{Principals: []*securityv1.StringMatch{prefix("cluster.local/ns/prod/")}}))},
@@ -130,7 +130,7 @@ func TestEvaluate(t *testing.T) {
 		{name: "plaintext allowed by PERMISSIVE",
 			pa: permissive, conn: plaintext(hbone), want: authz.Decision{Allowed: true}},
 		{name: "plaintext refused by a STRICT port under PERMISSIVE",
-			pa: &securityv1.PeerAuthentication{Mode: securityv1.MTLSMode_PERMISSIVE, Ports: map[uint32]securityv1.MTLSMode{8080: securityv1.MTLSMode_STRICT}, Sources: []string{"istio-system/mesh", "prod/api"}},
+			pa:   &securityv1.PeerAuthentication{Mode: securityv1.MTLSMode_PERMISSIVE, Ports: map[uint32]securityv1.MTLSMode{8080: securityv1.MTLSMode_STRICT}, Sources: []string{"istio-system/mesh", "prod/api"}},
 			conn: plaintext(hbone), want: authz.Decision{Reason: authz.ReasonMTLSRequired, Namespace: "prod", Name: "api"}},
 		{name: "plaintext allowed on a DISABLE port under STRICT",
 			pa:   &securityv1.PeerAuthentication{Mode: securityv1.MTLSMode_STRICT, Ports: map[uint32]securityv1.MTLSMode{8080: securityv1.MTLSMode_DISABLE}},
@@ -173,7 +173,7 @@ func TestExplain(t *testing.T) {
 // TestInvalidResources are refused with an error naming the field.
 func TestInvalidResources(t *testing.T) {
 	for name, a := range map[string]*securityv1.Authorization{
-		"bad cidr": pol("prod", "p", NS, ALW, from(&securityv1.Match{SourceIps: []*securityv1.CIDR{{Address: []byte{1, 2, 3}, Length: 8}}})),
+		"bad cidr":   pol("prod", "p", NS, ALW, from(&securityv1.Match{SourceIps: []*securityv1.CIDR{{Address: []byte{1, 2, 3}, Length: 8}}})),
 		"bad length": pol("prod", "p", NS, ALW, from(&securityv1.Match{SourceIps: []*securityv1.CIDR{{Address: []byte{1, 2, 3, 4}, Length: 33}}})),
 		"bad port":   pol("prod", "p", NS, ALW, from(&securityv1.Match{DestinationPorts: []uint32{70000}})),
 		"no kind":    pol("prod", "p", NS, ALW, from(&securityv1.Match{Principals: []*securityv1.StringMatch{{}}})),
