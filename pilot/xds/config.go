@@ -36,6 +36,10 @@ type Config struct {
 	// Metrics registers the server's Prometheus metrics; nil keeps them in a
 	// private registry.
 	Metrics prometheus.Registerer
+	// Policies are the authorization policies served to node ztunnels
+	// (AuthorizationType); nil serves none (every workload binding says no
+	// policy applies, and PeerAuthentication is the STRICT default).
+	Policies Policies
 }
 
 // withDefaults returns cfg with every unset field set to its default. It is
