@@ -5,8 +5,11 @@
 // address>:15008 of each local workload (opened as workloads arrive and
 // closed as they leave), outbound capture (15001) and SOCKS5 (15080); in
 // gateway mode the east-west gateway — plus the admin (15000), readiness
-// (15021) and metrics (15020) endpoints. Run starts everything and stops it
-// gracefully when its context ends.
+// (15021) and metrics (15020) endpoints. In node mode the xDS client also
+// takes pilot's authorization resources into an authz.Store, and an
+// authz.Enforcer admits inbound connections and closes those a policy change
+// refuses. Run starts everything and stops it gracefully when its context
+// ends.
 package node
 
 import (
@@ -24,6 +27,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/isthmus-mesh/isthmus/ztunnel/admin"
+	"github.com/isthmus-mesh/isthmus/ztunnel/authz"
 	"github.com/isthmus-mesh/isthmus/ztunnel/caclient"
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
@@ -45,9 +49,10 @@ type Node struct {
 	roots *caclient.RootsFile // nil with Deps.RootsPEM
 	admin http.Handler
 
-	in  *proxy.Inbound  // node mode
-	out *proxy.Outbound // node mode
-	gw  *proxy.Gateway  // gateway mode
+	in    *proxy.Inbound  // node mode
+	out   *proxy.Outbound // node mode
+	gw    *proxy.Gateway  // gateway mode
+	authz *authz.Enforcer // node mode, unless Config.NoAuthorization
 
 	runMu   sync.Mutex
 	started bool
@@ -110,10 +115,19 @@ func New(cfg Config, deps Deps) (*Node, error) {
 	default:
 		xdsCreds = credentials.NewTLS(n.certs.ClientTLS(cfg.XDSServerName))
 	}
+	var types []xdsclient.TypeHandler
+	if cfg.Mode == ModeNode && !cfg.NoAuthorization {
+		as := authz.NewStore()
+		if n.authz, err = authz.New(cfg.Authorization, authz.Deps{Store: as, Registerer: deps.Registry, Log: log}); err != nil {
+			n.certs.Close()
+			return nil, fmt.Errorf("ztunnel authorization: %w", err)
+		}
+		types = append(types, as)
+	}
 	n.xds, err = xdsclient.New(xdsclient.Config{
 		Address: cfg.XDSAddress, NodeID: cfg.NodeID, NodeName: cfg.NodeName,
 		ClusterID: cfg.ClusterID, Network: cfg.Network, TrustDomain: cfg.TrustDomain,
-	}, xdsclient.Deps{Store: n.store, Credentials: xdsCreds, Log: log})
+	}, xdsclient.Deps{Store: n.store, Credentials: xdsCreds, Log: log, Types: types})
 	if err != nil {
 		n.certs.Close()
 		return nil, err
@@ -133,6 +147,9 @@ func (n *Node) buildProxies() error {
 	}
 	pcfg := proxy.Config{Node: n.cfg.NodeName, TrustDomain: n.cfg.TrustDomain, HBONEPort: n.cfg.HBONEPort, NodeIPs: n.cfg.NodeIPs}
 	pdeps := proxy.Deps{Store: n.store, Certs: n.certs, Metrics: m, Log: n.log, Listen: n.deps.Listen}
+	if n.authz != nil {
+		pdeps.Authorizer = n.authz
+	}
 	if n.cfg.Mode == ModeGateway {
 		n.gw, err = proxy.NewGateway(proxy.GatewayConfig{Config: pcfg, Network: n.cfg.Network, Cluster: n.cfg.ClusterID, Identity: n.id}, pdeps, state.Selector{})
 		return err
@@ -149,6 +166,12 @@ func (n *Node) Store() *state.Store { return n.store }
 
 // Certs returns the certificate manager.
 func (n *Node) Certs() *caclient.Manager { return n.certs }
+
+// Authorizer returns the authorization enforcer of the node's inbound
+// paths: the HBONE inbound uses it, and the inbound plaintext path (15006)
+// must admit each connection through it (authz.Conn with Plaintext set).
+// Nil in gateway mode and with Config.NoAuthorization.
+func (n *Node) Authorizer() *authz.Enforcer { return n.authz }
 
 // Identity returns the ztunnel's own identity.
 func (n *Node) Identity() identity.Identity { return n.id }
@@ -277,6 +300,9 @@ func (n *Node) Run(ctx context.Context) error {
 		serve(lns.gateway, n.gw.Serve)
 	} else {
 		g.Go(func() error { return n.in.Run(gctx) })
+		if n.authz != nil {
+			g.Go(func() error { return n.authz.Run(gctx) })
+		}
 		serve(lns.socks, n.out.ServeSOCKS5)
 		serve(lns.outbound, n.out.ServeTransparent)
 	}

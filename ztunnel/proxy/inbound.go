@@ -44,6 +44,9 @@ type Deps struct {
 	// Resolver resolves the DNS names of gateways known only by name;
 	// net.DefaultResolver by default.
 	Resolver Resolver
+	// Authorizer admits Inbound's connections (see authz.go); nil admits
+	// every verified peer.
+	Authorizer Authorizer
 }
 
 // Resolver looks up the addresses of a DNS name.
@@ -217,13 +220,27 @@ func (in *Inbound) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstr
 	if !tw.ServesPort(uint16(port)) {
 		return hbone.Upstream{}, hbone.Refuse(http.StatusForbidden, ReasonPortNotAllowed, "%s has no port %d", tw.Name, port)
 	}
+	snap := in.deps.Store.Load()
+	adm, err := in.authorize(ctx, snap, req, tw, target, uint16(port))
+	if err != nil {
+		return hbone.Upstream{}, err
+	}
 	dctx, cancel := context.WithTimeout(ctx, in.cfg.DialTimeout)
 	defer cancel()
 	c, err := in.deps.Dialer.DialContext(dctx, "tcp", req.Authority)
 	if err != nil {
+		if adm != nil {
+			adm.release()
+		}
 		return hbone.Upstream{}, hbone.Refuse(http.StatusServiceUnavailable, ReasonUpstreamConnect, "dial %s: %v", req.Authority, err)
 	}
-	srcCluster, srcNetwork := sourcePlace(in.deps.Store.Load(), req.Header)
+	if adm != nil {
+		var ok bool
+		if c, ok = adm.attach(c); !ok {
+			return hbone.Upstream{}, hbone.Refuse(http.StatusForbidden, ReasonAuthzPrefix+"revoked", "%s to %s: revoked by a policy change while connecting", req.Peer, tw.UID)
+		}
+	}
+	srcCluster, srcNetwork := sourcePlace(snap, req.Header)
 	return hbone.Upstream{Conn: c, Labels: metrics.ConnLabels{
 		Reporter:             metrics.ReporterDestination,
 		SourcePrincipal:      req.Peer.String(),
