@@ -1,6 +1,6 @@
 // Command isthmusctl operates an Isthmus mesh: it registers remote clusters
 // (create-remote-secret) and reads pilot's debug endpoints (remote-clusters,
-// registry, proxy-status).
+// registry, proxy-status, authz check).
 //
 // Every subcommand parses its flags into a config struct and runs a plain
 // function of that struct; the pilot debug address comes from --pilot
@@ -91,6 +91,7 @@ func newRootCommand(stdout, stderr io.Writer) *cobra.Command {
 		newRemoteClustersCommand(pilot),
 		newRegistryCommand(pilot),
 		newProxyStatusCommand(pilot),
+		newAuthzCommand(pilot),
 		&cobra.Command{
 			Use:   "version",
 			Short: "Print isthmusctl's version",

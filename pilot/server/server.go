@@ -32,6 +32,7 @@ import (
 	"github.com/isthmus-mesh/isthmus/multicluster"
 	"github.com/isthmus-mesh/isthmus/pilot/ca"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
+	"github.com/isthmus-mesh/isthmus/pilot/policy"
 	"github.com/isthmus-mesh/isthmus/pilot/registry"
 	"github.com/isthmus-mesh/isthmus/pilot/xds"
 )
@@ -138,7 +139,10 @@ type Server struct {
 	Registry     *registry.Registry
 	CA           *ca.CA
 	XDS          *xds.Server
-	local        *multicluster.Client
+	// Policies follows the config cluster's AuthorizationPolicies and
+	// PeerAuthentications (root namespace: Namespace).
+	Policies *policy.Watcher
+	local    *multicluster.Client
 
 	mu        sync.Mutex
 	grpcLn    net.Listener
@@ -182,7 +186,11 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 	if err != nil {
 		return nil, fmt.Errorf("ca: %w", err)
 	}
-	cfg.XDS.Metrics = reg
+	pol, err := newPolicies(cfg, configREST, reg)
+	if err != nil {
+		return nil, err
+	}
+	cfg.XDS.Metrics, cfg.XDS.Policies = reg, pol
 	xs, err := xds.New(cfg.XDS, r, cfg.Logger.With("component", "xds"))
 	if err != nil {
 		return nil, fmt.Errorf("xds: %w", err)
@@ -190,7 +198,7 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 	mc.AddComponent("ca-root-publisher", func(ctx context.Context, c *multicluster.Cluster) (multicluster.Component, error) {
 		return authority.PublishRoots(ctx, string(c.ID), c.Client.Kube)
 	})
-	return &Server{cfg: cfg, log: cfg.Logger, Metrics: reg, Multicluster: mc, Registry: r, CA: authority, XDS: xs, local: local,
+	return &Server{cfg: cfg, log: cfg.Logger, Metrics: reg, Multicluster: mc, Registry: r, CA: authority, XDS: xs, Policies: pol, local: local,
 		ready: make(chan struct{}), handshakeFailures: newHandshakeFailures(reg)}, nil
 }
 
@@ -227,6 +235,9 @@ func (s *Server) DebugMux() *http.ServeMux {
 	xdsDebug := s.XDS.DebugHandler()
 	mux.Handle("/debug/syncz", xdsDebug)
 	mux.Handle("/debug/config_dump", xdsDebug)
+	polDebug := s.Policies.DebugHandler(s.Registry.Workload)
+	mux.Handle("/debug/authorizationz", polDebug)
+	mux.Handle("/debug/authz", polDebug)
 	// Go runtime profiles (the debug listener is loopback-only by default).
 	mux.HandleFunc("/debug/pprof/", pprof.Index)
 	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
@@ -333,6 +344,7 @@ func (s *Server) Run(ctx context.Context) error {
 	serve("xds-plaintext", s.plainLn, grpcServe(plainSrv))
 	run("ca", s.CA.Run)
 	run("xds", s.XDS.Run)
+	run("policy", s.Policies.Run)
 	run("registry", s.Registry.Run)
 	run("multicluster", s.Multicluster.Run)
 	if s.cfg.Registry.ExportMode {
