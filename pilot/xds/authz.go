@@ -40,8 +40,13 @@ type Policies interface {
 // always synced.
 type noPolicies struct{ snap *policy.Snapshot }
 
-func (n noPolicies) HasSynced() bool                  { return true }
-func (n noPolicies) Snapshot() *policy.Snapshot       { return n.snap }
+// HasSynced is always true: there is nothing to read.
+func (n noPolicies) HasSynced() bool { return true }
+
+// Snapshot returns the empty snapshot.
+func (n noPolicies) Snapshot() *policy.Snapshot { return n.snap }
+
+// Subscribe never calls fn: nothing changes.
 func (n noPolicies) Subscribe(func()) (cancel func()) { return func() {} }
 
 // nodeKey names a node ztunnel: its cluster and Kubernetes node.

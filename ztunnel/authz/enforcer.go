@@ -43,6 +43,7 @@ type Deps struct {
 // DeniedError is the error of a refused connection.
 type DeniedError struct{ Decision Decision }
 
+// Error names the reason and the deciding policy.
 func (e *DeniedError) Error() string {
 	if p := e.Decision.Policy(); p != "" {
 		return fmt.Sprintf("authorization: %s (%s)", e.Decision.Reason, p)

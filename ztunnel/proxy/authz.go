@@ -99,6 +99,7 @@ type admittedConn struct {
 	once    sync.Once
 }
 
+// Close closes the upstream and releases the admission once.
 func (c *admittedConn) Close() error {
 	err := c.Conn.Close()
 	c.once.Do(c.release)
