@@ -207,22 +207,30 @@ rules: [{from: [{source: {principals: ["`+webPeer+`"]}}]}]`)
 		m.allowed(t, "DENY removed")
 	})
 
-	t.Run("ALLOW naming the principal allows", func(t *testing.T) {
-		m.apply(t, "shop", "cart-callers", `
-selector: {matchLabels: {app: cart}}
-rules: [{from: [{source: {principals: ["spiffe://`+webPeer+`", "cluster.local/ns/shop/sa/admin"]}}], to: [{operation: {ports: ["8080"]}}]}]`)
-		m.allowed(t, "ALLOW naming web")
-		require.Zero(t, m.denied(t, "", "", authz.ReasonAllowUnmatched))
-	})
-
 	t.Run("a namespace-wide ALLOW that does not match refuses", func(t *testing.T) {
-		m.remove(t, "shop", "cart-callers")
 		m.apply(t, "shop", "only-back", `
 rules: [{from: [{source: {namespaces: ["back"]}}]}]`)
 		m.refused(t, "namespace-wide ALLOW of namespace back")
 		require.Positive(t, m.denied(t, "", "", authz.ReasonAllowUnmatched))
 		m.remove(t, "shop", "only-back")
 		m.allowed(t, "ALLOW removed")
+	})
+
+	t.Run("ALLOW naming the principal allows", func(t *testing.T) {
+		// With an ALLOW that does not match web in force, web is refused
+		// until an ALLOW names its principal.
+		m.apply(t, "shop", "only-back", `
+rules: [{from: [{source: {namespaces: ["back"]}}]}]`)
+		m.apply(t, "shop", "cart-callers", `
+selector: {matchLabels: {app: cart}}
+rules: [{from: [{source: {principals: ["cluster.local/ns/shop/sa/admin"]}}]}]`)
+		m.refused(t, "ALLOW policies apply, none names web")
+		m.apply(t, "shop", "cart-callers", `
+selector: {matchLabels: {app: cart}}
+rules: [{from: [{source: {principals: ["spiffe://`+webPeer+`", "cluster.local/ns/shop/sa/admin"]}}], to: [{operation: {ports: ["8080"]}}]}]`)
+		m.allowed(t, "ALLOW naming web")
+		d := m.dst.n.Authorizer().Check(authz.Conn{Workload: cartUID, Peer: spiffeWeb, DestinationIP: m.cartApp.Addr(), DestinationPort: m.cartApp.Port()})
+		require.Equal(t, authz.Decision{Allowed: true, Namespace: "shop", Name: "cart-callers"}, d, "allowed by the ALLOW naming web")
 	})
 
 	t.Run("a DENY mentioning an L7 attribute still denies", func(t *testing.T) {

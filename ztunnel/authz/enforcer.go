@@ -165,16 +165,17 @@ func (e *Enforcer) refuse(c Conn, d Decision) error {
 // Run re-checks every open connection each time the policies change, and
 // revokes those now refused, until ctx ends.
 func (e *Enforcer) Run(ctx context.Context) error {
-	_, changed := e.store.Current()
 	for {
+		// Each snapshot is checked once it is current, the first one too:
+		// connections may have been admitted under an older one before
+		// Run started.
+		snap, changed := e.store.Current()
+		e.recheck(snap)
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-changed:
 		}
-		var snap *Snapshot
-		snap, changed = e.store.Current()
-		e.recheck(snap)
 	}
 }
 

@@ -163,3 +163,24 @@ func counter(t *testing.T, reg *prometheus.Registry, metric, ns, name, reason st
 	t.Fatalf("no %s{namespace=%q,policy=%q,reason=%q}", metric, ns, name, reason)
 	return nil
 }
+
+// TestRunChecksWhatIsCurrent: a change published before Run starts still
+// revokes the connections it refuses.
+func TestRunChecksWhatIsCurrent(t *testing.T) {
+	s := authz.NewStore()
+	e, err := authz.New(authz.Config{}, authz.Deps{Store: s})
+	require.NoError(t, err)
+	s.Apply(resources(binding(uid, "prod", nil)), nil)
+	var revoked atomic.Int32
+	release, err := e.Admit(context.Background(), hbone, func() { revoked.Add(1) })
+	require.NoError(t, err)
+	defer release()
+	s.Apply(resources(pol("prod", "all", NS, DNY, rule())), nil)
+	require.Zero(t, revoked.Load())
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- e.Run(ctx) }()
+	defer func() { cancel(); require.NoError(t, <-done) }()
+	require.Eventually(t, func() bool { return revoked.Load() == 1 }, 10*time.Second, 5*time.Millisecond)
+}
