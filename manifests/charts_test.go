@@ -174,8 +174,9 @@ func TestChartsApplyToAPIServer(t *testing.T) {
 	for _, f := range base.CRDObjects() {
 		crdNames = append(crdNames, f.Name)
 	}
-	require.ElementsMatch(t, []string{"crds/multicluster.x-k8s.io_serviceexports.yaml", "crds/multicluster.x-k8s.io_serviceimports.yaml"}, crdNames,
-		"the base chart ships the MCS CRDs in crds/")
+	require.ElementsMatch(t, []string{"crds/multicluster.x-k8s.io_serviceexports.yaml", "crds/multicluster.x-k8s.io_serviceimports.yaml",
+		"crds/security.istio.io_authorizationpolicies.yaml", "crds/security.istio.io_peerauthentications.yaml"}, crdNames,
+		"the base chart ships the MCS CRDs and Istio's security CRDs in crds/")
 	require.NoError(t, c.InstallCRDs("base/crds"))
 	require.NoError(t, c.EnsureNamespace(ctx, namespace, nil))
 

@@ -1,6 +1,6 @@
 // Command isthmusctl operates an Isthmus mesh: it registers remote clusters
 // (create-remote-secret), reads pilot's debug endpoints (remote-clusters,
-// registry, proxy-status, version), diagnoses misconfigurations across clusters
+// registry, proxy-status, version, authz check), diagnoses misconfigurations across clusters
 // (analyze) and compares rendered manifests (manifest diff).
 //
 // Every subcommand parses its flags into a config struct and runs a plain
@@ -28,6 +28,10 @@ import (
 )
 
 func main() {
+	// client-go logs through klog: silent unless --verbose (it reports, for
+	// example, the expected end of the token wait). Set here, once per
+	// process, not per command run: klog's logger is process-wide.
+	klog.SetLogger(logr.Discard())
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
@@ -102,12 +106,8 @@ func newRootCommand(stdout, stderr io.Writer) *cobra.Command {
 		return slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
 	}
 	root.PersistentPreRun = func(*cobra.Command, []string) {
-		// client-go logs through klog: show it only with --verbose (it
-		// reports, for example, the expected end of the token wait).
 		if g.Verbose {
 			klog.SetSlogLogger(logger())
-		} else {
-			klog.SetLogger(logr.Discard())
 		}
 	}
 	pilot := func() *pilotClient { return newPilotClient(g.Pilot, g.Timeout) }
@@ -119,6 +119,7 @@ func newRootCommand(stdout, stderr io.Writer) *cobra.Command {
 		newRemoteClustersCommand(pilot),
 		newRegistryCommand(pilot),
 		newProxyStatusCommand(pilot),
+		newAuthzCommand(pilot),
 		newVersionCommand(pilot),
 	)
 	return root

@@ -33,6 +33,7 @@ import (
 	"github.com/isthmus-mesh/isthmus/multicluster"
 	"github.com/isthmus-mesh/isthmus/pilot/ca"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
+	"github.com/isthmus-mesh/isthmus/pilot/policy"
 	"github.com/isthmus-mesh/isthmus/pilot/registry"
 	"github.com/isthmus-mesh/isthmus/pilot/vip"
 	"github.com/isthmus-mesh/isthmus/pilot/xds"
@@ -151,7 +152,10 @@ type Server struct {
 	CA           *ca.CA
 	XDS          *xds.Server
 	VIP          *vip.Allocator
-	local        *multicluster.Client
+	// Policies follows the config cluster's AuthorizationPolicies and
+	// PeerAuthentications (root namespace: Namespace).
+	Policies *policy.Watcher
+	local    *multicluster.Client
 
 	mu        sync.Mutex
 	grpcLn    net.Listener
@@ -203,7 +207,11 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 	if err != nil {
 		return nil, fmt.Errorf("ca: %w", err)
 	}
-	cfg.XDS.Metrics = reg
+	pol, err := newPolicies(cfg, configREST, reg)
+	if err != nil {
+		return nil, err
+	}
+	cfg.XDS.Metrics, cfg.XDS.Policies = reg, pol
 	vipHooks := &hooks{}
 	alloc, err := vip.New(cfg.VIP, vip.Deps{Client: local.Kube, Log: cfg.Logger.With("component", "vip"), OnChange: vipHooks.call})
 	if err != nil {
@@ -218,7 +226,7 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 	mc.AddComponent("ca-root-publisher", func(ctx context.Context, c *multicluster.Cluster) (multicluster.Component, error) {
 		return authority.PublishRoots(ctx, string(c.ID), c.Client.Kube)
 	})
-	s := &Server{cfg: cfg, log: cfg.Logger, Metrics: reg, Multicluster: mc, Registry: r, CA: authority, XDS: xs, VIP: alloc, local: local,
+	s := &Server{cfg: cfg, log: cfg.Logger, Metrics: reg, Multicluster: mc, Registry: r, CA: authority, XDS: xs, VIP: alloc, Policies: pol, local: local,
 		ready: make(chan struct{}), handshakeFailures: newHandshakeFailures(reg), vipHooks: vipHooks, lead: lead}
 	if s.leader, err = s.leaderTasks(cfg.Logger); err != nil {
 		return nil, err
@@ -261,6 +269,9 @@ func (s *Server) DebugMux() *http.ServeMux {
 	xdsDebug := s.XDS.DebugHandler()
 	mux.Handle("/debug/syncz", xdsDebug)
 	mux.Handle("/debug/config_dump", xdsDebug)
+	polDebug := s.Policies.DebugHandler(s.Registry.Workload)
+	mux.Handle("/debug/authorizationz", polDebug)
+	mux.Handle("/debug/authz", polDebug)
 	// Go runtime profiles (the debug listener is loopback-only by default).
 	mux.HandleFunc("/debug/pprof/", pprof.Index)
 	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
@@ -369,6 +380,7 @@ func (s *Server) Run(ctx context.Context) error {
 	run("vip", s.VIP.Run)
 	run("vip-sync", (&vipSync{alloc: s.VIP, reg: s.Registry, log: s.log.With("component", "vip"), retry: 10 * time.Second}).Run)
 	run("xds", s.XDS.Run)
+	run("policy", s.Policies.Run)
 	run("registry", s.Registry.Run)
 	run("multicluster", s.Multicluster.Run)
 	if s.cfg.NoLeaderElection {

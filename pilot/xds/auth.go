@@ -138,10 +138,17 @@ func (a *authorizer) open(p peerIdentity) error {
 // A certificate does not name its cluster: two clusters that both run ns/sa
 // on a node of the same name cannot be told apart by it.
 func (a *authorizer) authorize(p peerIdentity, node *corev3.Node) error {
+	f := node.GetMetadata().GetFields()
 	if !p.tls {
+		// Development listener: the node name is believed as claimed.
+		if name := f[MetadataNodeName].GetStringValue(); name != "" {
+			setMetadata(node, MetadataVerifiedNode, name)
+		}
 		return nil
 	}
-	f := node.GetMetadata().GetFields()
+	// Only a node account's NODE_NAME is checked below: no other stream
+	// may carry the verified node name, whatever it sent.
+	delete(f, MetadataVerifiedNode)
 	cluster := f[MetadataClusterID].GetStringValue()
 	claimed := model.Network(f[MetadataNetwork].GetStringValue())
 	nodeName := ""
@@ -169,6 +176,9 @@ func (a *authorizer) authorize(p peerIdentity, node *corev3.Node) error {
 		return refuse(codes.PermissionDenied, RefusedAmbiguousClass, "%s on %s spans networks %s: name one in %s metadata", p.spiffe, where, joinNetworks(nets), MetadataNetwork)
 	case claimed == "":
 		setMetadata(node, MetadataNetwork, string(nets[0]))
+	}
+	if nodeName != "" {
+		setMetadata(node, MetadataVerifiedNode, nodeName)
 	}
 	return nil
 }

@@ -37,6 +37,10 @@ type Config struct {
 	// Metrics registers the server's Prometheus metrics; nil keeps them in a
 	// private registry.
 	Metrics prometheus.Registerer
+	// Policies are the authorization policies served to node ztunnels
+	// (AuthorizationType); nil serves none (every workload binding says no
+	// policy applies, and PeerAuthentication is the STRICT default).
+	Policies Policies
 	// Allocations gives the virtual addresses allocated to services for
 	// clients on networks where they have none (nil: none). Call
 	// Server.Refresh with the hostnames whose allocation changed.

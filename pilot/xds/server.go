@@ -40,6 +40,7 @@ type Server struct {
 	reg   Registry
 	log   *slog.Logger
 	envoy *envoyBuilder
+	authz *authzServer
 	xds   serverv3.Server
 	stats *tracker
 
@@ -61,6 +62,8 @@ type Server struct {
 // pendingChanges are the keys changed since the last applied batch.
 type pendingChanges struct {
 	services, workloads, networks map[string]struct{}
+	// policies is set when the authorization policies changed.
+	policies bool
 }
 
 func (p *pendingChanges) add(kind model.ChangeKind, key string) {
@@ -109,6 +112,7 @@ func New(cfg Config, reg Registry, logger *slog.Logger) (*Server, error) {
 		views:  map[class]*view{},
 		kick:   make(chan struct{}, 1),
 	}
+	s.authz = newAuthzServer(cfg.Policies, reg, cfg.VersionPrefix, slogAdapter{logger})
 	s.stats = newTracker(m, logger, s.classOf, newAuthorizer(cfg, reg), cfg.TrustDomain)
 	s.xds = serverv3.NewServer(ctx, routerCache{s}, s.stats, sotw.WithLogger(slogAdapter{logger}))
 	return s, nil
@@ -135,9 +139,14 @@ func (s *Server) Run(ctx context.Context) error {
 	defer s.cancel()
 	stop := s.reg.Subscribe(s.enqueue)
 	defer stop()
+	stopPolicies := s.authz.src.Subscribe(s.enqueuePolicies)
+	defer stopPolicies()
 	// Views built before the subscription may have missed changes.
 	if err := s.resyncAll(); err != nil {
 		s.log.Error("xds resync failed", "err", err)
+	}
+	if err := s.authz.resync(); err != nil {
+		s.log.Error("xds authorization resync failed", "err", err)
 	}
 	for {
 		select {
@@ -158,6 +167,18 @@ func (s *Server) enqueue(cs model.ChangeSet) {
 		s.pending.add(c.Kind, c.Key)
 	}
 	s.pendingMu.Unlock()
+	s.kickRun()
+}
+
+// enqueuePolicies records that the authorization policies changed.
+func (s *Server) enqueuePolicies() {
+	s.pendingMu.Lock()
+	s.pending.policies = true
+	s.pendingMu.Unlock()
+	s.kickRun()
+}
+
+func (s *Server) kickRun() {
 	select {
 	case s.kick <- struct{}{}:
 	default:
@@ -237,6 +258,7 @@ func (s *Server) applyPending() error {
 		changed += n
 		errs = append(errs, err)
 	}
+	errs = append(errs, s.authz.apply(p.workloads, p.policies))
 	s.stats.metrics.buildSeconds.Observe(time.Since(start).Seconds())
 	s.stats.metrics.resourcesChanged.Add(float64(changed))
 	return errors.Join(errs...)
@@ -364,6 +386,9 @@ func checkType(t string) error {
 
 // CreateWatch opens a SotW watch on the view of the request's node.
 func (r routerCache) CreateWatch(req *cache.Request, sub cache.Subscription, ch chan cache.Response) (func(), error) {
+	if req.GetTypeUrl() == AuthorizationType {
+		return nil, status.Errorf(codes.Unimplemented, "%s is served over delta xDS only", AuthorizationType)
+	}
 	if err := checkType(req.GetTypeUrl()); err != nil {
 		return nil, err
 	}
@@ -374,8 +399,12 @@ func (r routerCache) CreateWatch(req *cache.Request, sub cache.Subscription, ch 
 	return v.mux.CreateWatch(req, sub, ch)
 }
 
-// CreateDeltaWatch opens a delta watch on the view of the request's node.
+// CreateDeltaWatch opens a delta watch on the view of the request's node
+// (on the node's own cache for the authorization type).
 func (r routerCache) CreateDeltaWatch(req *cache.DeltaRequest, sub cache.Subscription, ch chan cache.DeltaResponse) (func(), error) {
+	if req.GetTypeUrl() == AuthorizationType {
+		return r.s.authz.createDeltaWatch(req, sub, ch)
+	}
 	if err := checkType(req.GetTypeUrl()); err != nil {
 		return nil, err
 	}

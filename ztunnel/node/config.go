@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc/credentials"
 
+	"github.com/isthmus-mesh/isthmus/ztunnel/authz"
 	"github.com/isthmus-mesh/isthmus/ztunnel/caclient"
 	"github.com/isthmus-mesh/isthmus/ztunnel/proxy"
 )
@@ -116,6 +117,14 @@ type Config struct {
 	// request on an idle connection.
 	HTTPReadHeaderTimeout time.Duration
 	HTTPIdleTimeout       time.Duration
+
+	// Authorization configures the enforcement of pilot's authorization
+	// policies on the inbound paths (node mode).
+	Authorization authz.Config
+	// NoAuthorization neither subscribes to authorization resources nor
+	// enforces them: only for xDS servers that do not serve the type (tests
+	// of other features). Inbound then admits every verified peer.
+	NoAuthorization bool
 }
 
 // DefaultConfig holds the defaults.

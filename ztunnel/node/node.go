@@ -5,8 +5,11 @@
 // address>:15008 of each local workload (opened as workloads arrive and
 // closed as they leave), outbound capture (15001) and SOCKS5 (15080); in
 // gateway mode the east-west gateway — plus the admin (15000), readiness
-// (15021) and metrics (15020) endpoints. Run starts everything and stops it
-// gracefully when its context ends.
+// (15021) and metrics (15020) endpoints. In node mode the xDS client also
+// takes pilot's authorization resources into an authz.Store, and an
+// authz.Enforcer admits inbound connections and closes those a policy change
+// refuses. Run starts everything and stops it gracefully when its context
+// ends.
 package node
 
 import (
@@ -26,6 +29,7 @@ import (
 
 	"github.com/isthmus-mesh/isthmus/internal/version"
 	"github.com/isthmus-mesh/isthmus/ztunnel/admin"
+	"github.com/isthmus-mesh/isthmus/ztunnel/authz"
 	"github.com/isthmus-mesh/isthmus/ztunnel/caclient"
 	"github.com/isthmus-mesh/isthmus/ztunnel/dns"
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
@@ -50,9 +54,10 @@ type Node struct {
 	roots *caclient.RootsFile // nil with Deps.RootsPEM
 	admin http.Handler
 
-	in  *proxy.Inbound  // node mode, without InPodSocket
-	out *proxy.Outbound // node mode
-	gw  *proxy.Gateway  // gateway mode
+	in    *proxy.Inbound  // node mode, without InPodSocket
+	out   *proxy.Outbound // node mode
+	gw    *proxy.Gateway  // gateway mode
+	authz *authz.Enforcer // node mode, unless Config.NoAuthorization
 
 	pods  *podproxy.Manager // node mode with InPodSocket
 	inpod *inpod.Client
@@ -122,10 +127,19 @@ func New(cfg Config, deps Deps) (*Node, error) {
 	default:
 		xdsCreds = credentials.NewTLS(n.certs.ClientTLS(cfg.XDSServerName))
 	}
+	var types []xdsclient.TypeHandler
+	if cfg.Mode == ModeNode && !cfg.NoAuthorization {
+		as := authz.NewStore()
+		if n.authz, err = authz.New(cfg.Authorization, authz.Deps{Store: as, Registerer: deps.Registry, Log: log}); err != nil {
+			n.certs.Close()
+			return nil, fmt.Errorf("ztunnel authorization: %w", err)
+		}
+		types = append(types, as)
+	}
 	n.xds, err = xdsclient.New(xdsclient.Config{
 		Address: cfg.XDSAddress, NodeID: cfg.NodeID, NodeName: cfg.NodeName,
 		ClusterID: cfg.ClusterID, Network: cfg.Network, TrustDomain: cfg.TrustDomain,
-	}, xdsclient.Deps{Store: n.store, Credentials: xdsCreds, Log: log})
+	}, xdsclient.Deps{Store: n.store, Credentials: xdsCreds, Log: log, Types: types})
 	if err != nil {
 		n.certs.Close()
 		return nil, err
@@ -152,6 +166,9 @@ func (n *Node) buildProxies() error {
 	}
 	pcfg := proxy.Config{Node: n.cfg.NodeName, TrustDomain: n.cfg.TrustDomain, HBONEPort: n.cfg.HBONEPort, NodeIPs: n.cfg.NodeIPs}
 	pdeps := proxy.Deps{Store: n.store, Certs: n.certs, Metrics: m, Log: n.log, Listen: n.deps.Listen}
+	if n.authz != nil {
+		pdeps.Authorizer = n.authz
+	}
 	if n.cfg.Mode == ModeGateway {
 		n.gw, err = proxy.NewGateway(proxy.GatewayConfig{Config: pcfg, Network: n.cfg.Network, Cluster: n.cfg.ClusterID, Identity: n.id}, pdeps, state.Selector{})
 		return err
@@ -163,7 +180,7 @@ func (n *Node) buildProxies() error {
 	if n.cfg.InPodSocket != "" {
 		n.pods, err = podproxy.New(podproxy.Config{Proxy: pcfg, Cluster: n.cfg.ClusterID, Network: n.cfg.Network,
 			DisableDNS: n.cfg.DisablePodDNS, DNS: dnsCfg, Mark: n.cfg.Mark},
-			podproxy.Deps{Store: n.store, Certs: n.certs, Metrics: m, DNSMetrics: n.dnsM, Plaintext: n.deps.Plaintext,
+			podproxy.Deps{Store: n.store, Certs: n.certs, Metrics: m, DNSMetrics: n.dnsM, Authorizer: pdeps.Authorizer, Plaintext: n.deps.Plaintext,
 				Ready: n.xds.HasSynced, Log: n.log})
 		if err != nil {
 			return err
@@ -183,6 +200,12 @@ func (n *Node) Store() *state.Store { return n.store }
 
 // Certs returns the certificate manager.
 func (n *Node) Certs() *caclient.Manager { return n.certs }
+
+// Authorizer returns the authorization enforcer of the node's inbound
+// paths: the HBONE inbound uses it, and the inbound plaintext path (15006)
+// must admit each connection through it (authz.Conn with Plaintext set).
+// Nil in gateway mode and with Config.NoAuthorization.
+func (n *Node) Authorizer() *authz.Enforcer { return n.authz }
 
 // Identity returns the ztunnel's own identity.
 func (n *Node) Identity() identity.Identity { return n.id }
@@ -340,6 +363,9 @@ func (n *Node) Run(ctx context.Context) error {
 		}
 		if n.inpod != nil {
 			g.Go(func() error { return n.inpod.Run(gctx) })
+		}
+		if n.authz != nil {
+			g.Go(func() error { return n.authz.Run(gctx) })
 		}
 		serve(lns.socks, n.out.ServeSOCKS5)
 		serve(lns.outbound, n.out.ServeTransparent)

@@ -110,7 +110,7 @@ func startNode(t *testing.T, name, cluster, token, xdsAddr string, ca *catest.Se
 	}
 	n, err := node.New(node.Config{
 		NodeName: name, ClusterID: cluster, Network: "n1", TrustDomain: td,
-		XDSAddress: xdsAddr, CAAddress: ca.Addr,
+		XDSAddress: xdsAddr, CAAddress: ca.Addr, NoAuthorization: true, // the test's xDS server serves workloads only
 		OutboundListen: at(15001), SOCKS5Listen: z.socks, AdminListen: z.admin,
 		ReadinessListen: at(15021), MetricsListen: at(15020),
 	}, node.Deps{

@@ -88,7 +88,12 @@ type Deps struct {
 	Metrics *metrics.Metrics
 	// DNSMetrics is shared by the pods' DNS servers.
 	DNSMetrics *dns.Metrics
-	// Plaintext decides plaintext inbound (nil: STRICT, all refused).
+	// Authorizer enforces authorization and PeerAuthentication on the pods'
+	// inbound (HBONE and plaintext); nil: none, and Plaintext decides
+	// plaintext.
+	Authorizer proxy.Authorizer
+	// Plaintext decides plaintext inbound without an Authorizer (nil:
+	// STRICT, all refused).
 	Plaintext proxy.PlaintextPolicy
 	// Ready reports whether the store holds pilot's view (DNS forwards
 	// unknown mesh names until then).
@@ -271,7 +276,7 @@ func (m *Manager) start(info inpod.Pod, ns *os.File, id netns.ID) (_ *pod, err e
 			}
 		}
 	}()
-	deps := proxy.Deps{Store: m.deps.Store, Certs: m.deps.Certs, Metrics: m.deps.Metrics,
+	deps := proxy.Deps{Store: m.deps.Store, Certs: m.deps.Certs, Metrics: m.deps.Metrics, Authorizer: m.deps.Authorizer,
 		Log: m.log.With("pod", info.Namespace+"/"+info.Name),
 		// Every connection made for the pod leaves from its namespace,
 		// marked so that its rules do not capture it again.

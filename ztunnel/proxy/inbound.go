@@ -45,6 +45,9 @@ type Deps struct {
 	// Resolver resolves the DNS names of gateways known only by name;
 	// net.DefaultResolver by default.
 	Resolver Resolver
+	// Authorizer admits Inbound's connections (see authz.go); nil admits
+	// every verified peer.
+	Authorizer Authorizer
 }
 
 // Resolver looks up the addresses of a DNS name.
@@ -258,14 +261,27 @@ func (in *Inbound) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstr
 	if in.pod != "" {
 		in.deps.Metrics.Captured(metrics.DirectionInboundHBONE)
 	}
+	snap := in.deps.Store.Load()
+	adm, err := in.authorize(ctx, snap, req, tw, target, uint16(port))
+	if err != nil {
+		return hbone.Upstream{}, err
+	}
 	dctx, cancel := context.WithTimeout(ctx, in.cfg.DialTimeout)
 	defer cancel()
 	c, err := in.deps.Dialer.DialContext(dctx, "tcp", req.Authority)
 	if err != nil {
+		if adm != nil {
+			adm.release()
+		}
 		return hbone.Upstream{}, hbone.Refuse(http.StatusServiceUnavailable, ReasonUpstreamConnect, "dial %s: %v", req.Authority, err)
 	}
-	snap := in.deps.Store.Load()
+	if adm != nil {
+		var ok bool
+		if c, ok = adm.attach(c); !ok {
+			return hbone.Upstream{}, hbone.Refuse(http.StatusForbidden, ReasonAuthzPrefix+"revoked", "%s to %s: revoked by a policy change while connecting", req.Peer, tw.UID)
+		}
+	}
 	labels := metrics.ConnLabels{Reporter: metrics.ReporterDestination, MutualTLS: true}
-	labels = withService(withDestination(inboundSource(labels, snap, req.Peer, req.Header), tw), serviceServing(snap, tw, uint16(port)))
+	labels = withService(withDestination(inboundSource(labels, snap, req), tw), serviceServing(snap, tw, uint16(port)))
 	return hbone.Upstream{Conn: c, Labels: labels}, nil
 }

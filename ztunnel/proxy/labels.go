@@ -1,13 +1,10 @@
 package proxy
 
 import (
-	"net/http"
-	"net/netip"
 	"slices"
-	"strconv"
 	"strings"
 
-	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
+	"github.com/isthmus-mesh/isthmus/ztunnel/hbone"
 	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
 	"github.com/isthmus-mesh/isthmus/ztunnel/state"
 )
@@ -66,35 +63,18 @@ func serviceServing(snap *state.Snapshot, w *state.Workload, p uint16) *state.Se
 	return nil
 }
 
-// forwardedFor returns the for= address of a Forwarded header, if any.
-func forwardedFor(h http.Header) (netip.Addr, bool) {
-	for _, part := range strings.Split(h.Get(HeaderForwarded), ";") {
-		k, v, ok := strings.Cut(strings.TrimSpace(part), "=")
-		if !ok || !strings.EqualFold(k, "for") {
-			continue
-		}
-		if uq, err := strconv.Unquote(v); err == nil {
-			v = uq
-		}
-		a, err := netip.ParseAddr(strings.Trim(v, "[]"))
-		return a.Unmap(), err == nil
-	}
-	return netip.Addr{}, false
-}
-
 // inboundSource fills the source side of an inbound connection's labels:
-// from the workload at the address the request names as its source, but
-// only when that workload runs as the verified peer identity; otherwise
-// from the identity alone, and the cluster and network the baggage names
-// when the store knows them.
-func inboundSource(l metrics.ConnLabels, snap *state.Snapshot, peer identity.Identity, h http.Header) metrics.ConnLabels {
-	if a, ok := forwardedFor(h); ok {
-		if w, ok := snap.WorkloadByAddr(a); ok && w.Identity() == peer {
-			l = withSource(l, w)
-			return l
+// from the source workload when its address can be trusted (sourceIP: a
+// workload running as the verified peer identity); otherwise from the
+// identity alone, and the cluster and network the baggage names when the
+// store knows them.
+func inboundSource(l metrics.ConnLabels, snap *state.Snapshot, req *hbone.Request) metrics.ConnLabels {
+	if a := sourceIP(snap, req); a.IsValid() {
+		if w, ok := snap.WorkloadByAddr(a); ok {
+			return withSource(l, w)
 		}
 	}
-	l.SourcePrincipal, l.SourceNamespace = peer.String(), peer.Namespace
-	l.SourceCluster, l.SourceNetwork = sourcePlace(snap, h)
+	l.SourcePrincipal, l.SourceNamespace = req.Peer.String(), req.Peer.Namespace
+	l.SourceCluster, l.SourceNetwork = sourcePlace(snap, req.Header)
 	return l
 }

@@ -2,11 +2,14 @@ package proxy
 
 import (
 	"context"
+	"errors"
 	"net"
 	"net/netip"
 	"slices"
+	"sync"
 
 	"github.com/isthmus-mesh/isthmus/internal/conntrack"
+	"github.com/isthmus-mesh/isthmus/ztunnel/authz"
 	"github.com/isthmus-mesh/isthmus/ztunnel/hbone"
 	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
 	"github.com/isthmus-mesh/isthmus/ztunnel/netns"
@@ -23,9 +26,10 @@ const (
 )
 
 // PlaintextPolicy decides whether plaintext (non-HBONE) connections from
-// src may reach port of workload w: PeerAuthentication (PERMISSIVE,
-// DISABLE) and then the workload's authorization. It must be safe for
-// concurrent use. Nil refuses all plaintext (STRICT).
+// src may reach port of workload w when there is no Deps.Authorizer (which
+// otherwise decides: PeerAuthentication, then the workload's
+// authorization). It must be safe for concurrent use. Nil refuses all
+// plaintext (STRICT).
 type PlaintextPolicy func(w *state.Workload, src, dst netip.AddrPort) bool
 
 // PlaintextInbound serves an enrolled pod's inbound plaintext capture
@@ -75,18 +79,47 @@ func (p *PlaintextInbound) handle(c net.Conn) {
 		p.deps.Metrics.Refused(metrics.ReporterDestination, ReasonUnknownDestination)
 		return
 	}
-	if p.policy == nil || !p.policy(w, src, dst) {
+	var upMu sync.Mutex
+	var up net.Conn
+	revoke := func() { // a policy change now refuses the connection
+		c.Close()
+		upMu.Lock()
+		if up != nil {
+			up.Close()
+		}
+		upMu.Unlock()
+	}
+	if p.deps.Authorizer != nil {
+		// PeerAuthentication (is plaintext allowed on this port at all?),
+		// then the workload's authorization with no peer identity.
+		release, err := p.deps.Authorizer.Admit(context.Background(), authz.Conn{Workload: w.UID, Plaintext: true,
+			SourceIP: src.Addr(), DestinationIP: dst.Addr(), DestinationPort: dst.Port()}, revoke)
+		if err != nil {
+			reason := ReasonPlaintextRefused
+			var d *authz.DeniedError
+			if errors.As(err, &d) {
+				reason = ReasonAuthzPrefix + d.Decision.Reason
+			}
+			p.deps.Metrics.Refused(metrics.ReporterDestination, reason)
+			p.deps.Log.Debug("plaintext inbound refused", "pod", p.pod, "port", dst.Port(), "err", err)
+			return
+		}
+		defer release()
+	} else if p.policy == nil || !p.policy(w, src, dst) {
 		p.deps.Metrics.Refused(metrics.ReporterDestination, ReasonPlaintextRefused)
 		p.deps.Log.Debug("plaintext inbound refused", "pod", p.pod, "port", dst.Port())
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.DialTimeout)
-	up, err := p.deps.Dialer.DialContext(ctx, "tcp", dst.String())
+	conn, err := p.deps.Dialer.DialContext(ctx, "tcp", dst.String())
 	cancel()
 	if err != nil {
 		p.deps.Metrics.Refused(metrics.ReporterDestination, ReasonUpstreamConnect)
 		return
 	}
+	upMu.Lock()
+	up = conn
+	upMu.Unlock()
 	defer up.Close()
 	snap := p.deps.Store.Load()
 	labels := metrics.ConnLabels{Reporter: metrics.ReporterDestination, SourceCluster: metrics.Unknown, SourceNetwork: metrics.Unknown}

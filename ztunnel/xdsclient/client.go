@@ -11,6 +11,11 @@
 // last good state; the client reconnects with exponential backoff and jitter
 // and resumes with initial_resource_versions of everything it holds, so pilot
 // sends only what changed while it was away.
+//
+// More resource types ride the same stream (Deps.Types: the authorization
+// type, taken by ztunnel/authz.Store), each subscribed wildcard, applied by
+// its own handler, ACKed or NACKed the same way and resumed with its own
+// versions.
 package xdsclient
 
 import (
@@ -121,6 +126,23 @@ type Deps struct {
 	// Rand returns a uniform integer in [0, n) for backoff jitter; nil means
 	// math/rand/v2.
 	Rand func(n int64) int64
+	// Types take more resource types on the same stream, each subscribed
+	// wildcard (ztunnel/authz.Store takes the authorization type).
+	Types []TypeHandler
+}
+
+// TypeHandler takes the responses of one more resource type. Apply and
+// Versions are called from Run's goroutine only.
+type TypeHandler interface {
+	// TypeURL is the type taken.
+	TypeURL() string
+	// Apply applies one response as a whole and returns the errors of the
+	// resources it rejected (which keep their last good version); they are
+	// NACKed.
+	Apply(resources []*discovery.Resource, removed []string) []error
+	// Versions returns what the handler holds, name -> version, sent as
+	// initial_resource_versions when a stream opens.
+	Versions() map[string]string
 }
 
 // Stats counts the client's protocol events.
@@ -359,18 +381,28 @@ func (c *Client) stream(ctx context.Context, ads discovery.AggregatedDiscoverySe
 		c.responses.Add(1)
 		c.resources.Add(int64(len(resp.GetResources())))
 		c.removals.Add(int64(len(resp.GetRemovedResources())))
-		if resp.GetTypeUrl() != workloadv1.TypeURL {
+		var rejected []error
+		if resp.GetTypeUrl() == workloadv1.TypeURL {
+			rejected = c.apply(resp)
+		} else if h := c.handler(resp.GetTypeUrl()); h != nil {
+			rejected = h.Apply(resp.GetResources(), resp.GetRemovedResources())
+		} else {
 			c.log.Warn("ignoring response of an unexpected type", "type", resp.GetTypeUrl())
 			continue
 		}
-		rejected := c.apply(resp)
-		ack := &discovery.DeltaDiscoveryRequest{TypeUrl: workloadv1.TypeURL, ResponseNonce: resp.GetNonce()}
+		ack := &discovery.DeltaDiscoveryRequest{TypeUrl: resp.GetTypeUrl(), ResponseNonce: resp.GetNonce()}
 		if len(rejected) > 0 {
 			ack.ErrorDetail = &status.Status{Code: int32(codes.InvalidArgument), Message: errors.Join(rejected...).Error()}
 			c.nacks.Add(1)
-			c.log.Warn("rejected resources; keeping their last good version", "nonce", resp.GetNonce(), "rejected", len(rejected), "err", ack.ErrorDetail.Message)
+			c.log.Warn("rejected resources; keeping their last good version", "type", resp.GetTypeUrl(), "nonce", resp.GetNonce(), "rejected", len(rejected), "err", ack.ErrorDetail.Message)
 		} else {
 			c.acks.Add(1)
+		}
+		if resp.GetTypeUrl() != workloadv1.TypeURL {
+			if err := c.send(ack); err != nil {
+				return got, fmt.Errorf("send ack: %w", err)
+			}
+			continue
 		}
 		c.syncOnce.Do(func() {
 			c.synced.Store(true)
@@ -391,6 +423,14 @@ func (c *Client) start(st discovery.AggregatedDiscoveryService_DeltaAggregatedRe
 	c.sendMu.Lock()
 	defer c.sendMu.Unlock()
 	c.cur = st
+	for _, h := range c.deps.Types {
+		if err := st.Send(&discovery.DeltaDiscoveryRequest{
+			Node: c.node, TypeUrl: h.TypeURL(), ResourceNamesSubscribe: []string{Wildcard}, InitialResourceVersions: h.Versions(),
+		}); err != nil {
+			c.cur = nil
+			return err
+		}
+	}
 	c.needInitial = c.cfg.OnDemandOnly && len(c.onDemand) == 0
 	if c.needInitial {
 		return nil
@@ -398,6 +438,16 @@ func (c *Client) start(st discovery.AggregatedDiscoveryService_DeltaAggregatedRe
 	if err := st.Send(c.initialRequest()); err != nil {
 		c.cur = nil
 		return err
+	}
+	return nil
+}
+
+// handler returns the TypeHandler of typeURL, or nil.
+func (c *Client) handler(typeURL string) TypeHandler {
+	for _, h := range c.deps.Types {
+		if h.TypeURL() == typeURL {
+			return h
+		}
 	}
 	return nil
 }
