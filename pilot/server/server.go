@@ -160,6 +160,7 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 	if err != nil {
 		return nil, err
 	}
+	cfg.Registry.Registerer = reg
 	r := registry.New(cfg.Registry)
 	mc.AddComponent("discovery", controller.NewBuilder(cfg.Discovery, r))
 	mc.Subscribe(func(s multicluster.Status) {
@@ -217,6 +218,7 @@ func (s *Server) DebugMux() *http.ServeMux {
 	mux.Handle("/debug/registryz", s.Registry.RegistryzHandler())
 	mux.Handle("/debug/endpointz", s.Registry.EndpointzHandler())
 	mux.Handle("/debug/workloadz", s.Registry.WorkloadzHandler())
+	mux.Handle("/debug/addressz", s.Registry.AddresszHandler())
 	xdsDebug := s.XDS.DebugHandler()
 	mux.Handle("/debug/syncz", xdsDebug)
 	mux.Handle("/debug/config_dump", xdsDebug)
