@@ -12,7 +12,7 @@ BENCHTIME ?= 1x
 VERSION   ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 export KUBEBUILDER_ASSETS := $(TESTBIN)
 
-.PHONY: all build test bench lint testbin generate demo demo-once clean
+.PHONY: all build test bench soak lint testbin generate demo demo-once clean
 
 all: build
 
@@ -37,6 +37,15 @@ test: testbin lint
 ## benchmarks of different packages must not share the cores).
 bench: testbin
 	$(GO) test -p 1 -run '^$$' -bench '$(BENCH)' -benchtime $(BENCHTIME) -benchmem -timeout 60m ./...
+
+## soak: the randomized consistency run of pilot against three real clusters,
+## longer than in `make test`: SOAK_SEEDS seeds of SOAK_CHANGES changes each.
+SOAK_SEEDS   ?= 20
+SOAK_CHANGES ?= 10000
+SOAK_SEED    ?= 1
+soak: testbin
+	$(GO) test -race -count=1 -timeout 4h -run 'TestRandomizedConsistency' -v ./test/endpoints/ \
+	  -args -endpoints.seed=$(SOAK_SEED) -endpoints.seeds=$(SOAK_SEEDS) -endpoints.changes=$(SOAK_CHANGES)
 
 ## generate: regenerate the committed protobuf Go code (needs protoc; see hack/gen-proto.sh).
 generate:
