@@ -367,13 +367,16 @@ func (b *addressBook) drop(w *model.Workload, dropped bool, fx *effects) {
 // owns reports whether w owns every address it claims (false for a
 // workload that claims none).
 func (b *addressBook) owns(w *model.Workload) bool {
-	claims := claimsOf(w)
-	for _, k := range claims {
-		if o := b.owners[k.net].get(k.addr); o == nil || o.UID != w.UID {
+	if !w.ClaimsAddresses() || len(w.Addresses) == 0 {
+		return false
+	}
+	m := b.owners[w.Network]
+	for _, a := range w.Addresses {
+		if o := m.get(keyOf(a)); o == nil || o.UID != w.UID {
 			return false
 		}
 	}
-	return len(claims) > 0
+	return true
 }
 
 // withoutDropped returns the endpoints of shard not dropped from service k.

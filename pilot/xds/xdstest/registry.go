@@ -61,15 +61,17 @@ func (r *Registry) OwnsAddresses(uid string) bool {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
 	w := r.workloads[uid]
-	keys := claimKeys(w)
-	for _, k := range keys {
-		for _, other := range r.claims[k] {
+	if w == nil || !w.ClaimsAddresses() || len(w.Addresses) == 0 {
+		return false
+	}
+	for _, a := range w.Addresses {
+		for _, other := range r.claims[claimKey{w.Network, a.Unmap()}] {
 			if o := r.workloads[other]; other != uid && model.Outranks(o, w) {
 				return false
 			}
 		}
 	}
-	return len(keys) > 0
+	return true
 }
 
 // Services returns every service.
