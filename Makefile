@@ -27,7 +27,7 @@ export KUBEBUILDER_ASSETS := $(TESTBIN)
 
 FUZZTIME  ?= 30s
 FUZZ_FLAGS ?=
-.PHONY: all build images images-check push test bench fuzz fuzz-targets lint testbin generate demo demo-once clean
+.PHONY: all build images images-check push test bench soak fuzz fuzz-targets lint testbin generate demo demo-once clean
 
 all: build
 
@@ -109,6 +109,16 @@ fuzz-targets:
 
 ## generate: regenerate the committed protobuf Go code (needs protoc; see
 ## hack/gen-proto.sh) and the analyze message catalogue (analysis/msg).
+## soak: the randomized consistency run of pilot against three real clusters,
+## longer than in `make test`: SOAK_SEEDS seeds of SOAK_CHANGES changes each.
+SOAK_SEEDS   ?= 20
+SOAK_CHANGES ?= 10000
+SOAK_SEED    ?= 1
+soak: testbin
+	$(GO) test -race -count=1 -timeout 4h -run 'TestRandomizedConsistency' -v ./test/endpoints/ \
+	  -args -endpoints.seed=$(SOAK_SEED) -endpoints.seeds=$(SOAK_SEEDS) -endpoints.changes=$(SOAK_CHANGES)
+
+## generate: regenerate the committed protobuf Go code (needs protoc; see hack/gen-proto.sh).
 generate:
 	hack/gen-proto.sh
 	$(GO) run ./analysis/msg/gen

@@ -51,7 +51,10 @@ type podInfo struct {
 	ready       bool
 	terminating bool
 	hostNetwork bool
-	ports       []namedPort // named container ports, for named target ports
+	// created is the creation time in Unix seconds (to 2106): in four
+	// bytes beside the flags, a podInfo stays 128 bytes.
+	created uint32
+	ports   []namedPort // named container ports, for named target ports
 }
 
 type namedPort struct {
@@ -61,7 +64,8 @@ type namedPort struct {
 
 func (p *podInfo) equal(o *podInfo) bool {
 	return o != nil && p.name == o.name && p.ns == o.ns && maps.Equal(p.labels, o.labels) && p.sa == o.sa && p.node == o.node &&
-		slices.Equal(p.ips, o.ips) && p.ready == o.ready && p.terminating == o.terminating && p.hostNetwork == o.hostNetwork && slices.Equal(p.ports, o.ports)
+		slices.Equal(p.ips, o.ips) && p.ready == o.ready && p.terminating == o.terminating && p.hostNetwork == o.hostNetwork && slices.Equal(p.ports, o.ports) &&
+		p.created == o.created
 }
 
 func (p *podInfo) namedPort(name string) (uint16, bool) {
@@ -77,7 +81,7 @@ func convertPod(pod *corev1.Pod) *podInfo {
 	p := &podInfo{
 		name: pod.Name, ns: intern(pod.Namespace), labels: pod.Labels, // interned by the view
 		sa: intern(pod.Spec.ServiceAccountName), node: intern(pod.Spec.NodeName),
-		terminating: pod.DeletionTimestamp != nil, hostNetwork: pod.Spec.HostNetwork,
+		terminating: pod.DeletionTimestamp != nil, hostNetwork: pod.Spec.HostNetwork, created: uint32(max(pod.CreationTimestamp.Unix(), 0)),
 	}
 	if p.sa == "" {
 		p.sa = "default"
@@ -246,6 +250,7 @@ func convertNode(n *corev1.Node) model.Locality {
 // sliceInfo is what discovery keeps of an EndpointSlice.
 type sliceInfo struct {
 	name, ns, service string
+	created           int64 // creation time, Unix seconds
 	ports             []slicePort
 	endpoints         []sliceEndpoint
 }
@@ -268,14 +273,14 @@ type sliceEndpoint struct {
 // endpointRef is where a slice address is: its node and targetRef pod.
 type endpointRef struct {
 	node string
-	pod  string // targetRef pod name, if any
+	pod  string // targetRef pod name, if it names a pod of the slice's namespace
 }
 
 func (e *sliceEndpoint) node() string { return e.where.Value().node }
 func (e *sliceEndpoint) pod() string  { return e.where.Value().pod }
 
 func convertSlice(es *discoveryv1.EndpointSlice) *sliceInfo {
-	s := &sliceInfo{name: es.Name, ns: intern(es.Namespace), service: es.Labels[discoveryv1.LabelServiceName]}
+	s := &sliceInfo{name: es.Name, ns: intern(es.Namespace), service: es.Labels[discoveryv1.LabelServiceName], created: es.CreationTimestamp.Unix()}
 	for _, p := range es.Ports {
 		if p.Port == nil {
 			continue
@@ -292,28 +297,51 @@ func convertSlice(es *discoveryv1.EndpointSlice) *sliceInfo {
 	}
 	s.endpoints = make([]sliceEndpoint, 0, n) // exact: kept for the slice's lifetime
 	for _, ep := range es.Endpoints {
-		ready := ep.Conditions.Ready == nil || *ep.Conditions.Ready
-		term := ep.Conditions.Terminating != nil && *ep.Conditions.Terminating
+		ready, term := sliceConditions(ep.Conditions)
 		node := ""
 		if ep.NodeName != nil {
 			node = intern(*ep.NodeName)
 		}
 		pod := ""
-		if ep.TargetRef != nil && ep.TargetRef.Kind == "Pod" {
-			pod = ep.TargetRef.Name
+		// A targetRef lends the pod's identity to the address, so only a
+		// pod of the slice's own namespace may be named.
+		if r := ep.TargetRef; r != nil && r.Kind == "Pod" && (r.Namespace == "" || r.Namespace == es.Namespace) {
+			pod = r.Name
 		}
 		where := unique.Make(endpointRef{node, pod})
 		for _, a := range ep.Addresses {
 			if addr, err := netip.ParseAddr(a); err == nil {
-				s.endpoints = append(s.endpoints, sliceEndpoint{addr, where, ready && !term, term})
+				s.endpoints = append(s.endpoints, sliceEndpoint{addr, where, ready, term})
 			}
 		}
 	}
 	return s
 }
 
+// sliceConditions maps an endpoint's conditions to readiness as Kubernetes'
+// data plane reads them: ready when Ready says so (unset: Serving, else
+// ready) and not terminating.
+func sliceConditions(c discoveryv1.EndpointConditions) (ready, terminating bool) {
+	terminating = c.Terminating != nil && *c.Terminating
+	switch {
+	case c.Ready != nil:
+		ready = *c.Ready
+	case c.Serving != nil:
+		ready = *c.Serving
+	default:
+		ready = true
+	}
+	return ready && !terminating, terminating
+}
+
 func (s *sliceInfo) equal(o *sliceInfo) bool {
-	return o != nil && s.name == o.name && s.ns == o.ns && s.service == o.service && slices.Equal(s.ports, o.ports) && slices.Equal(s.endpoints, o.endpoints)
+	return o != nil && s.name == o.name && s.ns == o.ns && s.service == o.service && s.created == o.created &&
+		slices.Equal(s.ports, o.ports) && slices.Equal(s.endpoints, o.endpoints)
+}
+
+// namesPods reports whether any address of s names a pod.
+func (s *sliceInfo) namesPods() bool {
+	return s != nil && slices.ContainsFunc(s.endpoints, func(e sliceEndpoint) bool { return e.pod() != "" })
 }
 
 // splitKey splits namespace/name.

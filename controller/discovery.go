@@ -15,7 +15,9 @@
 // interned) and drops the rest, so memory follows what the registry uses.
 // A service's endpoints are the pods its selector matches (readiness from
 // the Ready condition, terminating from the deletion timestamp); a service
-// without a selector takes them from its EndpointSlices.
+// without a selector takes them from its EndpointSlices, whose addresses
+// take their readiness from the slice and, when they name a pod by
+// targetRef, their identity and placement from that pod (slices.go).
 package controller
 
 import (

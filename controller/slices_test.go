@@ -2,6 +2,7 @@ package controller
 
 import (
 	"maps"
+	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -148,27 +149,111 @@ func TestSliceWorkloads(t *testing.T) {
 	assert.Len(t, sink.workloads, 3)
 }
 
-// TestSliceAddressOfAPod: a slice address whose targetRef names a known pod
-// is that pod's endpoint, not a workload of its own.
+// TestSliceAddressOfAPod: a slice address whose targetRef names a pod of
+// its namespace that has the address is a workload of the slice (its
+// readiness the slice's) with the pod's identity and placement, and the
+// pod's workload is bound to the service; the same state results whichever
+// object comes first, and follows the pod's later changes and removal.
 func TestSliceAddressOfAPod(t *testing.T) {
-	sink := &recordingSink{}
-	v := newView("c1", 1, model.DefaultDomain, "net1", sink)
-	v.mu.Lock()
-	v.putPod(convertPod(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "pg-0", Namespace: "db"},
-		Status: corev1.PodStatus{PodIPs: []corev1.PodIP{{IP: "10.0.1.1"}}}}))
-	v.putService(convertService("c1", &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "pg", Namespace: "db"},
-		Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "sql", Port: 5432}}}}))
-	ep := sliceEP("10.0.1.1", "n1", true)
-	ep.TargetRef = &corev1.ObjectReference{Kind: "Pod", Name: "pg-0", Namespace: "db"}
-	v.putSlice(sliceOf("pg-1", ep, sliceEP("10.0.0.7", "n1", true)))
-	v.finish()
-	v.mu.Unlock()
-	v.activate()
-	eps := sink.shards[model.ServiceKey{Namespace: "db", Name: "pg"}]
-	require.Len(t, eps, 2)
-	assert.Equal(t, "c1/db/endpointslice.pg.10.0.0.7", eps[0].Workload.UID)
-	assert.Same(t, sink.workloads["c1/db/pg-0"], eps[1].Workload)
-	assert.Len(t, sink.workloads, 2)
+	pod := func(ready bool, sa string) *podInfo {
+		cond := corev1.ConditionFalse
+		if ready {
+			cond = corev1.ConditionTrue
+		}
+		return convertPod(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "pg-0", Namespace: "db"},
+			Spec: corev1.PodSpec{NodeName: "n2", ServiceAccountName: sa},
+			Status: corev1.PodStatus{PodIPs: []corev1.PodIP{{IP: "10.0.1.1"}},
+				Conditions: []corev1.PodCondition{{Type: corev1.PodReady, Status: cond}}}})
+	}
+	slice := func(ready bool) *sliceInfo {
+		ep := sliceEP("10.0.1.1", "n1", ready)
+		ep.TargetRef = &corev1.ObjectReference{Kind: "Pod", Name: "pg-0"}
+		other := sliceEP("10.0.0.7", "n1", true)
+		other.TargetRef = &corev1.ObjectReference{Kind: "Pod", Name: "pg-0", Namespace: "elsewhere"}
+		return sliceOf("pg-1", ep, other)
+	}
+	svc := convertService("c1", &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "pg", Namespace: "db"},
+		Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "sql", Port: 5432}}}})
+	k := model.ServiceKey{Namespace: "db", Name: "pg"}
+	const bound, loose = "c1/db/endpointslice.pg.10.0.1.1", "c1/db/endpointslice.pg.10.0.0.7"
+	run := func(t *testing.T, steps ...func(v *view)) (*recordingSink, *view) {
+		sink := &recordingSink{}
+		v := newView("c1", 1, model.DefaultDomain, "net1", sink)
+		v.mu.Lock()
+		v.putNode("n2", model.Locality{Region: "r2"})
+		v.finish()
+		v.mu.Unlock()
+		v.activate()
+		for _, step := range steps {
+			v.mu.Lock()
+			step(v)
+			v.finish()
+			v.mu.Unlock()
+		}
+		return sink, v
+	}
+	podFirst, _ := run(t, func(v *view) { v.putPod(pod(true, "pg")) }, func(v *view) { v.putService(svc) }, func(v *view) { v.putSlice(slice(false)) })
+	sliceFirst, v := run(t, func(v *view) { v.putSlice(slice(false)) }, func(v *view) { v.putService(svc) }, func(v *view) { v.putPod(pod(true, "pg")) })
+	for name, sink := range map[string]*recordingSink{"pod first": podFirst, "slice first": sliceFirst} {
+		eps := sink.shards[k]
+		require.Len(t, eps, 2, name)
+		assert.Equal(t, loose, eps[0].Workload.UID, "%s: a targetRef into another namespace is ignored", name)
+		assert.Equal(t, "default", eps[0].Workload.ServiceAccount, name)
+		w := eps[1].Workload
+		assert.Equal(t, bound, w.UID, name)
+		assert.Equal(t, "pg-0", w.Name, name)
+		assert.False(t, w.Ready, "%s: the slice's readiness, not the pod's", name)
+		assert.Same(t, sink.workloads["c1/db/pg-0"].Placement, w.Placement, "%s: the pod's identity and placement", name)
+		assert.Equal(t, model.Locality{Region: "r2"}, w.Locality, name)
+		assert.Contains(t, sink.workloads["c1/db/pg-0"].Services, "pg.db.svc.cluster.local", "%s: the pod is bound to the service", name)
+		assert.Same(t, w, sink.workloads[bound], name)
+	}
+	assert.True(t, podFirst.workloads[bound].Equal(sliceFirst.workloads[bound]), "the same state in both orders")
+
+	step := func(f func()) {
+		v.mu.Lock()
+		defer v.mu.Unlock()
+		f()
+		v.finish()
+	}
+	sink := sliceFirst
+	// Another service's slice names no pod; the pod's service account
+	// changes (it was recreated): the address naming it follows, alone.
+	step(func() {
+		v.putService(convertService("c1", &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "other", Namespace: "db"},
+			Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "sql", Port: 5432}}}}))
+		other := sliceOf("other-1", sliceEP("10.0.0.8", "n1", true))
+		other.service = "other"
+		v.putSlice(other)
+	})
+	step(func() { v.putPod(pod(true, "pg2")) })
+	assert.Equal(t, "pg2", sink.workloads[bound].ServiceAccount)
+	assert.Equal(t, []string{bound, "c1/db/pg-0"}, sortedKeys(sink.last.Workloads), "only the pod and the address naming it")
+	assert.Equal(t, []model.ServiceKey{k}, slices.Collect(maps.Keys(sink.last.Shards)), "only the shard naming it")
+	// The slice turns ready: so does the address; the pod turning unready does not change it.
+	step(func() { v.putSlice(slice(true)) })
+	step(func() { v.putPod(pod(false, "pg2")) })
+	assert.True(t, sink.workloads[bound].Ready)
+	assert.False(t, sink.workloads["c1/db/pg-0"].Ready)
+	// The pod goes: the address stands alone, with nothing of the dead pod.
+	step(func() { v.removePod("db/pg-0") })
+	w := sink.workloads[bound]
+	assert.Equal(t, "10.0.1.1", w.Name)
+	assert.Equal(t, "default", w.ServiceAccount)
+	assert.Equal(t, "n1", w.Node)
+	assert.Nil(t, sink.workloads["c1/db/pg-0"])
+	// The slice goes: the pod that comes back is bound to nothing.
+	step(func() { v.removeSlice("db/pg-1") })
+	step(func() { v.putPod(pod(true, "pg")) })
+	assert.Empty(t, sink.workloads["c1/db/pg-0"].Services)
+	assert.Nil(t, sink.shards[k])
+	assert.Empty(t, v.podRefs, "no index entry outlives its slice")
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	out := keys(m)
+	slices.Sort(out)
+	return out
 }
 
 func keys[V any](m map[string]V) []string {

@@ -45,6 +45,7 @@ type view struct {
 	nsNetwork model.Network                              // the control-plane namespace's network label
 	slices    map[string]*sliceInfo                      // ns/name
 	slicesBy  map[model.ServiceKey]map[string]*sliceInfo // service -> slice name
+	podRefs   map[string]map[string][]sliceRef           // ns -> pod name -> slice addresses naming it
 	exported  map[model.ServiceKey]time.Time             // ServiceExport creation times
 	// gatewayNS are the namespaces whose Services may be east-west
 	// gateways; selectedNS those that the operator's namespace selector
@@ -73,6 +74,7 @@ func newView(cluster model.ClusterID, gen uint64, domain string, network model.N
 		podsByNS: map[string]map[string]*podInfo{},
 		services: map[model.ServiceKey]*svcInfo{}, svcsByNS: map[string]map[string]*svcInfo{},
 		nodes: map[string]model.Locality{}, slices: map[string]*sliceInfo{}, slicesBy: map[model.ServiceKey]map[string]*sliceInfo{},
+		podRefs:  map[string]map[string][]sliceRef{},
 		exported: map[model.ServiceKey]time.Time{}, gatewayNS: map[string]bool{}, selectedNS: map[string]bool{},
 		workloads: map[string]*model.Workload{}, shards: map[model.ServiceKey]*shard{},
 		portLists: map[string][]model.PortMapping{},
@@ -182,6 +184,7 @@ func (v *view) workloadOf(p *podInfo) *model.Workload {
 		Placement: model.Place(model.Placement{Cluster: v.cluster, Network: v.networkOf(p), Node: p.node,
 			Namespace: p.ns, ServiceAccount: p.sa, Locality: v.nodes[p.node]}),
 		Labels: p.labels, Ready: p.ready && !p.terminating, Terminating: p.terminating, HostNetwork: p.hostNetwork,
+		Created: int64(p.created),
 	}
 	var svcs map[string][]model.PortMapping
 	for _, s := range v.servicesSelecting(p) {
@@ -190,7 +193,7 @@ func (v *view) workloadOf(p *podInfo) *model.Workload {
 		}
 		svcs[v.hostname(s.cs.Key())] = portsFor(s, p)
 	}
-	w.Services = v.internServices(svcs)
+	w.Services = v.internServices(v.sliceBindings(p, svcs))
 	return w
 }
 
@@ -291,6 +294,13 @@ type shard struct {
 	// fromSlices: the endpoints were made from EndpointSlices (the
 	// service has no selector), not from pods.
 	fromSlices bool
+	// dups are the addresses its slices list more than once (nil: none).
+	dups map[netip.Addr]struct{}
+}
+
+func (sh *shard) dup(a netip.Addr) bool {
+	_, ok := sh.dups[a]
+	return ok
 }
 
 func (sh *shard) publish() []model.Endpoint {
@@ -366,9 +376,9 @@ func (v *view) finish() {
 	v.flush()
 }
 
-// refreshPod recomputes p's workload and its endpoints in the services of
+// refreshPod recomputes p's workload, its endpoints in the services of
 // extra (services whose selection of p may have changed) and in those that
-// select it now.
+// select it now, and the slice addresses that name it.
 func (v *view) refreshPod(p *podInfo, extra []*svcInfo) {
 	uid := model.WorkloadUID(v.cluster, p.ns, p.name)
 	v.setWorkload(uid, v.workloadOf(p))
@@ -386,6 +396,7 @@ func (v *view) refreshPod(p *podInfo, extra []*svcInfo) {
 			v.setEndpoint(k, uid, nil)
 		}
 	}
+	v.refreshNamed(p.ns, p.name)
 }
 
 // ---- store callbacks: called with mu held; the store finishes ----
@@ -416,6 +427,7 @@ func (v *view) removePod(key string) {
 	}
 	v.unindexPod(old)
 	v.setWorkload(model.WorkloadUID(v.cluster, old.ns, old.name), nil)
+	v.refreshNamed(old.ns, old.name)
 }
 
 func (v *view) unindexPod(p *podInfo) {
@@ -485,6 +497,12 @@ func (v *view) refreshService(k model.ServiceKey, old, cur *svcInfo) {
 	}
 	if cur == nil || cur.selector == nil {
 		v.refreshSlices(k)
+	}
+	// The pods its slices name are bound to a selector-less service.
+	if (old != nil && old.selector == nil) || (cur != nil && cur.selector == nil) {
+		for _, p := range v.podsNamedBy(k) {
+			v.refreshPod(p, nil)
+		}
 	}
 }
 
@@ -568,187 +586,10 @@ func (v *view) setExported(k model.ServiceKey, exported bool, at time.Time) {
 	}
 }
 
-func (v *view) putSlice(s *sliceInfo) {
-	key := s.ns + "/" + s.name
-	old := v.slices[key]
-	if s.equal(old) {
-		return
-	}
-	if old != nil && old.service != s.service {
-		v.dropSlice(key, old)
-	}
-	v.slices[key] = s
-	if s.service != "" {
-		k := model.ServiceKey{Namespace: s.ns, Name: s.service}
-		if v.slicesBy[k] == nil {
-			v.slicesBy[k] = map[string]*sliceInfo{}
-		}
-		v.slicesBy[k][s.name] = s
-		v.refreshSlices(k)
-	}
+func (v *view) gatewaysChanged() {
+	v.delta.GatewaysChanged = true
+	v.delta.Gateways = v.gatewayList()
 }
-
-func (v *view) removeSlice(key string) {
-	if old := v.slices[key]; old != nil {
-		v.dropSlice(key, old)
-	}
-}
-
-func (v *view) dropSlice(key string, old *sliceInfo) {
-	delete(v.slices, key)
-	if old.service == "" {
-		return
-	}
-	k := model.ServiceKey{Namespace: old.ns, Name: old.service}
-	delete(v.slicesBy[k], old.name)
-	if len(v.slicesBy[k]) == 0 {
-		delete(v.slicesBy, k)
-	}
-	v.refreshSlices(k)
-}
-
-// refreshSlices recomputes the endpoints of selector-less service k from its
-// EndpointSlices (services with a selector take endpoints from pods; for
-// them it only withdraws what slices contributed before). An address that
-// names a known pod is that pod's endpoint; any other address becomes a
-// workload of its own (FromSlice; model.SliceWorkloadPrefix), kept only in
-// the shard. An unchanged address keeps its workload value, so
-// a slice update costs changes only for the addresses that changed.
-func (v *view) refreshSlices(k model.ServiceKey) {
-	s := v.services[k]
-	sh := v.shards[k]
-	bySlices := s != nil && s.selector == nil
-	if !bySlices && (sh == nil || !sh.fromSlices) {
-		return
-	}
-	prefix := model.SliceWorkloadPrefix(v.cluster, k)
-	var old []model.Endpoint
-	if sh != nil {
-		old = sh.eps
-	}
-	// The workloads made from addresses, by address, to keep unchanged ones.
-	made := map[netip.Addr]*model.Workload{}
-	for _, e := range old {
-		if e.Workload.FromSlice {
-			made[e.Workload.Addresses[0]] = e.Workload
-		}
-	}
-	var eps []model.Endpoint
-	if bySlices {
-		n := 0
-		for _, sl := range v.slicesBy[k] {
-			n += len(sl.endpoints)
-		}
-		eps = make([]model.Endpoint, 0, n) // exact but for duplicates: kept as the shard
-		host := v.hostname(k)
-		places := map[string]*model.Placement{} // by node
-		network := v.nsNetworkOr()
-		for _, name := range slices.Sorted(maps.Keys(v.slicesBy[k])) {
-			sl := v.slicesBy[k][name]
-			ports := v.internPorts(slicePorts(s, sl))
-			services := v.internServices(map[string][]model.PortMapping{host: ports})
-			for i := range sl.endpoints {
-				se := &sl.endpoints[i]
-				where := se.where.Value()
-				if p := v.podsByNS[k.Namespace][where.pod]; where.pod != "" && p != nil {
-					if w := v.workloads[model.WorkloadUID(v.cluster, p.ns, p.name)]; w != nil {
-						eps = append(eps, model.Endpoint{Workload: w, Ports: ports})
-						continue
-					}
-				}
-				pl := places[where.node]
-				if pl == nil {
-					pl = model.Place(model.Placement{Cluster: v.cluster, Network: network, Node: where.node,
-						Namespace: k.Namespace, ServiceAccount: "default", Locality: v.nodes[where.node]})
-					places[where.node] = pl
-				}
-				w := made[se.addr]
-				if w == nil || w.Placement != pl || w.Ready != se.ready || w.Terminating != se.terminating || !sameServices(w.Services, services) {
-					uid := prefix + se.addr.String()
-					w = &model.Workload{
-						UID: uid, Name: uid[len(prefix):], Addresses: []netip.Addr{se.addr}, Placement: pl,
-						Ready: se.ready, Terminating: se.terminating, Services: services, FromSlice: true,
-					}
-				}
-				eps = append(eps, model.Endpoint{Workload: w, Ports: ports})
-			}
-		}
-		slices.SortStableFunc(eps, func(a, b model.Endpoint) int { return strings.Compare(a.Workload.UID, b.Workload.UID) })
-		// An address in two slices (as while one replaces another) is one
-		// endpoint: a ready one if any, else the first slice's by name, so
-		// the choice does not flap between refreshes.
-		out := eps[:0]
-		for _, e := range eps {
-			if n := len(out); n > 0 && out[n-1].Workload.UID == e.Workload.UID {
-				if !out[n-1].Workload.Ready && e.Workload.Ready {
-					out[n-1] = e
-				}
-				continue
-			}
-			out = append(out, e)
-		}
-		eps = out
-	}
-	// Workload changes: made workloads that went, came or changed.
-	for i := range old {
-		if w := old[i].Workload; w.FromSlice {
-			if _, ok := model.FindEndpoint(eps, w.UID); !ok {
-				v.noteWorkload(w.UID, nil)
-			}
-		}
-	}
-	for i := range eps {
-		if w := eps[i].Workload; w.FromSlice {
-			if j, ok := model.FindEndpoint(old, w.UID); !ok || old[j].Workload != w {
-				v.noteWorkload(w.UID, w)
-			}
-		}
-	}
-	if slices.EqualFunc(old, eps, func(a, b model.Endpoint) bool {
-		return a.Workload == b.Workload && slices.Equal(a.Ports, b.Ports)
-	}) {
-		if sh != nil {
-			sh.fromSlices = bySlices
-		}
-		return
-	}
-	if len(eps) == 0 {
-		delete(v.shards, k)
-	} else {
-		v.shards[k] = &shard{eps: slices.Clip(eps), fromSlices: true}
-	}
-	v.markShard(k)
-}
-
-// sameServices reports whether two services maps are equal.
-func sameServices(a, b map[string][]model.PortMapping) bool {
-	return maps.EqualFunc(a, b, slices.Equal[[]model.PortMapping])
-}
-
-func (v *view) nsNetworkOr() model.Network {
-	if v.nsNetwork != "" {
-		return v.nsNetwork
-	}
-	return v.defaultNetwork
-}
-
-// slicePorts maps service ports to a slice's ports by name.
-func slicePorts(s *svcInfo, sl *sliceInfo) []model.PortMapping {
-	var out []model.PortMapping
-	for _, sp := range s.cs.Ports {
-		for _, p := range sl.ports {
-			if p.name == sp.Name {
-				out = append(out, model.PortMapping{ServicePort: sp.Port, TargetPort: p.port})
-				break
-			}
-		}
-	}
-	return out
-}
-
-// gatewaysChanged notes that the gateway list must be sent again; finish
-// resolves it once the callback's other changes (shards) are in.
-func (v *view) gatewaysChanged() { v.delta.GatewaysChanged = true }
 
 // gatewayList returns every gateway candidate of the cluster, resolved:
 // trusted or ignored (with the reason), with its identities and capacity.

@@ -140,10 +140,42 @@ type Workload struct {
 	// ztunnel, a node agent): no ztunnel captures its traffic, so it is
 	// reached without HBONE.
 	HostNetwork bool
-	// FromSlice marks a workload made from an EndpointSlice address that
-	// names no pod (UID from SliceWorkloadUID). Such a workload belongs to
-	// one service and is kept in that service's shard only.
+	// FromSlice marks a workload made from an EndpointSlice address (UID
+	// from SliceWorkloadPrefix). Such a workload belongs to one service and
+	// is kept in that service's shard only. When the address's targetRef
+	// names a pod of the slice's namespace that has this address, Name is
+	// that pod's name and Placement the pod's; readiness is the slice's.
 	FromSlice bool
+	// Created is when the object that claims the addresses was created
+	// (Unix seconds; Kubernetes timestamps have a one-second resolution):
+	// the pod, or the EndpointSlice an address was listed in. The oldest
+	// claim of an address wins among equals (see Outranks).
+	Created int64
+}
+
+// ClaimsAddresses reports whether w claims its addresses as their owner.
+// A hostNetwork pod does not: it shares its node's address with the node
+// and every other hostNetwork pod there, so it is no address's owner.
+func (w *Workload) ClaimsAddresses() bool { return !w.HostNetwork }
+
+// Outranks reports whether a's claim on an address it shares with b wins:
+// a pod beats an address made from an EndpointSlice; among equals the
+// older claim wins, then the smaller UID, so the order is total.
+func Outranks(a, b *Workload) bool {
+	if a.FromSlice != b.FromSlice {
+		return !a.FromSlice
+	}
+	if a.Created != b.Created {
+		return a.Created < b.Created
+	}
+	return a.UID < b.UID
+}
+
+// NamesPod reports whether w, made from an EndpointSlice address, is bound
+// to pod workload p by its targetRef: the slice's own view of that pod's
+// address, not a rival claim on it.
+func (w *Workload) NamesPod(p *Workload) bool {
+	return w.FromSlice && !p.FromSlice && w.Placement == p.Placement && p.UID == WorkloadUID(p.Cluster, p.Namespace, w.Name)
 }
 
 // SliceWorkloadPrefix is the UID prefix of the workloads made from the
@@ -174,13 +206,13 @@ type Endpoint struct {
 	Ports []PortMapping
 }
 
-// Address is the endpoint's IP.
 // FindEndpoint returns where workload uid's endpoint is, or would be, in
 // eps (a shard: sorted by workload UID), and whether it is there.
 func FindEndpoint(eps []Endpoint, uid string) (int, bool) {
 	return slices.BinarySearchFunc(eps, uid, func(e Endpoint, uid string) int { return strings.Compare(e.Workload.UID, uid) })
 }
 
+// Address is the endpoint's IP.
 func (e *Endpoint) Address() netip.Addr { return e.Workload.Addresses[0] }
 
 // WorkloadUID is the uid of the endpoint's workload.
@@ -242,7 +274,7 @@ func (w *Workload) Equal(o *Workload) bool {
 	return w.UID == o.UID && w.Name == o.Name && slices.Equal(w.Addresses, o.Addresses) &&
 		(w.Placement == o.Placement || (w.Placement != nil && o.Placement != nil && *w.Placement == *o.Placement)) &&
 		maps.Equal(w.Labels, o.Labels) && w.Ready == o.Ready && w.Terminating == o.Terminating &&
-		w.HostNetwork == o.HostNetwork && w.FromSlice == o.FromSlice
+		w.HostNetwork == o.HostNetwork && w.FromSlice == o.FromSlice && w.Created == o.Created
 }
 
 // NetworkGateway is an east-west gateway through which other networks reach

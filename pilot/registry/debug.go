@@ -79,12 +79,23 @@ func (r *Registry) EndpointsOf(host string) ([]EndpointView, bool) {
 }
 
 // RegistryzHandler serves /debug/registryz: every service with its
-// per-cluster endpoint counts, the gateways, and stale clusters.
+// per-cluster endpoint counts, the gateways, stale clusters, and the
+// number of losing address claims by reason (see /debug/addressz).
 func (r *Registry) RegistryzHandler() http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, map[string]any{
 			"services": r.Summaries(), "gateways": r.Gateways(), "clusters": r.Clusters(), "staleClusters": r.StaleClusters(),
+			"addressConflicts": r.ConflictCounts(),
 		})
+	})
+}
+
+// AddresszHandler serves /debug/addressz: every address that workloads of
+// one network claim in conflict, with the owner served for it and each
+// losing claim with its reason.
+func (r *Registry) AddresszHandler() http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		writeJSON(w, map[string]any{"conflicts": r.AddressConflicts(), "counts": r.ConflictCounts()})
 	})
 }
 

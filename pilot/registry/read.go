@@ -58,11 +58,7 @@ func (r *Registry) Workloads() []*model.Workload {
 func (r *Registry) Workload(uid string) *model.Workload {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
-	cluster, _, _ := strings.Cut(uid, "/")
-	if cs := r.clusters[model.ClusterID(cluster)]; cs != nil {
-		return cs.workload(uid)
-	}
-	return nil
+	return r.workloadLocked(uid)
 }
 
 // Gateways returns every east-west gateway candidate, trusted or ignored

@@ -31,6 +31,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 )
 
@@ -57,6 +59,8 @@ type Config struct {
 	StaleGrace time.Duration
 	// Logger (default slog.Default()).
 	Logger *slog.Logger
+	// Registerer receives the registry's metrics (nil: not registered).
+	Registerer prometheus.Registerer
 }
 
 func (c *Config) defaults() {
@@ -95,6 +99,11 @@ type Registry struct {
 	placements map[saKey]map[model.Network]int
 	gateways   []model.NetworkGateway
 	stale      map[model.ClusterID]time.Time
+	// book holds every claim on an address, per network, and its owner
+	// (addresses.go); fx collects what claim changes require of the
+	// change being applied.
+	book *addressBook
+	fx   effects
 
 	feed *feed
 }
@@ -156,8 +165,9 @@ func (cs *clusterState) eachFromSlice(fn func(*model.Workload)) {
 // New makes an empty registry; Run publishes its changes.
 func New(cfg Config) *Registry {
 	cfg.defaults()
+	log := cfg.Logger.With("component", "registry")
 	return &Registry{
-		cfg: cfg, log: cfg.Logger.With("component", "registry"),
+		cfg: cfg, log: log, book: newAddressBook(cfg.Registerer, log),
 		clusters: map[model.ClusterID]*clusterState{}, services: map[string]*model.Service{},
 		placements: map[saKey]map[model.Network]int{},
 		stale:      map[model.ClusterID]time.Time{},
@@ -228,6 +238,7 @@ func (r *Registry) Activate(cluster model.ClusterID, gen uint64, st *model.Clust
 			changes = r.putWorkload(changes, w.UID, w, nil)
 		}
 	})
+	changes = r.applyEffects(changes, svcKeys)
 	for k := range svcKeys {
 		changes = r.rebuildService(changes, k)
 	}
@@ -283,6 +294,7 @@ func (r *Registry) Update(cluster model.ClusterID, gen uint64, d *model.ClusterD
 		}
 		svcKeys[k] = true
 	}
+	changes = r.applyEffects(changes, svcKeys)
 	for k := range svcKeys {
 		changes = r.rebuildService(changes, k)
 	}
@@ -322,6 +334,7 @@ func (r *Registry) removeClusterLocked(cluster model.ClusterID, cs *clusterState
 	for k := range cs.shards {
 		keys[k] = true
 	}
+	changes = r.applyEffects(changes, keys)
 	for k := range keys {
 		changes = r.rebuildService(changes, k)
 	}
@@ -390,8 +403,12 @@ func (r *Registry) place(w *model.Workload, delta int) {
 }
 
 // putWorkload accounts for uid's workload changing from old to w (nil:
-// none) and reports the change, if any.
+// none) and reports the change, if any. What that changes for the owners
+// of its addresses is collected in r.fx (see applyEffects).
 func (r *Registry) putWorkload(changes []model.Change, uid string, old, w *model.Workload) []model.Change {
+	if old != w {
+		r.book.update(old, w, &r.fx)
+	}
 	if old != nil {
 		r.place(old, -1)
 	}
@@ -410,6 +427,32 @@ func (r *Registry) putWorkload(changes []model.Change, uid string, old, w *model
 		return changes
 	}
 	return append(changes, model.Change{Kind: model.WorkloadChange, Op: op, Key: uid})
+}
+
+// applyEffects adds to svcKeys the services whose dropped endpoints
+// changed, and to changes the workloads whose ownership of an address
+// changed (those still present: a removed one is reported as such).
+func (r *Registry) applyEffects(changes []model.Change, svcKeys map[model.ServiceKey]bool) []model.Change {
+	for k := range r.fx.services {
+		svcKeys[k] = true
+	}
+	for _, uid := range slices.Sorted(maps.Keys(r.fx.owners)) {
+		if r.workloadLocked(uid) != nil {
+			changes = append(changes, model.Change{Kind: model.WorkloadChange, Op: model.Updated, Key: uid})
+		}
+	}
+	r.fx = effects{}
+	return changes
+}
+
+// workloadLocked returns the workload of uid (nil if none). The caller
+// holds mu.
+func (r *Registry) workloadLocked(uid string) *model.Workload {
+	cluster, _, _ := strings.Cut(uid, "/")
+	if cs := r.clusters[model.ClusterID(cluster)]; cs != nil {
+		return cs.workload(uid)
+	}
+	return nil
 }
 
 func (r *Registry) hostname(k model.ServiceKey) string {
@@ -468,7 +511,7 @@ func (r *Registry) rebuildService(changes []model.Change, k model.ServiceKey) []
 			}
 			svc.VIPNetworks[d.Cluster] = d.Network
 		}
-		if sh := r.clusters[d.Cluster].shards[k]; len(sh) > 0 {
+		if sh := r.book.withoutDropped(k, r.clusters[d.Cluster].shards[k]); len(sh) > 0 {
 			svc.Shards[d.Cluster] = sh
 		}
 		if r.cfg.ExportMode && !d.Exported {

@@ -189,6 +189,7 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 	if err != nil {
 		return nil, err
 	}
+	cfg.Registry.Registerer = reg
 	r := registry.New(cfg.Registry)
 	reg.MustRegister(newGatewayCollector(r))
 	mc.AddComponent("discovery", controller.NewBuilder(cfg.Discovery, r))
@@ -266,6 +267,7 @@ func (s *Server) DebugMux() *http.ServeMux {
 	mux.Handle("/debug/registryz", s.Registry.RegistryzHandler())
 	mux.Handle("/debug/endpointz", s.Registry.EndpointzHandler())
 	mux.Handle("/debug/workloadz", s.Registry.WorkloadzHandler())
+	mux.Handle("/debug/addressz", s.Registry.AddresszHandler())
 	xdsDebug := s.XDS.DebugHandler()
 	mux.Handle("/debug/syncz", xdsDebug)
 	mux.Handle("/debug/config_dump", xdsDebug)

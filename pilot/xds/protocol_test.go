@@ -84,7 +84,12 @@ func TestRebuildOnlyChangedKeys(t *testing.T) {
 	reg := xdstest.New()
 	var svcs []*model.Service
 	for i := range 200 {
-		svc, ws := xdstest.Backing(fmt.Sprintf("s%d", i), ns, tcp80, nil, manyPods(2, fmt.Sprintf("s%d", i))...)
+		// Each service's pods at addresses of their own: one workload per address.
+		pods := []*model.Workload{
+			xdstest.Pod("c1", "net1", ns, fmt.Sprintf("s%d-0", i), netip.AddrFrom4([4]byte{10, 1, byte(i), 0})),
+			xdstest.Pod("c1", "net1", ns, fmt.Sprintf("s%d-1", i), netip.AddrFrom4([4]byte{10, 1, byte(i), 1})),
+		}
+		svc, ws := xdstest.Backing(fmt.Sprintf("s%d", i), ns, tcp80, nil, pods...)
 		publish(reg, svc, ws)
 		svcs = append(svcs, svc)
 	}

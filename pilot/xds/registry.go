@@ -35,6 +35,11 @@ type Registry interface {
 	Workloads() []*model.Workload
 	// Workload returns the workload with uid, or nil if absent.
 	Workload(uid string) *model.Workload
+	// OwnsAddresses reports whether workload uid owns the addresses it
+	// carries on its network: only owners are served, so a client gets at
+	// most one workload per address. A change of ownership is a
+	// WorkloadChange of each workload concerned.
+	OwnsAddresses(uid string) bool
 	// IdentityNetworks returns the networks of the workloads of service
 	// account sa in namespace ns that run in cluster, on node (or anywhere in
 	// the cluster when node is ""); none if there is no such workload.

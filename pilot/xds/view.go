@@ -215,7 +215,11 @@ func (b *batch) workload(bd *builder, uid string) {
 	if !b.v.serves(WorkloadType) {
 		return
 	}
-	if a := buildWorkload(b.v.class, bd.reg.Workload(uid), bd.trustDomain, bd.reg.Service); a != nil {
+	w := bd.reg.Workload(uid)
+	if w != nil && !bd.reg.OwnsAddresses(uid) {
+		w = nil // another workload is served for its address
+	}
+	if a := buildWorkload(b.v.class, w, bd.trustDomain, bd.reg.Service); a != nil {
 		b.put(WorkloadType, uid, a)
 		return
 	}

@@ -19,9 +19,11 @@ type Registry struct {
 	services  map[string]*model.Service
 	workloads map[string]*model.Workload
 	gateways  map[string]model.NetworkGateway
-	version   uint64
-	subs      map[int]*subscriber
-	nextSub   int
+	// claims are the workloads claiming each address, per network.
+	claims  map[claimKey][]string
+	version uint64
+	subs    map[int]*subscriber
+	nextSub int
 }
 
 // New returns an empty Registry.
@@ -30,8 +32,46 @@ func New() *Registry {
 		services:  map[string]*model.Service{},
 		workloads: map[string]*model.Workload{},
 		gateways:  map[string]model.NetworkGateway{},
+		claims:    map[claimKey][]string{},
 		subs:      map[int]*subscriber{},
 	}
+}
+
+type claimKey struct {
+	network model.Network
+	addr    netip.Addr
+}
+
+func claimKeys(w *model.Workload) []claimKey {
+	if w == nil || !w.ClaimsAddresses() {
+		return nil
+	}
+	out := make([]claimKey, 0, len(w.Addresses))
+	for _, a := range w.Addresses {
+		out = append(out, claimKey{w.Network, a.Unmap()})
+	}
+	return out
+}
+
+// OwnsAddresses reports whether workload uid's claim wins every address it
+// carries on its network (model.Outranks). Unlike the real registry, it
+// announces no ownership change: a test making claims collide sets every
+// workload concerned in one Tx.
+func (r *Registry) OwnsAddresses(uid string) bool {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	w := r.workloads[uid]
+	if w == nil || !w.ClaimsAddresses() || len(w.Addresses) == 0 {
+		return false
+	}
+	for _, a := range w.Addresses {
+		for _, other := range r.claims[claimKey{w.Network, a.Unmap()}] {
+			if o := r.workloads[other]; other != uid && model.Outranks(o, w) {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // Services returns every service.
@@ -137,12 +177,27 @@ func (tx *Tx) SetWorkload(w *model.Workload) {
 	if _, ok := tx.r.workloads[w.UID]; ok {
 		op = model.Updated
 	}
+	tx.r.unclaim(tx.r.workloads[w.UID])
 	tx.r.workloads[w.UID] = w
+	for _, k := range claimKeys(w) {
+		tx.r.claims[k] = append(tx.r.claims[k], w.UID)
+	}
 	tx.change(model.WorkloadChange, op, w.UID)
+}
+
+func (r *Registry) unclaim(w *model.Workload) {
+	for _, k := range claimKeys(w) {
+		if uids := slices.DeleteFunc(r.claims[k], func(u string) bool { return u == w.UID }); len(uids) > 0 {
+			r.claims[k] = uids
+		} else {
+			delete(r.claims, k)
+		}
+	}
 }
 
 // RemoveWorkload removes the workload with uid.
 func (tx *Tx) RemoveWorkload(uid string) {
+	tx.r.unclaim(tx.r.workloads[uid])
 	delete(tx.r.workloads, uid)
 	tx.change(model.WorkloadChange, model.Removed, uid)
 }
