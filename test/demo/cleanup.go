@@ -3,6 +3,7 @@
 package demo
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -37,9 +38,13 @@ func newRunDir() (string, *os.File, error) {
 	if err != nil {
 		return "", nil, err
 	}
-	lock, err := os.OpenFile(filepath.Join(dir, "lock"), os.O_CREATE|os.O_RDWR, 0o600)
+	tmp := filepath.Join(dir, "lock.new") // locked, then renamed: never found unlocked
+	lock, err := os.OpenFile(tmp, os.O_CREATE|os.O_EXCL|os.O_RDWR, 0o600)
 	if err == nil {
 		err = unix.Flock(int(lock.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+	}
+	if err == nil {
+		err = os.Rename(tmp, filepath.Join(dir, "lock"))
 	}
 	if err != nil {
 		if lock != nil {
@@ -201,4 +206,35 @@ func NetnsInUse(ids []netns.ID) []string {
 		}
 	}
 	return held
+}
+
+// RunInfo is what a run made that must not outlive it, written to
+// <WorkDir>/run.json when Config.WorkDir is set, so that whoever started a
+// runner can check after it is gone.
+type RunInfo struct {
+	// Run is the run's folder (sockets, tokens, bind mounts).
+	Run string `json:"run"`
+	// Netns are the network namespaces the run made.
+	Netns []netns.ID `json:"netns"`
+}
+
+// RunDir returns the run's folder.
+func (d *Demo) RunDir() string { return d.run }
+
+func (d *Demo) writeRunInfo() error {
+	b, err := json.Marshal(RunInfo{Run: d.run, Netns: d.NetnsIDs()})
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(d.work, "run.json"), b, 0o644)
+}
+
+// ReadRunInfo reads the run.json a run wrote in work.
+func ReadRunInfo(work string) (RunInfo, error) {
+	var ri RunInfo
+	b, err := os.ReadFile(filepath.Join(work, "run.json"))
+	if err != nil {
+		return ri, err
+	}
+	return ri, json.Unmarshal(b, &ri)
 }

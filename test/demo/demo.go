@@ -139,6 +139,11 @@ func Start(ctx context.Context, cfg Config) (d *Demo, err error) {
 	if err := d.dp.setUp(ctx); err != nil {
 		return d, err
 	}
+	if cfg.WorkDir != "" {
+		if err := d.writeRunInfo(); err != nil {
+			return d, err
+		}
+	}
 	d.say("starting two real clusters (kube-apiserver + etcd each; a few seconds)")
 	start := time.Now()
 	if d.clusters, err = framework.Start(framework.Options{Names: []string{"cluster-1", "cluster-2"}, AssetsDir: cfg.AssetsDir}); err != nil {
@@ -184,6 +189,9 @@ func Start(ctx context.Context, cfg Config) (d *Demo, err error) {
 	}
 	if err := d.dp.addPod(ctx, d.Cluster("cluster-1"), d.plan.sleep); err != nil {
 		return d, err
+	}
+	if cfg.WorkDir != "" {
+		return d, d.writeRunInfo() // now with the pods' namespaces
 	}
 	return d, nil
 }

@@ -9,6 +9,7 @@ import (
 	"runtime"
 
 	"github.com/google/nftables"
+	"github.com/google/nftables/binaryutil"
 	"github.com/google/nftables/expr"
 	"golang.org/x/sys/unix"
 )
@@ -54,13 +55,19 @@ func applyWANFilter(wan *os.File, gateways []netip.Addr) error {
 	accept := nftables.ChainPolicyAccept
 	ch := c.AddChain(&nftables.Chain{Name: wanChain, Table: t, Type: nftables.ChainTypeFilter,
 		Hooknum: nftables.ChainHookForward, Priority: nftables.ChainPriorityFilter, Policy: &accept})
-	for _, offset := range []uint32{16, 12} { // the IPv4 destination, then source
-		c.AddRule(&nftables.Rule{Table: t, Chain: ch, Exprs: []expr.Any{
-			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: offset, Len: 4},
-			&expr.Lookup{SourceRegister: 1, SetName: set.Name, SetID: set.ID},
-			&expr.Verdict{Kind: expr.VerdictAccept},
-		}})
-	}
+	zero := []byte{0, 0, 0, 0}
+	c.AddRule(&nftables.Rule{Table: t, Chain: ch, Exprs: []expr.Any{
+		&expr.Ct{Register: 1, Key: expr.CtKeySTATE},
+		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4,
+			Mask: binaryutil.NativeEndian.PutUint32(expr.CtStateBitESTABLISHED | expr.CtStateBitRELATED), Xor: zero},
+		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: zero},
+		&expr.Verdict{Kind: expr.VerdictAccept},
+	}})
+	c.AddRule(&nftables.Rule{Table: t, Chain: ch, Exprs: []expr.Any{
+		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 16, Len: 4}, // ip daddr
+		&expr.Lookup{SourceRegister: 1, SetName: set.Name, SetID: set.ID},
+		&expr.Verdict{Kind: expr.VerdictAccept},
+	}})
 	c.AddRule(&nftables.Rule{Table: t, Chain: ch, Exprs: []expr.Any{
 		&expr.Counter{},
 		&expr.Reject{Type: unix.NFT_REJECT_ICMP_UNREACH, Code: icmpAdminProhibited},
