@@ -100,7 +100,9 @@ func (n *isolated) network(wan *os.File, s *site) error {
 	router, node, gw := nss[0], nss[1], nss[3]
 	any4 := pfx("0.0.0.0/0")
 	for _, step := range []func() error{
-		func() error { return nettopo.Veth(wan, fmt.Sprintf("net%d", s.index), s.wanSide(), router, "wan", s.routerWAN()) },
+		func() error {
+			return nettopo.Veth(wan, fmt.Sprintf("net%d", s.index), s.wanSide(), router, "wan", s.routerWAN())
+		},
 		func() error {
 			return nettopo.Veth(router, s.node, s.routerNode(), node, "uplink", netip.PrefixFrom(s.nodeIP, 24))
 		},

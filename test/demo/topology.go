@@ -50,7 +50,7 @@ func (p podSpec) who() string {
 
 // plan is where everything sits in one mode.
 type plan struct {
-	sites                 [2]*site
+	sites                  [2]*site
 	sleep, echo, localEcho podSpec
 }
 
