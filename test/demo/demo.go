@@ -96,18 +96,19 @@ type dataplane interface {
 
 // Demo is a running federation.
 type Demo struct {
-	cfg      Config
-	out      io.Writer
-	plan     *plan
-	dp       dataplane
-	run      string   // sockets, tokens, mounts: swept if the runner dies
-	runLock  *os.File // flocked while the run lives
-	work     string
-	clusters *framework.ClusterSet
-	procs    procSet
-	fwd      forwarders
-	apps     apps
-	kc       map[string]string // process-facing admin kubeconfigs by cluster
+	cfg        Config
+	out        io.Writer
+	plan       *plan
+	dp         dataplane
+	run        string   // sockets, tokens, mounts: swept if the runner dies
+	runLock    *os.File // flocked while the run lives
+	work       string
+	clusters   *framework.ClusterSet
+	procs      procSet
+	fwd        forwarders
+	apps       apps
+	kc         map[string]string // process-facing admin kubeconfigs by cluster
+	clusterLog *os.File          // the API servers' and etcd's output
 }
 
 // Start builds the federation and returns once the request path is ready.
@@ -146,8 +147,13 @@ func Start(ctx context.Context, cfg Config) (d *Demo, err error) {
 	}
 	d.say("starting two real clusters (kube-apiserver + etcd each; a few seconds)")
 	start := time.Now()
-	if d.clusters, err = framework.Start(framework.Options{Names: []string{"cluster-1", "cluster-2"}, AssetsDir: cfg.AssetsDir}); err != nil {
+	clog, err := os.OpenFile(d.logOf("clusters"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
 		return d, err
+	}
+	d.clusterLog = clog
+	if d.clusters, err = framework.Start(framework.Options{Names: []string{"cluster-1", "cluster-2"}, AssetsDir: cfg.AssetsDir, Output: clog}); err != nil {
+		return d, fmt.Errorf("%w (log: %s)", err, d.logOf("clusters"))
 	}
 	d.say("clusters up in %v", time.Since(start).Round(100*time.Millisecond))
 	if err := d.kubeconfigs(); err != nil {
@@ -326,6 +332,9 @@ func (d *Demo) Stop() {
 	}
 	if d.clusters != nil {
 		_ = d.clusters.Stop()
+	}
+	if d.clusterLog != nil {
+		d.clusterLog.Close()
 	}
 	if d.run != "" {
 		if err := removeRunDir(d.run, d.runLock); err != nil {

@@ -14,8 +14,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/nftables"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"github.com/vishvananda/netlink"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
@@ -128,6 +130,28 @@ func isolation(ctx context.Context, t *testing.T, d *demo.Demo) {
 	conn, err := d.DialFrom(ctx, "node-1a", netip.AddrPortFrom(d.GatewayIP("network-2"), 15008), 0)
 	require.NoError(t, err, "network-2's gateway is reachable from network-1")
 	conn.Close()
+	hostUntouched(t)
+}
+
+// hostUntouched checks that the host's (the test's) namespace has none of
+// the demo's links or nftables tables: everything is in its namespaces.
+func hostUntouched(t *testing.T) {
+	t.Helper()
+	links, err := netlink.LinkList()
+	require.NoError(t, err)
+	ours := map[string]bool{"wan": true, "net1": true, "net2": true, "uplink": true, "gateway": true, "cni0": true,
+		"node-1a": true, "node-2a": true, "v-sleep-0": true, "v-echo-0": true, "v-echo-local": true}
+	for _, l := range links {
+		require.False(t, ours[l.Attrs().Name], "the demo's link %s is in the host's namespace", l.Attrs().Name)
+	}
+	c, err := nftables.New()
+	require.NoError(t, err)
+	tables, err := c.ListTables()
+	require.NoError(t, err)
+	for _, tb := range tables {
+		require.NotContains(t, []string{"isthmus-demo-wan", "isthmus-inpod", "isthmus-node"}, tb.Name,
+			"the demo's nftables table %s is in the host's namespace", tb.Name)
+	}
 }
 
 // pilotOutage: an open connection and new ones keep working from the last

@@ -24,9 +24,13 @@ func (d *Demo) Diagram(delta *Path) string {
 		middle = []string{"", "       ", "<- - ->", " no    ", " wall  "}
 	}
 	var b strings.Builder
-	if d.cfg.Loopback {
+	switch {
+	case d.cfg.Loopback:
 		fmt.Fprintf(&b, "host loopback: every pod, ztunnel and gateway on its own 127.x address; pilot %s\n", pilotIP)
-	} else {
+	case d.cfg.Expose != nil:
+		fmt.Fprintf(&b, "the runner's own namespace (a user namespace: no root): pilot %s and the API servers, reached from the\n"+
+			"namespaces below through forwarders, and from the host's loopback through listeners passed in\n", pilotIP)
+	default:
 		fmt.Fprintf(&b, "host loopback: pilot %s and the API servers, reached from the namespaces below through forwarders\n", pilotIP)
 	}
 	border := func(title string) string {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -85,7 +86,7 @@ func Isolate(args []string, stdout, stderr io.Writer) int {
 		n, f := exposeListeners(stderr)
 		names, files = append(names, n...), append(files, f...)
 		// Folders of root's runs are not ours: keep ours apart.
-		tmp := filepath.Join(os.TempDir(), fmt.Sprintf("isthmus-demo-uid%d", os.Getuid()))
+		tmp := filepath.Join(os.TempDir(), fmt.Sprintf("isthmus-%d", os.Getuid()))
 		if err := os.MkdirAll(tmp, 0o700); err == nil {
 			env = append(env, "TMPDIR="+tmp)
 		}
@@ -173,12 +174,7 @@ func Inner(mode, fds string) *Exposed {
 		fail(fmt.Errorf("mount /proc: %w", err))
 	}
 	if mode == "user" {
-		self, err := netns.Current()
-		if err == nil {
-			err = nettopo.LoopbackUp(self)
-			self.Close()
-		}
-		if err != nil {
+		if err := hostLikeNetwork(); err != nil {
 			fail(err)
 		}
 	}
@@ -194,6 +190,27 @@ func Inner(mode, fds string) *Exposed {
 		return nil
 	}
 	return exposed(files)
+}
+
+// hostLikeNetwork readies the runner's own network namespace as a host's:
+// loopback up, and a network card with an address and a default route,
+// without which kube-apiserver finds no address to advertise. The card is
+// one end of a veth pair whose other end stays in the same namespace
+// (veth is in every kernel that runs containers; the dummy driver is not).
+// Nothing is ever sent there (192.0.2.0/24 is for documentation).
+func hostLikeNetwork() error {
+	self, err := netns.Current()
+	if err != nil {
+		return err
+	}
+	defer self.Close()
+	if err := nettopo.LoopbackUp(self); err != nil {
+		return err
+	}
+	if err := nettopo.Veth(self, "host0", pfx("192.0.2.1/24"), self, "host0-peer", netip.Prefix{}); err != nil {
+		return err
+	}
+	return nettopo.Route(self, pfx("0.0.0.0/0"), mustAddr("192.0.2.254"))
 }
 
 func exposed(files map[string]*os.File) *Exposed {

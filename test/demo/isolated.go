@@ -67,10 +67,19 @@ func (n *isolated) get(name string) *os.File {
 
 func routerName(s *site) string { return "router-" + s.network }
 
+// maxSocketPath is the longest path a unix socket can be bound to
+// (sun_path holds 108 bytes with the terminating NUL).
+const maxSocketPath = 107
+
 // setUp builds the wan, then each network: its router, node (with the pod
 // bridge), gateway and the node ztunnel's namespace, their links and
 // routes, and the wan's filter.
 func (n *isolated) setUp(context.Context) error {
+	for _, s := range n.d.plan.sites {
+		if sock := n.nodeDir(s, "ztunnel.sock"); len(sock) > maxSocketPath {
+			return fmt.Errorf("the agent's socket %s is longer than a unix socket path may be (%d bytes): use a shorter TMPDIR", sock, maxSocketPath)
+		}
+	}
 	wan, err := n.newNS("wan", "")
 	if err != nil {
 		return fmt.Errorf("%w; `isthmus-demo --loopback` runs without namespaces", err)

@@ -15,6 +15,9 @@ import (
 )
 
 func TestMain(m *testing.M) {
+	if program := os.Getenv(probeEnv); program != "" {
+		probeUserns(program) // exits
+	}
 	code := m.Run()
 	if bins.dir != "" {
 		os.RemoveAll(bins.dir)
