@@ -42,7 +42,9 @@ bench: testbin
 generate:
 	hack/gen-proto.sh
 
-## demo: a two-cluster, two-network federation on this machine; runs until Ctrl-C.
+## demo: a two-cluster, two-network federation on this machine, each network its own set of
+## network namespaces (root, or unprivileged user namespaces); runs until Ctrl-C.
+## DEMO_FLAGS=--loopback runs it on loopback addresses instead (no namespaces).
 demo: testbin build
 	@echo ">> building the demo runner"
 	$(GO) build -o bin/isthmus-demo ./test/demo/isthmus-demo

@@ -180,7 +180,7 @@ func Start(ctx context.Context, cfg Config) (d *Demo, err error) {
 	}
 	d.say("registering cluster-2 (network-2) with isthmusctl create-remote-secret --apply")
 	if out, err := exec.CommandContext(ctx, d.bin("isthmusctl"), "create-remote-secret", "--kubeconfig", d.kc["cluster-2"],
-		"--name", "cluster-2", "--network", "network-2", "--apply", "--primary-kubeconfig", d.kc["cluster-1"], "--token-wait", "1s").CombinedOutput(); err != nil {
+		"--name", "cluster-2", "--network", "network-2", "--apply", "--primary-kubeconfig", d.kc["cluster-1"], "--token-wait", "200ms").CombinedOutput(); err != nil {
 		return d, fmt.Errorf("create-remote-secret: %w: %s", err, out)
 	}
 	if err := d.objects(ctx); err != nil {
