@@ -145,43 +145,8 @@ func Start(ctx context.Context, cfg Config) (d *Demo, err error) {
 			return d, err
 		}
 	}
-	d.say("starting two real clusters (kube-apiserver + etcd each; a few seconds)")
-	start := time.Now()
-	clog, err := os.OpenFile(d.logOf("clusters"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
+	if err := d.controlPlane(ctx); err != nil {
 		return d, err
-	}
-	d.clusterLog = clog
-	if d.clusters, err = framework.Start(framework.Options{Names: []string{"cluster-1", "cluster-2"}, AssetsDir: cfg.AssetsDir, Output: clog}); err != nil {
-		return d, fmt.Errorf("%w (log: %s)", err, d.logOf("clusters"))
-	}
-	d.say("clusters up in %v", time.Since(start).Round(100*time.Millisecond))
-	if err := d.kubeconfigs(); err != nil {
-		return d, err
-	}
-	if e := cfg.Expose; e != nil {
-		for _, x := range []struct {
-			ln   net.Listener
-			port int
-		}{{e.PilotDebug, 8080}, {e.PilotMonitoring, 15014}} {
-			if x.ln != nil {
-				d.fwd.start(x.ln, fmt.Sprintf("%s:%d", pilotIP, x.port))
-			}
-		}
-	}
-	for _, c := range d.clusters.Clusters {
-		if err := c.EnsureNamespace(ctx, ns, nil); err != nil {
-			return d, err
-		}
-	}
-	d.say("starting pilot on %s (config cluster: cluster-1, network-1)", pilotIP)
-	if err := d.StartPilot(ctx); err != nil {
-		return d, err
-	}
-	d.say("registering cluster-2 (network-2) with isthmusctl create-remote-secret --apply")
-	if out, err := exec.CommandContext(ctx, d.bin("isthmusctl"), "create-remote-secret", "--kubeconfig", d.kc["cluster-2"],
-		"--name", "cluster-2", "--network", "network-2", "--apply", "--primary-kubeconfig", d.kc["cluster-1"], "--token-wait", "200ms").CombinedOutput(); err != nil {
-		return d, fmt.Errorf("create-remote-secret: %w: %s", err, out)
 	}
 	if err := d.objects(ctx); err != nil {
 		return d, err
@@ -200,6 +165,51 @@ func Start(ctx context.Context, cfg Config) (d *Demo, err error) {
 		return d, d.writeRunInfo() // now with the pods' namespaces
 	}
 	return d, nil
+}
+
+// controlPlane starts the clusters, writes their kubeconfigs, starts pilot
+// and registers cluster-2 as a remote cluster.
+func (d *Demo) controlPlane(ctx context.Context) error {
+	d.say("starting two real clusters (kube-apiserver + etcd each; a few seconds)")
+	start := time.Now()
+	clog, err := os.OpenFile(d.logOf("clusters"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return err
+	}
+	d.clusterLog = clog
+	if d.clusters, err = framework.Start(framework.Options{Names: []string{"cluster-1", "cluster-2"}, AssetsDir: d.cfg.AssetsDir, Output: clog}); err != nil {
+		return fmt.Errorf("%w (log: %s)", err, d.logOf("clusters"))
+	}
+	d.say("clusters up in %v", time.Since(start).Round(100*time.Millisecond))
+	if err := d.kubeconfigs(); err != nil {
+		return err
+	}
+	if e := d.cfg.Expose; e != nil {
+		for _, x := range []struct {
+			ln   net.Listener
+			port int
+		}{{e.PilotDebug, 8080}, {e.PilotMonitoring, 15014}} {
+			if x.ln != nil {
+				d.fwd.start(x.ln, fmt.Sprintf("%s:%d", pilotIP, x.port))
+			}
+		}
+	}
+	for _, c := range d.clusters.Clusters {
+		if err := c.EnsureNamespace(ctx, ns, nil); err != nil {
+			return err
+		}
+	}
+	d.say("starting pilot on %s (config cluster: cluster-1, network-1)", pilotIP)
+	if err := d.StartPilot(ctx); err != nil {
+		return err
+	}
+	d.say("registering cluster-2 (network-2) with isthmusctl create-remote-secret --apply")
+	// No token controller runs in these clusters: TokenRequest at once.
+	if out, err := exec.CommandContext(ctx, d.bin("isthmusctl"), "create-remote-secret", "--kubeconfig", d.kc["cluster-2"],
+		"--name", "cluster-2", "--network", "network-2", "--apply", "--primary-kubeconfig", d.kc["cluster-1"], "--token-wait", "200ms").CombinedOutput(); err != nil {
+		return fmt.Errorf("create-remote-secret: %w: %s", err, out)
+	}
+	return nil
 }
 
 // startProxies starts every site's node proxy and gateway in parallel and

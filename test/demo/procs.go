@@ -81,22 +81,6 @@ func (s *procSet) spawn(d *Demo, name string, netns *os.File, bin string, args .
 	return nil
 }
 
-// exited reports whether the named process has exited (false if unknown).
-func (s *procSet) exited(name string) bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for _, p := range s.procs {
-		if p.name == name {
-			select {
-			case <-p.done:
-				return true
-			default:
-			}
-		}
-	}
-	return false
-}
-
 // stop stops the named process and forgets it.
 func (s *procSet) stop(name string) {
 	s.mu.Lock()
