@@ -4,20 +4,26 @@ package demo_test
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/isthmus-mesh/isthmus/test/demo"
 	"github.com/isthmus-mesh/isthmus/test/framework"
@@ -79,12 +85,13 @@ func TestRunnerKilledLeavesNothing(t *testing.T) {
 	framework.SweepOrphans(filepath.Join(os.TempDir(), "isthmus-testclusters"))
 }
 
-// TestRootless runs `isthmus-demo --once` as an unprivileged user (nobody).
-// Where the kernel allows unprivileged user namespaces (checked here on our
-// own: a clone with CLONE_NEWUSER|CLONE_NEWNET as nobody, and AppArmor's
-// restriction), the reply must arrive through network-2's gateway and
-// nothing must be left behind; where it does not, the runner must say so
-// in one line and offer --loopback.
+// TestRootless runs `isthmus-demo` as an unprivileged user (nobody). Where
+// the kernel allows unprivileged user namespaces (checked here on our own:
+// a clone with CLONE_NEWUSER|CLONE_NEWNET as nobody, and AppArmor's
+// restriction), the reply must arrive through network-2's gateway, pilot
+// and the API servers must answer on the host's loopback, and after Ctrl-C
+// nothing must be left behind; where it does not, the runner must say so in
+// one line and offer --loopback.
 func TestRootless(t *testing.T) {
 	const nobody = 65534
 	bin := binDir(t)
@@ -103,37 +110,93 @@ func TestRootless(t *testing.T) {
 		require.NoError(t, os.Mkdir(d, 0o700))
 		require.NoError(t, os.Chown(d, nobody, nobody))
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, filepath.Join(bin, "isthmus-demo"), "--bin", bin, "--once", "--workdir", work)
+	cmd := exec.Command(filepath.Join(bin, "isthmus-demo"), "--bin", bin, "--workdir", work)
 	cmd.Env = []string{"PATH=/usr/bin:/bin", "HOME=" + tmp, "TMPDIR=" + tmp, "KUBEBUILDER_ASSETS=" + assets}
 	cmd.Dir = tmp
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: nobody, Gid: nobody}, Pdeathsig: syscall.SIGKILL}
-	out, err := cmd.CombinedOutput()
-	if err != nil {
-		logs, _ := filepath.Glob(filepath.Join(work, "*.log"))
-		for _, l := range logs {
-			b, _ := os.ReadFile(l)
-			t.Logf("%s:\n%s", l, tail(string(b), 2000))
+	var out lockedBuffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	require.NoError(t, cmd.Start())
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	defer func() {
+		_ = cmd.Process.Kill()
+		<-done
+		if t.Failed() {
+			logs, _ := filepath.Glob(filepath.Join(work, "*.log"))
+			for _, l := range logs {
+				b, _ := os.ReadFile(l)
+				t.Logf("%s:\n%s", l, tail(string(b), 2000))
+			}
 		}
-	}
+	}()
 
 	if cause := usernsForbidden(bin, nobody); cause != nil {
 		t.Logf("unprivileged user namespaces are not allowed here (%v): the runner must say so", cause)
-		require.Error(t, err)
-		lines := strings.Split(strings.TrimSpace(string(out)), "\n")
-		require.Len(t, lines, 1, "one line: %s", out)
+		select {
+		case err := <-done:
+			done <- err
+			require.Error(t, err)
+		case <-time.After(2 * time.Minute):
+			t.Fatalf("the runner did not give up: %s", out.String())
+		}
+		lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+		require.Len(t, lines, 1, "one line: %s", out.String())
 		require.Contains(t, lines[0], "--loopback")
 		return
 	}
 	t.Log("unprivileged user namespaces are allowed here: the isolated demo runs as nobody")
-	require.NoError(t, err, "%s", out)
-	require.Contains(t, string(out), "reply: echo-0 (cluster-2, network-2, 10.2.1.10)")
-	require.Regexp(t, `-> east-west gateway network-2 \(\+[1-9]`, string(out))
+	require.Eventually(t, func() bool { return strings.Contains(out.String(), "==> reply reached") }, 5*time.Minute, 100*time.Millisecond,
+		"no reply: %s", out.String())
+	require.Contains(t, out.String(), "reply: echo-0 (cluster-2, network-2, 10.2.1.10)")
+	require.Regexp(t, `-> east-west gateway network-2 \(\+[1-9]`, out.String())
+
+	// Pilot and the API servers live in the runner's own namespace; the
+	// host's loopback reaches them through the listeners passed down.
+	resp, err := http.Get(demo.PilotURL(15014) + "/readyz")
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	rc, err := clientcmd.BuildConfigFromFlags("", filepath.Join(work, "cluster-2.kubeconfig"))
+	require.NoError(t, err)
+	client, err := kubernetes.NewForConfig(rc)
+	require.NoError(t, err)
+	_, err = client.CoreV1().Pods("demo").Get(context.Background(), "echo-0", metav1.GetOptions{})
+	require.NoError(t, err, "cluster-2's API server from the host")
+
+	// Ctrl-C: everything stops and goes.
+	require.NoError(t, cmd.Process.Signal(syscall.SIGINT))
+	select {
+	case err := <-done:
+		done <- err
+		require.NoError(t, err, out.String())
+	case <-time.After(2 * time.Minute):
+		t.Fatalf("the runner did not stop on SIGINT: %s", out.String())
+	}
+	require.Contains(t, out.String(), "==> stopping everything")
 	ri, err := demo.ReadRunInfo(work)
 	require.NoError(t, err)
 	require.NoDirExists(t, ri.Run)
 	require.Empty(t, demo.NetnsInUse(ri.Netns))
+}
+
+// lockedBuffer is a bytes.Buffer safe for a writing process and a reading
+// test.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
 
 // usernsForbidden reports why uid may not make user namespaces with
