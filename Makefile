@@ -12,12 +12,16 @@ BENCHTIME ?= 1x
 VERSION   ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 export KUBEBUILDER_ASSETS := $(TESTBIN)
 
-.PHONY: all build test bench lint testbin generate demo demo-once clean
+.PHONY: all build demo-bin test bench lint testbin generate demo demo-once clean
 
 all: build
 
 build:
 	$(GO) build -ldflags "-X main.version=$(VERSION)" -o bin/ ./cmd/...
+
+## demo-bin: the demo's runner (bin/isthmus-demo).
+demo-bin:
+	$(GO) build -o bin/isthmus-demo ./test/demo/isthmus-demo
 
 ## testbin: build kube-apiserver and etcd from the Go module proxy (idempotent).
 testbin:
@@ -29,8 +33,10 @@ lint:
 	  if [ -n "$$out" ]; then echo "gofmt needed on:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 
-## test: lint, then every test (unit and integration on real apiservers) with -race.
-test: testbin lint
+## test: lint, then every test (unit and integration on real apiservers) with -race;
+## it also builds bin/ (go build leaves an up-to-date binary alone), so that a
+## `make demo` afterwards links nothing and prints its reply within seconds.
+test: testbin lint build demo-bin
 	$(GO) test $(GOTEST_FLAGS) ./...
 
 ## bench: the benchmarks behind BENCHMARKS.md, one package at a time (-p 1:
@@ -45,9 +51,7 @@ generate:
 ## demo: a two-cluster, two-network federation on this machine, each network its own set of
 ## network namespaces (root, or unprivileged user namespaces); runs until Ctrl-C.
 ## DEMO_FLAGS=--loopback runs it on loopback addresses instead (no namespaces).
-demo: testbin build
-	@echo ">> building the demo runner"
-	$(GO) build -o bin/isthmus-demo ./test/demo/isthmus-demo
+demo: testbin build demo-bin
 	bin/isthmus-demo --bin bin $(DEMO_FLAGS)
 
 ## demo-once: the same, exiting 0 once the cross-cluster request succeeded.

@@ -122,13 +122,7 @@ func TestRootless(t *testing.T) {
 	defer func() {
 		_ = cmd.Process.Kill()
 		<-done
-		if t.Failed() {
-			logs, _ := filepath.Glob(filepath.Join(work, "*.log"))
-			for _, l := range logs {
-				b, _ := os.ReadFile(l)
-				t.Logf("%s:\n%s", l, tail(string(b), 2000))
-			}
-		}
+		dumpLogsOnFailure(t, work)
 	}()
 
 	if cause := usernsForbidden(bin, nobody); cause != nil {
