@@ -13,6 +13,7 @@
 package nettopo
 
 import (
+	"crypto/rand"
 	"errors"
 	"fmt"
 	"net"
@@ -236,10 +237,20 @@ func AddAddrTo(ns *os.File, link string, addr netip.Prefix) error {
 }
 
 // Bridge creates a bridge named name in ns with address addr (none if
-// invalid) and brings it up.
+// invalid) and brings it up. Its MAC address is set, as CNI's bridge plugin
+// sets it: a bridge left to choose takes its lowest port's, so removing that
+// port would change the gateway's MAC under every neighbour cache that knows
+// it and cut off the other ports for seconds.
 func Bridge(ns *os.File, name string, addr netip.Prefix) error {
+	mac := net.HardwareAddr{0x02, 0, 0, 0, 0, 0} // locally administered
+	if addr.Addr().Is4() {
+		a := addr.Addr().As4()
+		copy(mac[2:], a[:])
+	} else if _, err := rand.Read(mac[1:]); err != nil {
+		return err
+	}
 	return inHandle(ns, func(h *netlink.Handle) error {
-		if err := h.LinkAdd(&netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: name}}); err != nil {
+		if err := h.LinkAdd(&netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: name, HardwareAddr: mac}}); err != nil {
 			return fmt.Errorf("nettopo: add bridge %s: %w", name, err)
 		}
 		br, err := h.LinkByName(name)

@@ -83,12 +83,24 @@ func TestBridgedPods(t *testing.T) {
 	require.NoError(t, dial(a, "10.9.1.20:80"), "pod to pod across the bridge")
 	require.NoError(t, dial(a, "10.9.9.9:80"), "pod to a routed namespace through the node")
 
+	bridgeMAC := func() string {
+		h, err := Handle(node)
+		require.NoError(t, err)
+		defer h.Close()
+		br, err := h.LinkByName("br0")
+		require.NoError(t, err)
+		return br.Attrs().HardwareAddr.String()
+	}
+	mac := bridgeMAC()
 	require.NoError(t, DeleteLink(node, "vb"))
 	h, err := Handle(b)
 	require.NoError(t, err)
 	defer h.Close()
 	_, err = h.LinkByName("eth0")
 	require.Error(t, err, "deleting the node's end takes the pod's end along")
+	require.Equal(t, mac, bridgeMAC(), "the bridge keeps its MAC when a port goes (the pods' gateway stays known)")
+	require.NoError(t, DeleteLink(node, "va"))
+	require.Equal(t, mac, bridgeMAC())
 	require.Error(t, DeleteLink(node, "vb"), "an absent link is an error")
 }
 
