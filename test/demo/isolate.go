@@ -47,7 +47,7 @@ const exitNoNamespaces = 3
 // Unavailable is the one line printed when neither root nor user
 // namespaces allow the isolated demo.
 func Unavailable(cause error) string {
-	return fmt.Sprintf("isthmus-demo: cannot create network namespaces: not root and unprivileged user namespaces are not allowed here (%v); "+
+	return fmt.Sprintf("isthmus-demo: cannot create network namespaces here, neither as root nor in an unprivileged user namespace (%v); "+
 		"run `isthmus-demo --loopback` (make demo DEMO_FLAGS=--loopback) for the loopback demo", oneLine(cause))
 }
 
