@@ -27,7 +27,7 @@ export KUBEBUILDER_ASSETS := $(TESTBIN)
 
 FUZZTIME  ?= 30s
 FUZZ_FLAGS ?=
-.PHONY: all build images images-check push test bench soak fuzz fuzz-targets lint testbin generate demo demo-once clean
+.PHONY: all build demo-bin images images-check push test bench soak fuzz fuzz-targets lint testbin generate demo demo-once clean
 
 all: build
 
@@ -54,6 +54,10 @@ push:
 	@test -d "$(IMAGES_OUT)/oci" || { echo "run make images first"; exit 1; }
 	$(GO) run ./hack/images push --registry "$(REGISTRY)" --out "$(IMAGES_OUT)"
 
+## demo-bin: the demo's runner (bin/isthmus-demo).
+demo-bin:
+	$(GO) build -o bin/isthmus-demo ./test/demo/isthmus-demo
+
 ## testbin: build kube-apiserver and etcd from the Go module proxy (idempotent).
 testbin:
 	K8S_VERSION=$(K8S_VERSION) ETCD_VERSION=$(ETCD_VERSION) hack/build-testbin.sh $(TESTBIN)
@@ -64,8 +68,10 @@ lint:
 	  if [ -n "$$out" ]; then echo "gofmt needed on:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 
-## test: lint, then every test (unit and integration on real apiservers) with -race.
-test: testbin lint
+## test: lint, then every test (unit and integration on real apiservers) with -race;
+## it also builds bin/ (go build leaves an up-to-date binary alone), so that a
+## `make demo` afterwards links nothing and prints its reply within seconds.
+test: testbin lint build demo-bin
 	$(GO) test $(GOTEST_FLAGS) ./...
 
 ## bench: the benchmarks behind BENCHMARKS.md, one package at a time (-p 1:
@@ -123,10 +129,10 @@ generate:
 	hack/gen-proto.sh
 	$(GO) run ./analysis/msg/gen
 
-## demo: a two-cluster, two-network federation on this machine; runs until Ctrl-C.
-demo: testbin build
-	@echo ">> building the demo runner"
-	$(GO) build -o bin/isthmus-demo ./test/demo/isthmus-demo
+## demo: a two-cluster, two-network federation on this machine, each network its own set of
+## network namespaces (root, or unprivileged user namespaces); runs until Ctrl-C.
+## DEMO_FLAGS=--loopback runs it on loopback addresses instead (no namespaces).
+demo: testbin build demo-bin
 	bin/isthmus-demo --bin bin $(DEMO_FLAGS)
 
 ## demo-once: the same, exiting 0 once the cross-cluster request succeeded.

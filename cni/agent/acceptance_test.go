@@ -163,8 +163,12 @@ func TestEnrolment(t *testing.T) {
 				assert.NoError(ct, err)
 				assert.False(ct, ok)
 			}
+			// The probe set is synced last in a release, after ztunnel
+			// and the pod's rules.
+			got, err := redirect.NodeAddrs(e.node)
+			assert.NoError(ct, err)
+			assert.Empty(ct, got)
 		}, 20*time.Second, 20*time.Millisecond)
-		require.Empty(t, e.probeSet())
 		require.NoError(t, e.c.EnsureNamespace(ctx, e.mesh, map[string]string{"isthmus.io/dataplane-mode": "ambient"}))
 		require.EventuallyWithT(t, func(ct *assert.CollectT) {
 			assert.Equal(ct, []string{aUID, bUID}, sortedPair(aUID, bUID, z.h.Pods()))

@@ -145,3 +145,26 @@ func TestSweepOrphans(t *testing.T) {
 	require.NoError(t, err)
 	require.NotEmpty(t, pidsWithArg(liveDir), "a live owner's process is kept")
 }
+
+// TestSweepOrphansByLock shows that a set's lock, not its owner's pid,
+// decides when the set has one: an owner in a PID namespace of its own is
+// pid 1 (always "alive" here), yet its folder is swept once its lock is
+// free, and kept while it is held.
+func TestSweepOrphansByLock(t *testing.T) {
+	base := t.TempDir()
+	held, freed := filepath.Join(base, "1-held"), filepath.Join(base, "1-freed")
+	for _, d := range []string{held, freed} {
+		require.NoError(t, os.MkdirAll(d, 0o700))
+	}
+	lock, err := lockRoot(held)
+	require.NoError(t, err)
+	defer lock.Close()
+	gone, err := lockRoot(freed)
+	require.NoError(t, err)
+	require.NoError(t, gone.Close()) // as when its owner died
+	SweepOrphans(base)
+	_, err = os.Stat(freed)
+	require.True(t, os.IsNotExist(err), "a folder whose lock is free is swept")
+	_, err = os.Stat(held)
+	require.NoError(t, err, "a folder whose lock is held is kept")
+}

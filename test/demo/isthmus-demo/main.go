@@ -1,13 +1,26 @@
+//go:build linux
+
 // Command isthmus-demo runs the embedded two-cluster federation (make demo):
 // it starts everything, sends a request from sleep in cluster-1 to echo.demo,
-// which runs only in cluster-2 on another network, prints the reply and the
-// path it took, and keeps running until Ctrl-C (or exits with --once).
+// which runs only in cluster-2 on another network, prints the topology, the
+// reply and the path it took, and keeps running until Ctrl-C (or exits
+// with --once).
+//
+// By default every network is a set of network namespaces (package demo):
+// the command re-executes itself in namespaces of its own (a user namespace
+// too when not root, see demo.Isolate), and says in one line when the
+// machine allows neither. --loopback runs the loopback-only federation,
+// which needs nothing. Two hidden first arguments are for the command's own
+// use: demo.InnerCommand (the re-executed runner) and
+// demo.NetnsExecCommand (the helper that starts a process inside a network
+// namespace).
 package main
 
 import (
 	"context"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"os/signal"
 	"syscall"
@@ -17,33 +30,67 @@ import (
 )
 
 func main() {
-	bin := flag.String("bin", "bin", "folder with the pilot, ztunnel and isthmusctl binaries")
-	once := flag.Bool("once", false, "exit 0 after the request succeeds")
-	work := flag.String("workdir", "", "folder for kubeconfigs, tokens and logs (default: temporary)")
-	flag.Parse()
+	args := os.Args[1:]
+	var inner *innerArgs
+	if len(args) > 0 {
+		switch args[0] {
+		case demo.NetnsExecCommand:
+			err := demo.NetnsExec(args[1:])
+			fmt.Fprintln(os.Stderr, "isthmus-demo:", err)
+			os.Exit(1)
+		case demo.InnerCommand:
+			if len(args) < 3 {
+				fmt.Fprintln(os.Stderr, "isthmus-demo: bad inner invocation")
+				os.Exit(2)
+			}
+			inner, args = &innerArgs{mode: args[1], fds: args[2]}, args[3:]
+		}
+	}
+	fs := flag.NewFlagSet("isthmus-demo", flag.ExitOnError)
+	opts := options{}
+	fs.StringVar(&opts.bin, "bin", "bin", "folder with the pilot, ztunnel, isthmusctl, isthmus-cni and isthmus-demo binaries")
+	fs.BoolVar(&opts.once, "once", false, "exit 0 after the request succeeds")
+	fs.StringVar(&opts.work, "workdir", "", "folder for kubeconfigs and logs (default: temporary)")
+	fs.BoolVar(&opts.loopback, "loopback", false, "run every pod and proxy on a loopback address of the host (no namespaces, no privilege, SOCKS5 client)")
+	_ = fs.Parse(args)
+	if !opts.loopback && inner == nil {
+		os.Exit(demo.Isolate(args, os.Stdout, os.Stderr))
+	}
+	var expose *demo.Exposed
+	if inner != nil {
+		expose = demo.Inner(inner.mode, inner.fds)
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx, *bin, *work, *once); err != nil {
+	err := run(ctx, opts, expose, os.Stdout)
+	stop()
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "demo failed:", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, bin, work string, once bool) error {
+type innerArgs struct{ mode, fds string }
+
+type options struct {
+	bin, work      string
+	once, loopback bool
+}
+
+func run(ctx context.Context, opts options, expose *demo.Exposed, out io.Writer) error {
 	start := time.Now()
-	d, err := demo.Start(ctx, demo.Config{BinDir: bin, WorkDir: work})
+	d, err := demo.Start(ctx, demo.Config{BinDir: opts.bin, WorkDir: opts.work, Loopback: opts.loopback, Expose: expose, Out: out})
 	if err != nil {
 		return err
 	}
 	defer func() {
-		fmt.Println("==> stopping everything")
+		fmt.Fprintln(out, "==> stopping everything")
 		d.Stop()
 	}()
 	rc, err := d.RemoteClusters(ctx)
 	if err != nil {
 		return fmt.Errorf("isthmusctl remote-clusters: %w: %s", err, rc)
 	}
-	fmt.Printf("==> isthmusctl remote-clusters\n%s", rc)
+	fmt.Fprintf(out, "==> isthmusctl remote-clusters\n%s", rc)
 	before, err := d.Path(ctx)
 	if err != nil {
 		return err
@@ -55,7 +102,7 @@ func run(ctx context.Context, bin, work string, once bool) error {
 		if err == nil || time.Now().After(deadline) || ctx.Err() != nil {
 			break
 		}
-		time.Sleep(250 * time.Millisecond) // the mesh may still be converging
+		time.Sleep(100 * time.Millisecond) // the mesh may still be converging
 	}
 	if err != nil {
 		return err
@@ -64,14 +111,18 @@ func run(ctx context.Context, bin, work string, once bool) error {
 	if err != nil {
 		return err
 	}
-	fmt.Printf("==> sleep (cluster-1, network-1) -> %s:80\n    reply: %s\n", demo.EchoHost, reply)
-	fmt.Printf("    path: client ztunnel (node-1a, +%.0f conn) -> network-2 east-west gateway (+%.0f conn, +%.0f bytes) -> echo's ztunnel (node-2a, +%.0f conn) -> echo-0\n",
-		after.ClientZtunnel-before.ClientZtunnel, after.Gateway-before.Gateway, after.GatewayBytes-before.GatewayBytes, after.ServerZtunnel-before.ServerZtunnel)
-	fmt.Printf("==> reply reached %v after start\n", time.Since(start).Round(100*time.Millisecond))
-	if once {
+	delta := after.Sub(before)
+	how := "resolved over DNS in sleep's namespace, plain TCP"
+	if opts.loopback {
+		how = "SOCKS5 to its node's ztunnel"
+	}
+	fmt.Fprintf(out, "==> sleep (cluster-1, network-1) -> %s:80 (%s)\n    reply: %s\n    path: %s\n", demo.EchoHost, how, reply, d.Hops(delta))
+	fmt.Fprintf(out, "==> reply reached %v after start\n", time.Since(start).Round(100*time.Millisecond))
+	fmt.Fprint(out, d.Diagram(&delta))
+	if opts.once {
 		return nil
 	}
-	fmt.Println(d.Instructions())
+	fmt.Fprintln(out, d.Instructions())
 	<-ctx.Done()
 	return nil
 }

@@ -1,5 +1,0 @@
-package demo
-
-import "net/netip"
-
-func mustAddr(s string) netip.Addr { return netip.MustParseAddr(s) }
