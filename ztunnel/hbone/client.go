@@ -43,10 +43,10 @@ type ClientConfig struct {
 
 // DefaultClientConfig holds the client defaults.
 var DefaultClientConfig = ClientConfig{
-	MaxStreamsPerConn: 100,
-	IdleTimeout:       90 * time.Second,
-	DialTimeout:       10 * time.Second,
-	MaxFrameSize:      1 << 20,
+	MaxStreamsPerConn:   100,
+	IdleTimeout:         90 * time.Second,
+	DialTimeout:         10 * time.Second,
+	MaxFrameSize:        1 << 20,
 	HealthCheckInterval: 10 * time.Second,
 	HealthCheckTimeout:  5 * time.Second,
 }

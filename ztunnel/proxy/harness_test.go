@@ -140,17 +140,17 @@ func workloadID(sa string) identity.Identity {
 // Each network has its own view (store): n1 sees c1 as a synthetic workload
 // behind G.
 type mesh struct {
-	t             testing.TB
-	ca            *testca.CA
-	certs         *identity.Cache
-	n1, n2        *state.Store
-	a1, b1, c1    netip.Addr
-	vip, gwAddr   netip.Addr
-	socksAddr     netip.AddrPort
-	dialer        *recordingDialer
-	gwDialer      *recordingDialer
+	t           testing.TB
+	ca          *testca.CA
+	certs       *identity.Cache
+	n1, n2      *state.Store
+	a1, b1, c1  netip.Addr
+	vip, gwAddr netip.Addr
+	socksAddr   netip.AddrPort
+	dialer      *recordingDialer
+	gwDialer    *recordingDialer
 	// now, if set before the proxies start (tweak), is their clock.
-	now func() time.Time
+	now           func() time.Time
 	out           *Outbound
 	inB, inC      *Inbound
 	gw            *Gateway
@@ -204,7 +204,7 @@ func newMesh(t testing.TB, tweak func(*mesh)) *mesh {
 		t: t, ca: ca, certs: identity.NewCache(ca), n1: state.NewStore(), n2: state.NewStore(),
 		a1: nextAddr(), b1: nextAddr(), c1: nextAddr(), vip: nextAddr(), gwAddr: nextAddr(),
 		dialer: &recordingDialer{}, gwDialer: &recordingDialer{},
-		mOut:   newMetrics(t), mB: newMetrics(t), mC: newMetrics(t), mGW: newMetrics(t),
+		mOut: newMetrics(t), mB: newMetrics(t), mC: newMetrics(t), mGW: newMetrics(t),
 		serverConfig: hbone.ServerConfig{HandshakeTimeout: 2 * time.Second}, // long enough under load; slow-loris tests wait it out
 	}
 	m.socksAddr = netip.AddrPortFrom(nextAddr(), 15080)
