@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/isthmus-mesh/isthmus/internal/backoff"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -79,10 +80,13 @@ func (i *instance) set(state State, reason, msg string) {
 	i.c.statusChanged(i, s, ev)
 }
 
+// maxRetryBackoff caps the delay between attempts to build a cluster.
+const maxRetryBackoff = 5 * time.Minute
+
 // run builds and runs the generation until its context ends.
 func (i *instance) run(kubeconfig []byte) {
 	defer close(i.done)
-	backoff := i.c.cfg.RetryBackoff
+	retry := backoff.New(i.c.cfg.RetryBackoff, maxRetryBackoff)
 	for {
 		err := i.start(kubeconfig)
 		if err == nil {
@@ -98,13 +102,11 @@ func (i *instance) run(kubeconfig []byte) {
 		if i.cluster != nil {
 			reason = ReasonComponentError
 		}
-		i.set(StateError, reason, firstLine(err.Error(), 300)+" (retrying in "+backoff.String()+")")
-		select {
-		case <-i.ctx.Done():
+		delay := retry.Next()
+		i.set(StateError, reason, firstLine(err.Error(), 300)+" (retrying in "+delay.Round(time.Millisecond).String()+")")
+		if !backoff.Sleep(i.ctx, delay) {
 			return
-		case <-time.After(backoff):
 		}
-		backoff = min(backoff*2, 5*time.Minute)
 	}
 	defer i.shutdown()
 	i.watch()

@@ -15,13 +15,14 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/transport"
 
+	"github.com/isthmus-mesh/isthmus/internal/backoff"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 )
 
 // Backoff of a failing plugin: no run before it has passed (requests get
-// the last error meanwhile).
+// the last error meanwhile). The first delay is drawn from 1–2 s.
 const (
-	execFirstBackoff = time.Second
+	execFirstBackoff = 2 * time.Second
 	execMaxBackoff   = 30 * time.Second
 	// A credential younger than this is not dropped on a 401: a plugin
 	// that returns bad tokens runs at most about once per second.
@@ -57,7 +58,7 @@ type execAuth struct {
 	cur        *execCredential
 	inflight   <-chan struct{} // closed when the running refresh ends
 	lastErr    error
-	backoff    time.Duration
+	retry      backoff.Backoff // delays after consecutive failures
 	retryAt    time.Time
 	closed     bool
 	installed  bool
@@ -68,7 +69,7 @@ func newExecAuth(p *execPlugin, log *slog.Logger, m *metrics) *execAuth {
 	ctx, cancel := context.WithCancel(context.Background())
 	return &execAuth{
 		plugin: p, log: log, m: m, now: time.Now, ctx: ctx, cancel: cancel,
-		conns: newConnTracker(),
+		conns: newConnTracker(), retry: backoff.New(execFirstBackoff, execMaxBackoff),
 	}
 }
 
@@ -148,10 +149,10 @@ func (a *execAuth) finish(cred *execCredential, excerpt string, err error) {
 	prev := a.cur
 	if err != nil {
 		a.lastErr = err
-		a.backoff = min(max(a.backoff*2, execFirstBackoff), execMaxBackoff)
-		a.retryAt = a.now().Add(a.backoff)
+		a.retryAt = a.now().Add(a.retry.Next())
 	} else {
-		a.cur, a.lastErr, a.backoff, a.retryAt = cred, nil, 0, time.Time{}
+		a.cur, a.lastErr, a.retryAt = cred, nil, time.Time{}
+		a.retry.Reset()
 	}
 	a.mu.Unlock()
 	if a.ctx.Err() != nil {

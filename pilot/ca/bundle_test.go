@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/isthmus-mesh/isthmus/internal/spiffe"
 	"github.com/stretchr/testify/require"
 )
 
@@ -241,7 +242,7 @@ func TestClampTTL(t *testing.T) {
 
 func TestRenewAtIsHalfLife(t *testing.T) {
 	c := &x509.Certificate{NotBefore: t0, NotAfter: t0.Add(24 * time.Hour)}
-	require.Equal(t, t0.Add(12*time.Hour), RenewAt(c))
+	require.Equal(t, t0.Add(12*time.Hour), spiffe.RenewAt(c))
 }
 
 func TestServingLeafSplitsDNSAndIP(t *testing.T) {

@@ -298,9 +298,3 @@ func clampTTL(requestedSeconds int64, def, max time.Duration) time.Duration {
 	}
 	return time.Duration(requestedSeconds) * time.Second
 }
-
-// RenewAt is when a holder should renew cert: half-way through its validity, as Istio's agents
-// and ztunnel do.
-func RenewAt(cert *x509.Certificate) time.Time {
-	return cert.NotBefore.Add(cert.NotAfter.Sub(cert.NotBefore) / 2)
-}

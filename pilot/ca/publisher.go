@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/isthmus-mesh/isthmus/internal/backoff"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -111,7 +112,7 @@ func (p *publisher) run(ctx context.Context, informerSynced cache.InformerSynced
 	}
 	retry := time.NewTimer(0) // first pass at once
 	defer retry.Stop()
-	delay := publishRetryMin
+	failures := backoff.New(publishRetryMin, publishRetryMax)
 	for {
 		select {
 		case <-ctx.Done():
@@ -123,15 +124,15 @@ func (p *publisher) run(ctx context.Context, informerSynced cache.InformerSynced
 			if ctx.Err() != nil {
 				return
 			}
+			delay := failures.Next()
 			log.Warn("publishing root bundle failed; retrying", "err", err, "in", delay)
 			retry.Reset(delay)
-			delay = min(2*delay, publishRetryMax)
 			continue
 		}
 		if !p.synced.Swap(true) {
 			log.Info("root bundle published")
 		}
-		delay = publishRetryMin
+		failures.Reset()
 	}
 }
 

@@ -12,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/isthmus-mesh/isthmus/internal/spiffe"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -185,7 +186,7 @@ func (c *CA) ServerTLSConfig() *tls.Config {
 		mu.Lock()
 		defer mu.Unlock()
 		b := c.current.Load()
-		if cur != nil && b == source && c.now().Before(RenewAt(leaf.Leaf)) {
+		if cur != nil && b == source && c.now().Before(spiffe.RenewAt(leaf.Leaf)) {
 			return cur, nil
 		}
 		next, err := c.ServingCertificate()

@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/isthmus-mesh/isthmus/internal/backoff"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -138,7 +139,7 @@ func (w *Writer) Conflicts(ns, name string) []Conflict {
 // edge), every Resync, and after a failure with capped exponential backoff,
 // until ctx ends.
 func (w *Writer) Run(ctx context.Context) error {
-	backoff := time.Duration(0)
+	failures := backoff.New(w.cfg.Debounce, w.cfg.RetryMax)
 	last := time.Time{}
 	timer := time.NewTimer(0)
 	defer timer.Stop()
@@ -157,12 +158,12 @@ func (w *Writer) Run(ctx context.Context) error {
 		}
 		last = time.Now()
 		if err := w.Reconcile(ctx); err != nil {
-			backoff = min(max(2*backoff, w.cfg.Debounce), w.cfg.RetryMax)
-			w.log.Warn("writing ServiceImports failed; retrying", "in", backoff, "error", err)
-			timer.Reset(backoff)
+			delay := failures.Next()
+			w.log.Warn("writing ServiceImports failed; retrying", "in", delay, "error", err)
+			timer.Reset(delay)
 			continue
 		}
-		backoff = 0
+		failures.Reset()
 		timer.Reset(w.cfg.Resync)
 	}
 }

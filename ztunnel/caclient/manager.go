@@ -23,7 +23,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	mrand "math/rand/v2"
 	"net"
 	"net/url"
 	"slices"
@@ -37,6 +36,8 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 	pb "istio.io/api/security/v1alpha1"
 
+	"github.com/isthmus-mesh/isthmus/internal/backoff"
+	"github.com/isthmus-mesh/isthmus/internal/spiffe"
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/isthmus-mesh/isthmus/ztunnel/state"
 )
@@ -131,9 +132,9 @@ type Deps struct {
 type entry struct {
 	cert     *tls.Certificate // nil until the first success
 	renewAt  time.Time
-	fetching chan struct{} // closed when the fetch in flight ends; nil when none
-	err      error         // last failure
-	failures int
+	fetching chan struct{}   // closed when the fetch in flight ends; nil when none
+	err      error           // last failure
+	retry    backoff.Backoff // delays after consecutive failures
 	retryAt  time.Time
 }
 
@@ -206,7 +207,7 @@ func (m *Manager) Certificate(ctx context.Context, id identity.Identity) (*tls.C
 	m.mu.Lock()
 	e := m.entries[id]
 	if e == nil {
-		e = &entry{}
+		e = m.newEntry()
 		m.entries[id] = e
 	}
 	now := m.deps.Now()
@@ -261,11 +262,11 @@ func (m *Manager) startLocked(id identity.Identity, e *entry) {
 		now := m.deps.Now()
 		if err != nil {
 			e.err = err
-			e.failures++
-			e.retryAt = now.Add(m.retryDelay(e.failures))
+			e.retryAt = now.Add(e.retry.Next())
 			m.log.Warn("certificate request failed", "identity", id.String(), "err", err, "retry_at", e.retryAt)
 		} else {
-			e.cert, e.err, e.failures = cert, nil, 0
+			e.cert, e.err = cert, nil
+			e.retry.Reset()
 			e.renewAt = m.renewAt(cert.Leaf, now)
 			m.log.Info("certificate issued", "identity", id.String(), "serial", cert.Leaf.SerialNumber.Text(16),
 				"not_after", cert.Leaf.NotAfter, "renew_at", e.renewAt)
@@ -283,21 +284,15 @@ func (m *Manager) startLocked(id identity.Identity, e *entry) {
 // renewAt is half-way through the certificate's validity (the CA's
 // guidance), but not sooner than RetryInitial from now.
 func (m *Manager) renewAt(leaf *x509.Certificate, now time.Time) time.Time {
-	at := leaf.NotBefore.Add(leaf.NotAfter.Sub(leaf.NotBefore) / 2)
+	at := spiffe.RenewAt(leaf)
 	if earliest := now.Add(m.cfg.RetryInitial); at.Before(earliest) && earliest.Before(leaf.NotAfter) {
 		at = earliest
 	}
 	return at
 }
 
-func (m *Manager) retryDelay(failures int) time.Duration {
-	d := m.cfg.RetryMax
-	if failures < 32 {
-		if x := m.cfg.RetryInitial << (failures - 1); x > 0 && x < d {
-			d = x
-		}
-	}
-	return d/2 + time.Duration(mrand.Int64N(int64(d/2)+1))
+func (m *Manager) newEntry() *entry {
+	return &entry{retry: backoff.New(m.cfg.RetryInitial, m.cfg.RetryMax)}
 }
 
 // fetch asks the CA for a certificate of id and checks the answer.
@@ -433,7 +428,7 @@ func (m *Manager) reconcile(snap *state.Snapshot) {
 	}
 	for id := range want {
 		if _, ok := m.entries[id]; !ok {
-			e := &entry{}
+			e := m.newEntry()
 			m.entries[id] = e
 			m.startLocked(id, e)
 		}

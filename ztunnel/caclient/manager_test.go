@@ -17,7 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
-	"github.com/isthmus-mesh/isthmus/pilot/ca"
+	"github.com/isthmus-mesh/isthmus/internal/spiffe"
 	"github.com/isthmus-mesh/isthmus/ztunnel/caclient"
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/isthmus-mesh/isthmus/ztunnel/internal/catest"
@@ -197,7 +197,7 @@ func TestRenewAtHalfLife(t *testing.T) {
 		require.NoError(c, err)
 		first = cert
 	}, 5*time.Second, 10*time.Millisecond)
-	renewAt := ca.RenewAt(first.Leaf)
+	renewAt := spiffe.RenewAt(first.Leaf)
 	require.WithinDuration(t, time.Now().Add(2*time.Second), renewAt, 2*time.Second)
 
 	require.EventuallyWithT(t, func(c *assert.CollectT) {

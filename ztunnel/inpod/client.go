@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/isthmus-mesh/isthmus/cni/zds"
+	"github.com/isthmus-mesh/isthmus/internal/backoff"
 )
 
 // Pod is an enrolled pod: UID (the Kubernetes pod UID), name, namespace,
@@ -111,7 +112,7 @@ func (c *Client) Synced() bool { return c.synced.Load() }
 // reconnecting with backoff whenever the connection fails. It returns nil
 // when ctx ends. The handler's pods are left as they are.
 func (c *Client) Run(ctx context.Context) error {
-	delay := c.cfg.InitialBackoff
+	retry := backoff.New(c.cfg.InitialBackoff, c.cfg.MaxBackoff)
 	for {
 		gotSnapshot, err := c.session(ctx)
 		c.synced.Store(false)
@@ -119,17 +120,13 @@ func (c *Client) Run(ctx context.Context) error {
 			return nil
 		}
 		if gotSnapshot {
-			delay = c.cfg.InitialBackoff
+			retry.Reset()
 		}
+		delay := retry.Next()
 		c.deps.Log.Warn("agent connection ended; reconnecting", "error", err, "in", delay)
-		t := time.NewTimer(delay)
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if !backoff.Sleep(ctx, delay) {
 			return nil
-		case <-t.C:
 		}
-		delay = min(2*delay, c.cfg.MaxBackoff)
 	}
 }
 

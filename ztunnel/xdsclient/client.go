@@ -24,7 +24,6 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
-	"math/rand/v2"
 	"slices"
 	"strings"
 	"sync"
@@ -40,6 +39,7 @@ import (
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/protobuf/types/known/structpb"
 
+	"github.com/isthmus-mesh/isthmus/internal/backoff"
 	workloadv1 "github.com/isthmus-mesh/isthmus/pilot/api/workload/v1"
 	"github.com/isthmus-mesh/isthmus/ztunnel/state"
 )
@@ -123,9 +123,6 @@ type Deps struct {
 	DialOptions []grpc.DialOption
 	// Log defaults to a discarding logger.
 	Log *slog.Logger
-	// Rand returns a uniform integer in [0, n) for backoff jitter; nil means
-	// math/rand/v2.
-	Rand func(n int64) int64
 	// Types take more resource types on the same stream, each subscribed
 	// wildcard (ztunnel/authz.Store takes the authorization type).
 	Types []TypeHandler
@@ -209,9 +206,6 @@ func New(cfg Config, deps Deps) (*Client, error) {
 	}
 	if deps.Log == nil {
 		deps.Log = slog.New(slog.DiscardHandler)
-	}
-	if deps.Rand == nil {
-		deps.Rand = rand.Int64N
 	}
 	md := map[string]any{}
 	for k, v := range cfg.Metadata {
@@ -316,40 +310,22 @@ func (c *Client) Run(ctx context.Context) error {
 	}
 	defer conn.Close()
 	ads := discovery.NewAggregatedDiscoveryServiceClient(conn)
-	attempt := 0
+	retry := backoff.New(c.cfg.InitialBackoff, c.cfg.MaxBackoff)
 	for {
 		got, err := c.stream(ctx, ads)
 		if ctx.Err() != nil {
 			return nil
 		}
 		if got {
-			attempt = 0
+			retry.Reset()
 		}
-		delay := backoff(attempt, c.cfg.InitialBackoff, c.cfg.MaxBackoff, c.deps.Rand)
-		attempt++
+		delay := retry.Next()
 		c.log.Warn("xds stream ended; serving the last good state until reconnected",
 			"addr", c.cfg.Address, "err", err, "retry_in", delay, "resources", len(c.Versions()))
-		t := time.NewTimer(delay)
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if !backoff.Sleep(ctx, delay) {
 			return nil
-		case <-t.C:
 		}
 	}
-}
-
-// backoff returns the jittered delay before reconnect attempt n (0-based):
-// base = initial·2^n capped at max, slept in [base/2, base].
-func backoff(n int, initial, max time.Duration, rnd func(int64) int64) time.Duration {
-	base := max
-	if n < 32 {
-		if d := initial << n; d > 0 && d < max {
-			base = d
-		}
-	}
-	half := base / 2
-	return half + time.Duration(rnd(int64(base-half)+1))
 }
 
 // stream runs one ADS stream until it fails; got reports whether any

@@ -3,7 +3,6 @@ package xdsclient
 import (
 	"net/netip"
 	"testing"
-	"time"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/stretchr/testify/require"
@@ -161,18 +160,4 @@ func TestDecodeSplitHorizon(t *testing.T) {
 			require.ErrorContains(t, err, name)
 		})
 	}
-}
-
-// TestBackoff proves the reconnect delay doubles from the initial value,
-// is capped, and is jittered within [base/2, base].
-func TestBackoff(t *testing.T) {
-	lo := func(int64) int64 { return 0 }
-	hi := func(n int64) int64 { return n - 1 }
-	initial, maxD := 100*time.Millisecond, 2*time.Second
-	for n, base := range []time.Duration{100, 200, 400, 800, 1600, 2000, 2000} {
-		base *= time.Millisecond
-		require.Equal(t, base/2, backoff(n, initial, maxD, lo), "attempt %d low", n)
-		require.Equal(t, base, backoff(n, initial, maxD, hi), "attempt %d high", n)
-	}
-	require.Equal(t, maxD, backoff(200, initial, maxD, hi), "no overflow on many attempts")
 }
