@@ -40,6 +40,7 @@ import (
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/multicluster"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 )
@@ -68,7 +69,7 @@ type Config struct {
 
 func (c *Config) defaults() {
 	if c.ControlPlaneNamespace == "" {
-		c.ControlPlaneNamespace = "isthmus-system"
+		c.ControlPlaneNamespace = defaults.Namespace
 	}
 	if c.Domain == "" {
 		c.Domain = model.DefaultDomain

@@ -47,6 +47,7 @@ import (
 	"k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/workqueue"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 )
@@ -94,7 +95,7 @@ type Config struct {
 
 func (c *Config) defaults() {
 	if c.Namespace == "" {
-		c.Namespace = "isthmus-system"
+		c.Namespace = defaults.Namespace
 	}
 	if c.ConfigClusterID == "" {
 		c.ConfigClusterID = "primary"

@@ -17,6 +17,7 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/isthmus-mesh/isthmus/analysis"
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/multicluster"
 	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
@@ -73,9 +74,9 @@ func (c *LiveConfig) validate(d LiveDeps) error {
 }
 
 func meshDefaults(m analysis.Mesh) analysis.Mesh {
-	m.Namespace = cmp.Or(m.Namespace, "isthmus-system")
+	m.Namespace = cmp.Or(m.Namespace, defaults.Namespace)
 	m.ConfigCluster = cmp.Or(m.ConfigCluster, "primary")
-	m.TrustDomain = cmp.Or(m.TrustDomain, "cluster.local")
+	m.TrustDomain = cmp.Or(m.TrustDomain, defaults.TrustDomain)
 	return m
 }
 

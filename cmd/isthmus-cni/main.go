@@ -17,16 +17,14 @@ import (
 	"net/netip"
 	"os"
 	"os/signal"
-	"strings"
 	"syscall"
 
 	"github.com/spf13/cobra"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/isthmus-mesh/isthmus/cni/agent"
 	"github.com/isthmus-mesh/isthmus/cni/plugin"
+	"github.com/isthmus-mesh/isthmus/internal/cmdutil"
 	"github.com/isthmus-mesh/isthmus/internal/version"
 )
 
@@ -48,17 +46,9 @@ func main() {
 type runFunc func(ctx context.Context, cfg agent.Config, kubeconfig string, log *slog.Logger) error
 
 func runAgent(ctx context.Context, cfg agent.Config, kubeconfig string, log *slog.Logger) error {
-	var (
-		rc  *rest.Config
-		err error
-	)
-	if kubeconfig != "" {
-		rc, err = clientcmd.BuildConfigFromFlags("", kubeconfig)
-	} else {
-		rc, err = rest.InClusterConfig()
-	}
+	rc, err := cmdutil.RestConfig(kubeconfig, "")
 	if err != nil {
-		return fmt.Errorf("kubernetes client configuration: %w", err)
+		return err
 	}
 	client, err := kubernetes.NewForConfig(rc)
 	if err != nil {
@@ -91,8 +81,7 @@ func newAgentCommand(stderr io.Writer, run runFunc) *cobra.Command {
 		kubeconfig    string
 		excluded      []string
 		nodeAddresses []string
-		logFormat     = "json"
-		logLevel      = "info"
+		lc            = cmdutil.Log{Format: "json", Level: "info"}
 	)
 	cmd := &cobra.Command{
 		Use:           "agent",
@@ -101,7 +90,7 @@ func newAgentCommand(stderr io.Writer, run runFunc) *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := logger(stderr, logFormat, logLevel)
+			log, err := lc.Logger(stderr)
 			if err != nil {
 				return err
 			}
@@ -138,26 +127,9 @@ func newAgentCommand(stderr io.Writer, run runFunc) *cobra.Command {
 	f.BoolVar(&cfg.RedirectDNS, "redirect-dns", false, "send enrolled pods' DNS (port 53) to ztunnel's 15053")
 	f.StringVar(&cfg.MonitoringAddr, "monitoring-addr", d.MonitoringAddr, `/metrics, /healthz and /readyz listen address ("none" disables)`)
 	f.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", d.ShutdownTimeout, "time allowed for a graceful stop")
-	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: in-cluster configuration)")
-	f.StringVar(&logFormat, "log-format", logFormat, "log format: json or text")
-	f.StringVar(&logLevel, "log-level", logLevel, "log level: debug, info, warn or error")
+	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, ~/.kube/config, then in-cluster)")
+	lc.AddFlags(f)
 	return cmd
-}
-
-func logger(w io.Writer, format, levelName string) (*slog.Logger, error) {
-	var level slog.Level
-	if err := level.UnmarshalText([]byte(levelName)); err != nil {
-		return nil, fmt.Errorf("--log-level: %w", err)
-	}
-	opts := &slog.HandlerOptions{Level: level}
-	switch strings.ToLower(format) {
-	case "json":
-		return slog.New(slog.NewJSONHandler(w, opts)), nil
-	case "text":
-		return slog.New(slog.NewTextHandler(w, opts)), nil
-	default:
-		return nil, fmt.Errorf("--log-format %q: want json or text", format)
-	}
 }
 
 func envOr(key, def string) string {

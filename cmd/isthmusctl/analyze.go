@@ -15,6 +15,8 @@ import (
 	"github.com/isthmus-mesh/isthmus/analysis/analyzers"
 	"github.com/isthmus-mesh/isthmus/analysis/collect"
 	"github.com/isthmus-mesh/isthmus/analysis/msg"
+	"github.com/isthmus-mesh/isthmus/internal/cmdutil"
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 )
 
@@ -58,10 +60,10 @@ cluster ID), and reports cross-cluster misconfigurations as coded messages
 	f.StringVar(&cfg.Kubeconfig, "kubeconfig", "", "kubeconfig of the config cluster (default: standard loading rules)")
 	f.StringVar(&cfg.Context, "context", "", "kubeconfig context of the config cluster")
 	f.StringVarP(&cfg.Files, "files", "f", "", "analyze manifests instead of live clusters: a folder with one folder per cluster ID")
-	f.StringVar(&cfg.Namespace, "namespace", "isthmus-system", "control-plane namespace (pilot's --namespace)")
+	f.StringVar(&cfg.Namespace, "namespace", defaults.Namespace, "control-plane namespace (pilot's --namespace)")
 	f.StringVar(&cfg.ClusterID, "cluster-id", "primary", "ID of the config cluster (pilot's --cluster-id)")
 	f.StringVar(&cfg.Network, "network", "", "default network of the config cluster (pilot's --network)")
-	f.StringVar(&cfg.TrustDomain, "trust-domain", "cluster.local", "SPIFFE trust domain (pilot's --trust-domain)")
+	f.StringVar(&cfg.TrustDomain, "trust-domain", defaults.TrustDomain, "SPIFFE trust domain (pilot's --trust-domain)")
 	f.StringSliceVar(&cfg.GatewayNamespaces, "gateway-namespaces", nil, "namespaces whose Services may be east-west gateways (default: --namespace), as pilot's flag")
 	f.StringVar(&cfg.GatewayNamespaceSelector, "gateway-namespace-selector", "", "label selector of further gateway namespaces, as pilot's flag")
 	f.StringSliceVar(&cfg.AllowedKubeconfigOptions, "allow-kubeconfig-option", nil, "kubeconfig options remote secrets may use, as pilot's flag")
@@ -118,7 +120,7 @@ func snapshot(ctx context.Context, cfg analyzeConfig, mesh analysis.Mesh, log *s
 	if cfg.Files != "" {
 		return collect.Files(cfg.Files, collect.FilesConfig{Mesh: mesh, ConfigNetwork: model.Network(cfg.Network)})
 	}
-	rc, err := restConfig(cfg.Kubeconfig, cfg.Context)
+	rc, err := cmdutil.RestConfig(cfg.Kubeconfig, cfg.Context)
 	if err != nil {
 		return nil, err
 	}

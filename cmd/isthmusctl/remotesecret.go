@@ -18,9 +18,10 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
 	"sigs.k8s.io/yaml"
 
+	"github.com/isthmus-mesh/isthmus/internal/cmdutil"
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
 )
 
@@ -72,7 +73,7 @@ or updated in the primary cluster. The token appears nowhere else.`,
 	f.StringVar(&cfg.Kubeconfig, "kubeconfig", "", "kubeconfig of the remote cluster (default: $KUBECONFIG or ~/.kube/config)")
 	f.StringVar(&cfg.Context, "context", "", "context of the remote cluster in --kubeconfig (default: its current context)")
 	f.StringVar(&cfg.Name, "name", "", "ID of the remote cluster (a DNS-1123 label); required")
-	f.StringVar(&cfg.Namespace, "namespace", "isthmus-system", "control-plane namespace, in the remote and in the primary")
+	f.StringVar(&cfg.Namespace, "namespace", defaults.Namespace, "control-plane namespace, in the remote and in the primary")
 	f.StringVar(&cfg.Network, "network", "", "default network of the remote cluster's workloads (annotation topology.istio.io/network)")
 	f.StringVar(&cfg.Server, "server", "", "API server URL pilot should use (default: the server in --kubeconfig)")
 	f.BoolVar(&cfg.Apply, "apply", false, "create or update the Secret in the primary cluster instead of printing it")
@@ -101,7 +102,7 @@ func createRemoteSecret(ctx context.Context, cfg createRemoteSecretConfig, out i
 		defer cancel()
 	}
 
-	remote, err := restConfig(cfg.Kubeconfig, cfg.Context)
+	remote, err := cmdutil.RestConfig(cfg.Kubeconfig, cfg.Context)
 	if err != nil {
 		return fmt.Errorf("remote cluster: %w", err)
 	}
@@ -146,7 +147,7 @@ func createRemoteSecret(ctx context.Context, cfg createRemoteSecretConfig, out i
 		_, err = out.Write(b)
 		return err
 	}
-	primary, err := restConfig(cfg.PrimaryKubeconfig, cfg.PrimaryContext)
+	primary, err := cmdutil.RestConfig(cfg.PrimaryKubeconfig, cfg.PrimaryContext)
 	if err != nil {
 		return fmt.Errorf("primary cluster: %w", err)
 	}
@@ -163,21 +164,6 @@ func createRemoteSecret(ctx context.Context, cfg createRemoteSecretConfig, out i
 	}
 	_, err = fmt.Fprintf(out, "secret/%s %s in namespace %s of the primary cluster (%s)\n", secret.Name, verb, secret.Namespace, primary.Host)
 	return err
-}
-
-// restConfig loads a client config from a kubeconfig path (or the default
-// loading rules when empty) and an optional context.
-func restConfig(path, kubeContext string) (*rest.Config, error) {
-	rules := clientcmd.NewDefaultClientConfigLoadingRules()
-	if path != "" {
-		rules.ExplicitPath = path
-	}
-	cc := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{CurrentContext: kubeContext})
-	cfg, err := cc.ClientConfig()
-	if err != nil {
-		return nil, fmt.Errorf("load kubeconfig %q (context %q): %w", path, kubeContext, err)
-	}
-	return cfg, nil
 }
 
 // caData returns the PEM CA of cfg's server, inline or read from its file.

@@ -7,18 +7,17 @@ package main
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"os"
 	"os/signal"
+	"strconv"
 	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
 	"k8s.io/apimachinery/pkg/labels"
-	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
-	"k8s.io/klog/v2"
 
+	"github.com/isthmus-mesh/isthmus/internal/cmdutil"
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/internal/version"
 	"github.com/isthmus-mesh/isthmus/multicluster"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
@@ -27,7 +26,7 @@ import (
 
 type options struct {
 	kubeconfig, kubeContext string
-	logLevel, logFormat     string
+	log                     cmdutil.Log
 	namespace, clusterID    string
 	network                 string
 	gatewaySelector         string
@@ -58,15 +57,15 @@ func newCommand() *cobra.Command {
 	}
 	cmd.SetVersionTemplate("pilot {{.Version}}\n")
 	f := cmd.Flags()
-	f.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig of the config cluster (default: in-cluster)")
+	f.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig of the config cluster (default: $KUBECONFIG, ~/.kube/config, then in-cluster)")
 	f.StringVar(&o.kubeContext, "context", "", "context in --kubeconfig")
-	f.StringVar(&o.namespace, "namespace", "isthmus-system", "control-plane namespace (remote secrets, CA secrets)")
+	f.StringVar(&o.namespace, "namespace", defaults.Namespace, "control-plane namespace (remote secrets, CA secrets)")
 	f.StringVar(&o.clusterID, "cluster-id", "primary", "ID of the config cluster")
 	f.StringVar(&o.network, "network", "", "default network of the config cluster")
-	f.StringVar(&o.cfg.GRPCAddr, "xds-addr", ":15012", "TLS gRPC address (CA and xDS); - disables")
-	f.StringVar(&o.cfg.XDSPlaintextAddr, "xds-plaintext-addr", "-", "plaintext xDS address (development only); - disables")
-	f.StringVar(&o.cfg.MonitoringAddr, "monitoring-addr", ":15014", "address of /metrics, /healthz and /readyz; - disables")
-	f.StringVar(&o.cfg.DebugAddr, "debug-addr", "127.0.0.1:8080", "address of /debug/*; - disables")
+	f.StringVar(&o.cfg.GRPCAddr, "xds-addr", ":"+strconv.Itoa(defaults.XDSPort), "TLS gRPC address (CA and xDS); "+defaults.Disabled+" disables")
+	f.StringVar(&o.cfg.XDSPlaintextAddr, "xds-plaintext-addr", defaults.Disabled, "plaintext xDS address (development only); "+defaults.Disabled+" disables")
+	f.StringVar(&o.cfg.MonitoringAddr, "monitoring-addr", ":"+strconv.Itoa(defaults.MonitoringPort), "address of /metrics, /healthz and /readyz; "+defaults.Disabled+" disables")
+	f.StringVar(&o.cfg.DebugAddr, "debug-addr", "127.0.0.1:8080", "address of /debug/*; "+defaults.Disabled+" disables")
 	f.DurationVar(&o.cfg.Multicluster.SyncTimeout, "sync-timeout", 30*time.Second, "a remote not synced after this is reported timed out")
 	f.StringSliceVar(&o.cfg.Multicluster.AllowedKubeconfigOptions, "allow-kubeconfig-option", nil,
 		"kubeconfig options remote secrets may use although they read files or run auth providers (auth-provider[:name], tokenFile, clientCertificate, clientKey, certificateAuthority); exec plugins are allowed by --exec-allowlist and --exec-allow, and \"exec\" here is an error")
@@ -83,25 +82,24 @@ func newCommand() *cobra.Command {
 		"namespaces whose Services may be east-west gateways (default: --namespace); a Service labelled with a network elsewhere is ignored and reported")
 	f.StringVar(&o.gatewaySelector, "gateway-namespace-selector", "",
 		"label selector of further namespaces whose Services may be east-west gateways (e.g. isthmus.io/gateways=trusted)")
-	f.StringVar(&o.cfg.CA.TrustDomain, "trust-domain", "cluster.local", "SPIFFE trust domain")
+	f.StringVar(&o.cfg.CA.TrustDomain, "trust-domain", defaults.TrustDomain, "SPIFFE trust domain")
 	f.StringSliceVar(&o.cfg.CA.ServingSANs, "serving-san", nil, "DNS names or IPs of pilot's serving certificate (default isthmusd.<namespace>.svc)")
 	f.BoolVar(&o.cfg.NoLeaderElection, "no-leader-election", false, "write cluster status without a leader Lease (single replica only)")
 	f.DurationVar(&o.cfg.ShutdownTimeout, "shutdown-timeout", 10*time.Second, "bound of the graceful shutdown")
-	f.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
-	f.StringVar(&o.logFormat, "log-format", "text", "text or json")
+	o.log = cmdutil.Log{Format: "text", Level: "info"}
+	o.log.AddFlags(f)
 	return cmd
 }
 
 func (o *options) run(ctx context.Context) error {
-	logger, err := newLogger(o.logLevel, o.logFormat)
+	logger, err := o.log.Logger(os.Stderr)
 	if err != nil {
 		return err
 	}
-	klog.SetSlogLogger(logger.With("source", "client-go"))
 	if o.cfg.Multicluster.Exec.Allowlist, err = execAllowlist(o.execAllowlistFile, o.execAllow); err != nil {
 		return err
 	}
-	rc, err := restConfig(o.kubeconfig, o.kubeContext)
+	rc, err := cmdutil.RestConfig(o.kubeconfig, o.kubeContext)
 	if err != nil {
 		return err
 	}
@@ -143,35 +141,4 @@ func execAllowlist(path string, specs []string) ([]multicluster.ExecRule, error)
 		rules = append(rules, r)
 	}
 	return rules, nil
-}
-
-func restConfig(path, kubeContext string) (*rest.Config, error) {
-	if path == "" {
-		cfg, err := rest.InClusterConfig()
-		if err != nil {
-			return nil, fmt.Errorf("no --kubeconfig and not in a cluster: %w", err)
-		}
-		return cfg, nil
-	}
-	cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(
-		&clientcmd.ClientConfigLoadingRules{ExplicitPath: path}, &clientcmd.ConfigOverrides{CurrentContext: kubeContext}).ClientConfig()
-	if err != nil {
-		return nil, fmt.Errorf("kubeconfig %s: %w", path, err)
-	}
-	return cfg, nil
-}
-
-func newLogger(level, format string) (*slog.Logger, error) {
-	var lv slog.Level
-	if err := lv.UnmarshalText([]byte(level)); err != nil {
-		return nil, fmt.Errorf("--log-level: %w", err)
-	}
-	opts := &slog.HandlerOptions{Level: lv}
-	switch format {
-	case "text":
-		return slog.New(slog.NewTextHandler(os.Stderr, opts)), nil
-	case "json":
-		return slog.New(slog.NewJSONHandler(os.Stderr, opts)), nil
-	}
-	return nil, fmt.Errorf("--log-format: %q is neither text nor json", format)
 }

@@ -7,7 +7,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"log/slog"
 	"net/netip"
 	"os"
 	"os/signal"
@@ -16,6 +15,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/isthmus-mesh/isthmus/internal/cmdutil"
 	"github.com/isthmus-mesh/isthmus/internal/version"
 	"github.com/isthmus-mesh/isthmus/ztunnel/node"
 )
@@ -41,32 +41,10 @@ func runNode(ctx context.Context, cfg node.Config, deps node.Deps) error {
 	return n.Run(ctx)
 }
 
-// logConfig selects the log handler.
-type logConfig struct {
-	Format string
-	Level  string
-}
-
-func (l logConfig) logger(w io.Writer) (*slog.Logger, error) {
-	var level slog.Level
-	if err := level.UnmarshalText([]byte(l.Level)); err != nil {
-		return nil, fmt.Errorf("--log-level: %w", err)
-	}
-	opts := &slog.HandlerOptions{Level: level}
-	switch strings.ToLower(l.Format) {
-	case "json":
-		return slog.New(slog.NewJSONHandler(w, opts)), nil
-	case "text":
-		return slog.New(slog.NewTextHandler(w, opts)), nil
-	default:
-		return nil, fmt.Errorf("--log-format %q: want json or text", l.Format)
-	}
-}
-
 func newCommand(stderr io.Writer, run runFunc) *cobra.Command {
 	d := node.DefaultConfig
 	cfg := node.Config{}
-	lc := logConfig{Format: "json", Level: "info"}
+	lc := cmdutil.Log{Format: "json", Level: "info"}
 	var mode string
 	var podDNS bool
 	var nodeIPs []string
@@ -78,7 +56,7 @@ func newCommand(stderr io.Writer, run runFunc) *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := lc.logger(stderr)
+			log, err := lc.Logger(stderr)
 			if err != nil {
 				return err
 			}
@@ -129,8 +107,7 @@ func newCommand(stderr io.Writer, run runFunc) *cobra.Command {
 	f.StringVar(&cfg.MetricsListen, "metrics-addr", d.MetricsListen, `metrics listen address ("none" disables)`)
 	f.StringVar(&cfg.GatewayListen, "gateway-addr", "", "gateway mode: HBONE listen address (default 0.0.0.0:<hbone-port>)")
 	f.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", d.ShutdownTimeout, "time allowed for a graceful stop")
-	f.StringVar(&lc.Format, "log-format", lc.Format, "log format: json or text")
-	f.StringVar(&lc.Level, "log-level", lc.Level, "log level: debug, info, warn or error")
+	lc.AddFlags(f)
 	return cmd
 }
 

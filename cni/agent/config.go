@@ -4,6 +4,7 @@ import (
 	"errors"
 	"log/slog"
 	"net/netip"
+	"strconv"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -11,10 +12,11 @@ import (
 
 	"github.com/isthmus-mesh/isthmus/cni/plugin"
 	"github.com/isthmus-mesh/isthmus/cni/selection"
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 )
 
 // Disabled as an address or directory turns that part off.
-const Disabled = "none"
+const Disabled = defaults.Disabled
 
 // Config is one node agent. Zero fields take the defaults of DefaultConfig;
 // withDefaults is the only place defaults are decided.
@@ -81,7 +83,7 @@ type Config struct {
 
 // DefaultConfig holds the defaults.
 var DefaultConfig = Config{
-	SystemNamespace:      "isthmus-system",
+	SystemNamespace:      defaults.Namespace,
 	CNIBinDir:            "/host/opt/cni/bin",
 	CNIConfDir:           "/host/etc/cni/net.d",
 	InstallCheckInterval: time.Minute,
@@ -91,7 +93,7 @@ var DefaultConfig = Config{
 	AckTimeout:           3 * time.Second,
 	NetnsDirs:            []string{"/var/run/netns"},
 	ProcDir:              "/host/proc",
-	MonitoringAddr:       ":15014",
+	MonitoringAddr:       ":" + strconv.Itoa(defaults.MonitoringPort),
 	ShutdownTimeout:      5 * time.Second,
 }
 

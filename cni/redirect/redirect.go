@@ -12,19 +12,20 @@ import (
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"golang.org/x/sys/unix"
 )
 
 // Ports of ztunnel's in-pod listeners that the rules redirect to.
 const (
 	// OutboundPort receives the pod's outbound TCP.
-	OutboundPort uint16 = 15001
+	OutboundPort uint16 = defaults.OutboundPort
 	// InboundPlaintextPort receives inbound TCP that is not HBONE.
-	InboundPlaintextPort uint16 = 15006
+	InboundPlaintextPort uint16 = defaults.InboundPlaintextPort
 	// HBONEPort is left alone: HBONE reaches ztunnel's listener as sent.
-	HBONEPort uint16 = 15008
+	HBONEPort uint16 = defaults.HBONEPort
 	// DNSPort receives the pod's DNS (UDP and TCP 53) when enabled.
-	DNSPort uint16 = 15053
+	DNSPort uint16 = defaults.DNSPort
 )
 
 // Mark is the socket mark (SO_MARK) ztunnel sets on every socket it opens

@@ -16,6 +16,7 @@ package selection
 import (
 	"slices"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	corev1 "k8s.io/api/core/v1"
 )
 
@@ -35,7 +36,7 @@ const (
 )
 
 // DefaultExcludedNamespaces are never enrolled unless Config says otherwise.
-var DefaultExcludedNamespaces = []string{"kube-system", "isthmus-system"}
+var DefaultExcludedNamespaces = []string{"kube-system", defaults.Namespace}
 
 // Reason says why a pod is or is not enrolled; it is a stable, short token
 // fit for logs and metric labels.

@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -53,7 +54,7 @@ type ReaderOptions struct {
 
 func (o *ReaderOptions) defaults() {
 	if o.Namespace == "" {
-		o.Namespace = "isthmus-system"
+		o.Namespace = defaults.Namespace
 	}
 	if o.ServiceAccount == "" {
 		o.ServiceAccount = "isthmus-reader-service-account"

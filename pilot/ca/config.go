@@ -10,13 +10,14 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/internal/spiffe"
 )
 
 // Defaults applied by Config.withDefaults; exported so cmd/ can show them in flag help.
 const (
-	DefaultNamespace        = "isthmus-system"
-	DefaultTrustDomain      = "cluster.local"
+	DefaultNamespace        = defaults.Namespace
+	DefaultTrustDomain      = defaults.TrustDomain
 	DefaultSelfSignedSecret = "isthmus-ca-secret"
 	DefaultPluginSecret     = "cacerts"
 	DefaultRootConfigMap    = "isthmus-ca-root-cert"

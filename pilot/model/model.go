@@ -11,6 +11,8 @@ import (
 	"net/netip"
 	"slices"
 	"strings"
+
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 )
 
 // ClusterID names one Kubernetes cluster of the federation (a DNS-1123 label).
@@ -20,10 +22,10 @@ type ClusterID string
 type Network string
 
 // DefaultDomain is the DNS suffix of Kubernetes service hostnames.
-const DefaultDomain = "cluster.local"
+const DefaultDomain = defaults.DNSDomain
 
 // HBONEPort is the port of HBONE (HTTP/2 CONNECT over mTLS) listeners.
-const HBONEPort = 15008
+const HBONEPort = defaults.HBONEPort
 
 // Locality is where a workload runs, from its node's topology labels.
 type Locality struct {

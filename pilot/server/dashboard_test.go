@@ -28,6 +28,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 	pb "istio.io/api/security/v1alpha1"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/pilot/ca"
 	"github.com/isthmus-mesh/isthmus/pilot/server"
 	"github.com/isthmus-mesh/isthmus/pilot/xds"
@@ -120,7 +121,7 @@ func TestDashboardQueriesExistInPilot(t *testing.T) {
 	require.NoError(t, clusters.Cluster("primary").EnsureNamespace(ctx, cpNS, nil))
 	p := runPilot(t, server.Config{
 		Namespace: cpNS, ClusterID: "primary", Network: "net1", NoLeaderElection: true,
-		DebugAddr: "-", MonitoringAddr: "127.0.0.1:0", GRPCAddr: ip + ":0", XDSPlaintextAddr: "127.0.0.1:0",
+		DebugAddr: defaults.Disabled, MonitoringAddr: "127.0.0.1:0", GRPCAddr: ip + ":0", XDSPlaintextAddr: "127.0.0.1:0",
 		CA: ca.Config{ServingSANs: []string{ip}},
 	})
 	registerRemote(t, cpNS, "net2")

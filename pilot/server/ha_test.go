@@ -14,6 +14,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/pilot/server"
 	"github.com/isthmus-mesh/isthmus/test/framework"
 	"github.com/isthmus-mesh/isthmus/ztunnel/state"
@@ -41,7 +42,7 @@ func TestTwoReplicas(t *testing.T) {
 	}
 	cfg := func(id string) server.Config {
 		return server.Config{ClusterID: "primary", Namespace: ns, Network: "network-1", Identity: id,
-			DebugAddr: "-", MonitoringAddr: "-", GRPCAddr: "-", XDSPlaintextAddr: "127.0.0.1:0",
+			DebugAddr: defaults.Disabled, MonitoringAddr: defaults.Disabled, GRPCAddr: defaults.Disabled, XDSPlaintextAddr: "127.0.0.1:0",
 			LeaderElection: server.LeaderElection{LeaseDuration: 3 * time.Second, RenewDeadline: 2 * time.Second, RetryPeriod: 200 * time.Millisecond}}
 	}
 	pa, stopA := runPilotCancel(t, cfg("replica-a"))

@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/pilot/server"
 	"github.com/isthmus-mesh/isthmus/test/framework"
 )
@@ -45,7 +46,7 @@ func TestServiceImports(t *testing.T) {
 		framework.ServicePort{Name: "http", Port: 80, TargetPort: 8080}, framework.ServicePort{Name: "grpc", Port: 9090, TargetPort: 9090})
 	require.NoError(t, err)
 	runPilot(t, server.Config{ClusterID: "primary", Namespace: ns, Network: "network-1", NoLeaderElection: true,
-		DebugAddr: "-", MonitoringAddr: "-", GRPCAddr: "-"})
+		DebugAddr: defaults.Disabled, MonitoringAddr: defaults.Disabled, GRPCAddr: defaults.Disabled})
 	registerRemote(t, ns, "network-2")
 
 	exp := &unstructured.Unstructured{}

@@ -18,6 +18,7 @@ import (
 	grpcxds "google.golang.org/grpc/xds"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/pilot/server"
 	"github.com/isthmus-mesh/isthmus/test/framework"
 )
@@ -58,7 +59,7 @@ func TestProxylessGRPCAcrossRealClusters(t *testing.T) {
 
 	p := runPilot(t, server.Config{
 		Namespace: cpNS, ClusterID: "primary", Network: "net1", NoLeaderElection: true,
-		DebugAddr: "-", MonitoringAddr: "-", GRPCAddr: "-", XDSPlaintextAddr: "127.0.0.1:0",
+		DebugAddr: defaults.Disabled, MonitoringAddr: defaults.Disabled, GRPCAddr: defaults.Disabled, XDSPlaintextAddr: "127.0.0.1:0",
 	})
 	registerRemote(t, cpNS, "net1") // one network: endpoints are reached directly
 	require.Eventually(t, func() bool { return p.XDSPlaintextAddr() != "" }, 30*time.Second, 10*time.Millisecond)

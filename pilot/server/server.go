@@ -14,6 +14,7 @@ import (
 	"net/http"
 	"net/http/pprof"
 	"os"
+	"strconv"
 	"sync"
 	"time"
 
@@ -29,6 +30,7 @@ import (
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
 
 	"github.com/isthmus-mesh/isthmus/controller"
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/internal/version"
 	"github.com/isthmus-mesh/isthmus/multicluster"
 	"github.com/isthmus-mesh/isthmus/pilot/ca"
@@ -58,19 +60,21 @@ type Config struct {
 	// CA configures the mesh CA (its ClusterID and Namespace are copied
 	// from above).
 	CA ca.Config
-	// GRPCAddr serves the CA (and xDS) over TLS (default ":15012"; "-" disables).
+	// GRPCAddr serves the CA (and xDS) over TLS (default ":15012";
+	// defaults.Disabled turns it off, as for every listen address here).
 	GRPCAddr string
 	// XDSPlaintextAddr serves xDS without TLS, for development only
-	// (default "-": disabled).
+	// (default: disabled).
 	XDSPlaintextAddr string
-	// DebugAddr serves /debug/* (default "127.0.0.1:8080"; "-" disables).
+	// DebugAddr serves /debug/* (default "127.0.0.1:8080").
 	DebugAddr string
-	// MonitoringAddr serves /metrics, /healthz and /readyz (default ":15014"; "-" disables).
+	// MonitoringAddr serves /metrics, /healthz and /readyz (default ":15014").
 	MonitoringAddr string
-	// LeaderElection guards the parts that write to clusters beyond
-	// idempotent content (MCS ServiceExport status) with a Lease in
-	// Namespace, so several replicas can run (default on; tests may turn
-	// it off with NoLeaderElection).
+	// NoLeaderElection turns leader election off: this replica writes the
+	// shared state (ServiceExport and ServiceImport status, Gateway status,
+	// published roots, Events) without holding the leader Lease. For a
+	// single replica only (development, tests). By default only the replica
+	// holding the Lease in Namespace writes them, so several can run.
 	NoLeaderElection bool
 	// Identity of this replica in leader election (default hostname-pid).
 	Identity string
@@ -83,15 +87,18 @@ type Config struct {
 	// none on a client's network (its table lives in a ConfigMap of
 	// Namespace, which is copied in).
 	VIP vip.Config
-	// ShutdownTimeout bounds the graceful shutdown of HTTP servers (default 5 s).
+	// ShutdownTimeout bounds the graceful shutdown of HTTP servers (default
+	// 10 s, as the binary's --shutdown-timeout).
 	ShutdownTimeout time.Duration
-	// Logger (default slog.Default()).
+	// Logger (default: discards).
 	Logger *slog.Logger
 }
 
-func (c *Config) defaults() {
+// withDefaults fills what c leaves empty and copies the shared settings
+// into the parts' configurations.
+func (c Config) withDefaults() Config {
 	if c.Namespace == "" {
-		c.Namespace = "isthmus-system"
+		c.Namespace = defaults.Namespace
 	}
 	if c.ClusterID == "" {
 		c.ClusterID = "primary"
@@ -100,25 +107,25 @@ func (c *Config) defaults() {
 		c.DebugAddr = "127.0.0.1:8080"
 	}
 	if c.GRPCAddr == "" {
-		c.GRPCAddr = ":15012"
+		c.GRPCAddr = ":" + strconv.Itoa(defaults.XDSPort)
 	}
 	if c.XDSPlaintextAddr == "" {
-		c.XDSPlaintextAddr = "-"
+		c.XDSPlaintextAddr = defaults.Disabled
 	}
 	if c.MonitoringAddr == "" {
-		c.MonitoringAddr = ":15014"
+		c.MonitoringAddr = ":" + strconv.Itoa(defaults.MonitoringPort)
 	}
 	if c.Identity == "" {
 		host, _ := os.Hostname()
 		c.Identity = fmt.Sprintf("%s-%d", host, os.Getpid())
 	}
 	if c.ShutdownTimeout == 0 {
-		c.ShutdownTimeout = 5 * time.Second
+		c.ShutdownTimeout = 10 * time.Second
 	}
 	c.GRPCLimits = c.GRPCLimits.withDefaults()
 	c.LeaderElection = c.LeaderElection.withDefaults()
 	if c.Logger == nil {
-		c.Logger = slog.Default()
+		c.Logger = slog.New(slog.DiscardHandler)
 	}
 	c.Multicluster.Namespace, c.Multicluster.ConfigClusterID, c.Multicluster.ConfigClusterNetwork = c.Namespace, c.ClusterID, c.Network
 	c.Multicluster.Logger = c.Logger
@@ -129,7 +136,7 @@ func (c *Config) defaults() {
 	c.CA.ClusterID, c.CA.Namespace = string(c.ClusterID), c.Namespace
 	c.VIP.Namespace = c.Namespace
 	c.XDS.TrustDomain, c.XDS.DefaultNetwork = c.CA.TrustDomain, c.Network
-	c.XDS.AllowPlaintext = c.XDSPlaintextAddr != "-"
+	c.XDS.AllowPlaintext = c.XDSPlaintextAddr != defaults.Disabled
 	if len(c.XDS.NodeAccounts) == 0 {
 		c.XDS.NodeAccounts = c.CA.TrustedNodeAccounts
 		if len(c.XDS.NodeAccounts) == 0 {
@@ -140,6 +147,18 @@ func (c *Config) defaults() {
 	// ServiceImport and a clusterset name; in export mode only they are
 	// federated.
 	c.Discovery.WatchServiceExports = true
+	return c
+}
+
+// validate rejects what withDefaults cannot fix.
+func (c Config) validate() error {
+	for name, addr := range map[string]string{"GRPCAddr": c.GRPCAddr, "XDSPlaintextAddr": c.XDSPlaintextAddr,
+		"DebugAddr": c.DebugAddr, "MonitoringAddr": c.MonitoringAddr} {
+		if addr == "-" {
+			return fmt.Errorf("pilot: %s %q: a listener is disabled by %q", name, addr, defaults.Disabled)
+		}
+	}
+	return nil
 }
 
 // Server is one pilot.
@@ -174,7 +193,10 @@ type Server struct {
 // New assembles a pilot for the config cluster reached by configREST;
 // build makes remote clients (nil: multicluster.DefaultClientBuilder).
 func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) (*Server, error) {
-	cfg.defaults()
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), version.NewCollector())
 	cfg.Multicluster.Registerer = reg
@@ -325,7 +347,7 @@ func (s *Server) Run(ctx context.Context) error {
 	}{{"debug", s.cfg.DebugAddr, &s.debugLn}, {"monitoring", s.cfg.MonitoringAddr, &s.monitorLn},
 		{"grpc", s.cfg.GRPCAddr, &s.grpcLn}, {"xds-plaintext", s.cfg.XDSPlaintextAddr, &s.plainLn}}
 	for i, l := range listeners {
-		if l.addr == "-" {
+		if l.addr == defaults.Disabled {
 			continue
 		}
 		ln, err := net.Listen("tcp", l.addr)

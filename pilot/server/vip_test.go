@@ -8,6 +8,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/pilot/server"
 	"github.com/isthmus-mesh/isthmus/test/framework"
 )
@@ -26,7 +27,7 @@ func TestAllocatedAddressesSurviveRestart(t *testing.T) {
 	require.NoError(t, err)
 	const host = "only-there.vipdemo.svc.cluster.local"
 	cfg := server.Config{ClusterID: "primary", Namespace: ns, Network: "network-1", NoLeaderElection: true,
-		DebugAddr: "-", MonitoringAddr: "-", GRPCAddr: "-"}
+		DebugAddr: defaults.Disabled, MonitoringAddr: defaults.Disabled, GRPCAddr: defaults.Disabled}
 	first, cancel := runPilotCancel(t, cfg)
 	registerRemote(t, ns, "network-2")
 	var v4 netip.Addr

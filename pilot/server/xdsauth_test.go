@@ -20,6 +20,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/pilot/ca"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 	"github.com/isthmus-mesh/isthmus/pilot/server"
@@ -45,7 +46,7 @@ func TestXDSAuthorizationOnRealClusters(t *testing.T) {
 
 	p := runPilot(t, server.Config{
 		Namespace: cpNS, ClusterID: "primary", Network: "net1", NoLeaderElection: true,
-		DebugAddr: "-", MonitoringAddr: "-", GRPCAddr: ip + ":0",
+		DebugAddr: defaults.Disabled, MonitoringAddr: defaults.Disabled, GRPCAddr: ip + ":0",
 		CA: ca.Config{ServingSANs: []string{ip}},
 	})
 	registerRemote(t, cpNS, "net2")

@@ -49,6 +49,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -82,7 +83,7 @@ type Config struct {
 var DefaultConfig = Config{
 	IPv4Range: netip.MustParsePrefix("240.240.0.0/16"),
 	IPv6Range: netip.MustParsePrefix("2001:2::/48"),
-	Namespace: "isthmus-system",
+	Namespace: defaults.Namespace,
 	ConfigMap: "isthmus-vip-allocations",
 	Grace:     time.Hour,
 }

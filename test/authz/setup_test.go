@@ -27,6 +27,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
 	"github.com/isthmus-mesh/isthmus/pilot/ca"
 	"github.com/isthmus-mesh/isthmus/pilot/server"
@@ -81,7 +82,7 @@ func runPilot(t *testing.T, ip netip.Addr) *server.Server {
 	t.Helper()
 	p, err := server.New(server.Config{
 		Namespace: cpNS, ClusterID: "cluster-1", Network: "network-1", NoLeaderElection: true,
-		DebugAddr: netip.AddrPortFrom(ip, 0).String(), MonitoringAddr: "-", GRPCAddr: netip.AddrPortFrom(ip, 0).String(),
+		DebugAddr: netip.AddrPortFrom(ip, 0).String(), MonitoringAddr: defaults.Disabled, GRPCAddr: netip.AddrPortFrom(ip, 0).String(),
 		CA: ca.Config{ServingSANs: []string{ip.String()}}, Logger: logger(t, "pilot"),
 	}, clusters.Cluster("cluster-1").Config, nil)
 	require.NoError(t, err)

@@ -19,6 +19,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/watch"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 	"github.com/isthmus-mesh/isthmus/pilot/server"
@@ -70,9 +71,9 @@ func (e *env) stop(b *testing.B) {
 
 // startPilot runs pilot on cluster-0 and registers the others; it returns
 // once every cluster is synced.
-func (e *env) startPilot(b *testing.B) { e.startPilotWith(b, "-", false) }
+func (e *env) startPilot(b *testing.B) { e.startPilotWith(b, defaults.Disabled, false) }
 
-// startPilotWith also serves plaintext xDS on xdsAddr ("-": none); with
+// startPilotWith also serves plaintext xDS on xdsAddr (defaults.Disabled: none); with
 // oneNetwork every cluster is on network-0 (else cluster-i on network-i).
 func (e *env) startPilotWith(b *testing.B, xdsAddr string, oneNetwork bool) {
 	b.Helper()
@@ -81,7 +82,7 @@ func (e *env) startPilotWith(b *testing.B, xdsAddr string, oneNetwork bool) {
 	require.NoError(b, c0.EnsureNamespace(ctx, e.ns, nil))
 	p, err := server.New(server.Config{
 		Namespace: e.ns, ClusterID: model.ClusterID(clusterName(0)), Network: "network-0",
-		DebugAddr: "-", MonitoringAddr: "-", GRPCAddr: "-", XDSPlaintextAddr: xdsAddr, Logger: slog.New(slog.DiscardHandler),
+		DebugAddr: defaults.Disabled, MonitoringAddr: defaults.Disabled, GRPCAddr: defaults.Disabled, XDSPlaintextAddr: xdsAddr, Logger: slog.New(slog.DiscardHandler),
 	}, c0.Config, nil)
 	require.NoError(b, err)
 	p.Registry.Subscribe(e.onChange)

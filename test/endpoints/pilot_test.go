@@ -22,6 +22,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/multicluster"
 	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
 	workloadv1 "github.com/isthmus-mesh/isthmus/pilot/api/workload/v1"
@@ -81,7 +82,7 @@ func startPilot(t testing.TB, cp string, down ...string) *pilot {
 	t.Helper()
 	cfg := server.Config{
 		Namespace: cp, ClusterID: "cluster-1", Network: network, NoLeaderElection: true,
-		DebugAddr: "-", MonitoringAddr: "-", GRPCAddr: "-", XDSPlaintextAddr: "127.0.0.1:0",
+		DebugAddr: defaults.Disabled, MonitoringAddr: defaults.Disabled, GRPCAddr: defaults.Disabled, XDSPlaintextAddr: "127.0.0.1:0",
 		Registry: registry.Config{QuietPeriod: 20 * time.Millisecond, MaxDelay: 200 * time.Millisecond},
 		Multicluster: multicluster.Config{
 			LivenessInterval: 200 * time.Millisecond, LivenessTimeout: time.Second, UnreachableAfter: 2, RetryBackoff: 200 * time.Millisecond,

@@ -40,6 +40,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	mdns "github.com/miekg/dns"
 )
 
@@ -71,7 +72,7 @@ const maxTTL = time.Duration(1<<31-1) * time.Second
 
 // DefaultConfig holds the defaults.
 var DefaultConfig = Config{
-	Domain:          "cluster.local",
+	Domain:          defaults.DNSDomain,
 	TTL:             30 * time.Second,
 	NegativeTTL:     5 * time.Second,
 	ResolvConf:      "/etc/resolv.conf",

@@ -6,11 +6,13 @@ import (
 	"log/slog"
 	"net"
 	"net/netip"
+	"strconv"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc/credentials"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/ztunnel/authz"
 	"github.com/isthmus-mesh/isthmus/ztunnel/caclient"
 	"github.com/isthmus-mesh/isthmus/ztunnel/proxy"
@@ -29,7 +31,7 @@ const (
 )
 
 // Disabled as a listen address turns that listener off.
-const Disabled = "none"
+const Disabled = defaults.Disabled
 
 // Config is one ztunnel process. Zero fields take the defaults of
 // DefaultConfig; withDefaults is the only place defaults are decided.
@@ -130,18 +132,18 @@ type Config struct {
 // DefaultConfig holds the defaults.
 var DefaultConfig = Config{
 	Mode:                  ModeNode,
-	TrustDomain:           "cluster.local",
-	Namespace:             "isthmus-system",
+	TrustDomain:           defaults.TrustDomain,
+	Namespace:             defaults.Namespace,
 	ServiceAccount:        "ztunnel",
 	TokenFile:             "/var/run/secrets/tokens/isthmus-token",
 	RootCertFile:          "/var/run/secrets/isthmus/root-cert.pem",
 	RootsReloadInterval:   10 * time.Second,
-	HBONEPort:             15008,
-	OutboundListen:        "127.0.0.1:15001",
+	HBONEPort:             defaults.HBONEPort,
+	OutboundListen:        loopback(defaults.OutboundPort),
 	SOCKS5Listen:          "127.0.0.1:15080",
-	AdminListen:           "127.0.0.1:15000",
-	ReadinessListen:       "0.0.0.0:15021",
-	MetricsListen:         "0.0.0.0:15020",
+	AdminListen:           loopback(defaults.AdminPort),
+	ReadinessListen:       anyAddr(defaults.ReadinessPort),
+	MetricsListen:         anyAddr(defaults.MetricsPort),
 	ShutdownTimeout:       5 * time.Second,
 	HTTPReadHeaderTimeout: 10 * time.Second,
 	HTTPIdleTimeout:       60 * time.Second,
@@ -246,3 +248,7 @@ type Deps struct {
 	// inbound connections (PeerAuthentication); nil refuses all (STRICT).
 	Plaintext proxy.PlaintextPolicy
 }
+
+func loopback(port uint16) string { return "127.0.0.1:" + strconv.Itoa(int(port)) }
+
+func anyAddr(port uint16) string { return "0.0.0.0:" + strconv.Itoa(int(port)) }

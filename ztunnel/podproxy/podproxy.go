@@ -21,6 +21,7 @@ import (
 	"slices"
 	"sync"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/ztunnel/dns"
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/isthmus-mesh/isthmus/ztunnel/inpod"
@@ -53,16 +54,16 @@ type Config struct {
 
 func (c Config) withDefaults() Config {
 	if c.OutboundPort == 0 {
-		c.OutboundPort = 15001
+		c.OutboundPort = defaults.OutboundPort
 	}
 	if c.InboundPlaintextPort == 0 {
-		c.InboundPlaintextPort = 15006
+		c.InboundPlaintextPort = defaults.InboundPlaintextPort
 	}
 	if c.DNSPort == 0 {
-		c.DNSPort = 15053
+		c.DNSPort = defaults.DNSPort
 	}
 	if c.Proxy.HBONEPort == 0 {
-		c.Proxy.HBONEPort = 15008
+		c.Proxy.HBONEPort = defaults.HBONEPort
 	}
 	return c
 }

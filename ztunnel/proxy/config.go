@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/ztunnel/hbone"
 	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
 	"github.com/isthmus-mesh/isthmus/ztunnel/state"
@@ -65,8 +66,8 @@ type Config struct {
 
 // DefaultConfig holds the defaults.
 var DefaultConfig = Config{
-	TrustDomain:             "cluster.local",
-	HBONEPort:               15008,
+	TrustDomain:             defaults.TrustDomain,
+	HBONEPort:               defaults.HBONEPort,
 	DialTimeout:             5 * time.Second,
 	EjectionTime:            30 * time.Second,
 	SOCKSHandshakeTimeout:   10 * time.Second,

@@ -40,6 +40,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/isthmus-mesh/isthmus/internal/backoff"
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	workloadv1 "github.com/isthmus-mesh/isthmus/pilot/api/workload/v1"
 	"github.com/isthmus-mesh/isthmus/ztunnel/state"
 )
@@ -86,7 +87,7 @@ type Config struct {
 
 // DefaultConfig holds the defaults.
 var DefaultConfig = Config{
-	TrustDomain:    "cluster.local",
+	TrustDomain:    defaults.TrustDomain,
 	InitialBackoff: 100 * time.Millisecond,
 	MaxBackoff:     15 * time.Second,
 	KeepaliveTime:  30 * time.Second,

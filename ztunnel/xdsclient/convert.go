@@ -9,13 +9,14 @@ import (
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	workloadv1 "github.com/isthmus-mesh/isthmus/pilot/api/workload/v1"
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/isthmus-mesh/isthmus/ztunnel/state"
 )
 
 // defaultHBONEPort is used for a gateway that names no HBONE port.
-const defaultHBONEPort = 15008
+const defaultHBONEPort = defaults.HBONEPort
 
 // kind says which state key a resource name maps to.
 type kind uint8

@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/ztunnel/inpod"
 	"github.com/isthmus-mesh/isthmus/ztunnel/netns"
 )
@@ -53,7 +54,7 @@ var _ inpod.PodHandler = (*Handler)(nil)
 // 15006, 15008); it closes every pod when the test ends.
 func New(tb testing.TB, ports ...uint16) *Handler {
 	if len(ports) == 0 {
-		ports = []uint16{15001, 15006, 15008}
+		ports = []uint16{defaults.OutboundPort, defaults.InboundPlaintextPort, defaults.HBONEPort}
 	}
 	h := &Handler{ports: ports, accepted: make(chan Accepted, 256), pods: map[string]*pod{}, refuse: map[string]bool{}}
 	tb.Cleanup(h.Close)

@@ -1,0 +1,69 @@
+// Package cmdutil is the set-up every Isthmus binary shares: the log flags
+// and the slog logger (client-go's klog routed into it), and the Kubernetes
+// client configuration.
+package cmdutil
+
+import (
+	"fmt"
+	"io"
+	"log/slog"
+	"strings"
+
+	"github.com/spf13/pflag"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2"
+)
+
+// Log holds the log flags of a binary.
+type Log struct {
+	// Format is json or text.
+	Format string
+	// Level is debug, info, warn or error.
+	Level string
+}
+
+// AddFlags registers --log-format and --log-level with l's values as defaults.
+func (l *Log) AddFlags(f *pflag.FlagSet) {
+	f.StringVar(&l.Format, "log-format", l.Format, "log format: json or text")
+	f.StringVar(&l.Level, "log-level", l.Level, "log level: debug, info, warn or error")
+}
+
+// Logger returns the logger the flags ask for, writing to w, and makes
+// client-go log through it (attribute source=client-go).
+func (l Log) Logger(w io.Writer) (*slog.Logger, error) {
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(l.Level)); err != nil {
+		return nil, fmt.Errorf("--log-level: %w", err)
+	}
+	opts := &slog.HandlerOptions{Level: level}
+	var log *slog.Logger
+	switch strings.ToLower(l.Format) {
+	case "json":
+		log = slog.New(slog.NewJSONHandler(w, opts))
+	case "text":
+		log = slog.New(slog.NewTextHandler(w, opts))
+	default:
+		return nil, fmt.Errorf("--log-format %q: want json or text", l.Format)
+	}
+	klog.SetSlogLogger(log.With("source", "client-go"))
+	return log, nil
+}
+
+// RestConfig loads the Kubernetes client configuration as kubectl does: the
+// kubeconfig at path if given, else $KUBECONFIG or ~/.kube/config, and
+// inside a pod with none of those the in-cluster configuration. kubeContext
+// selects a context (empty: the current one).
+func RestConfig(path, kubeContext string) (*rest.Config, error) {
+	rules := clientcmd.NewDefaultClientConfigLoadingRules()
+	rules.ExplicitPath = path
+	cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules,
+		&clientcmd.ConfigOverrides{CurrentContext: kubeContext}).ClientConfig()
+	if err != nil {
+		if path == "" {
+			return nil, fmt.Errorf("kubernetes client configuration (no --kubeconfig, no $KUBECONFIG or ~/.kube/config, not in a pod): %w", err)
+		}
+		return nil, fmt.Errorf("kubeconfig %s (context %q): %w", path, kubeContext, err)
+	}
+	return cfg, nil
+}
