@@ -234,7 +234,7 @@ func (v *view) sliceWorkload(b *sliceBuild, sl *sliceInfo, se *sliceEndpoint, se
 	}
 	if pl == nil {
 		if pl = b.places[se.node()]; pl == nil {
-			pl = model.Place(model.Placement{Cluster: v.cluster, Network: v.nsNetworkOr(), Node: se.node(),
+			pl = v.placer.Place(model.Placement{Cluster: v.cluster, Network: v.nsNetworkOr(), Node: se.node(),
 				Namespace: b.k.Namespace, ServiceAccount: "default", Locality: v.nodes[se.node()]})
 			b.places[se.node()] = pl
 		}

@@ -59,6 +59,10 @@ type view struct {
 	workloads map[string]*model.Workload  // pods' workloads
 	shards    map[model.ServiceKey]*shard // endpoints per service, sorted by workload uid
 
+	// placer shares one placement among the workloads of one identity on
+	// one node.
+	placer model.Placer
+
 	// Shared immutable values: identical label sets and service-port maps
 	// are stored once per view.
 	labelSets   map[string]map[string]string
@@ -181,7 +185,7 @@ func (v *view) workloadOf(p *podInfo) *model.Workload {
 	}
 	w := &model.Workload{
 		UID: model.WorkloadUID(v.cluster, p.ns, p.name), Name: p.name, Addresses: p.ips,
-		Placement: model.Place(model.Placement{Cluster: v.cluster, Network: v.networkOf(p), Node: p.node,
+		Placement: v.placer.Place(model.Placement{Cluster: v.cluster, Network: v.networkOf(p), Node: p.node,
 			Namespace: p.ns, ServiceAccount: p.sa, Locality: v.nodes[p.node]}),
 		Labels: p.labels, Ready: p.ready && !p.terminating, Terminating: p.terminating, HostNetwork: p.hostNetwork,
 		Created: int64(p.created),

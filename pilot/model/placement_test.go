@@ -12,11 +12,12 @@ import (
 func TestPlaceSharesEqualPlacements(t *testing.T) {
 	p := Placement{Cluster: "c1", Network: "n1", Node: "node-a", Namespace: "db", ServiceAccount: "default",
 		Locality: Locality{Region: "r1", Zone: "z1"}}
-	a := Place(p)
-	assert.Same(t, a, Place(p))
+	var pl Placer
+	a := pl.Place(p)
+	assert.Same(t, a, pl.Place(p))
 	q := p
 	q.Locality.Zone = "z2"
-	b := Place(q)
+	b := pl.Place(q)
 	assert.NotSame(t, a, b)
 	assert.Equal(t, p, *a)
 	assert.Equal(t, q, *b)
@@ -27,16 +28,17 @@ func TestPlaceSharesEqualPlacements(t *testing.T) {
 // TestPlaceForgetsUnusedPlacements: a placement no workload holds leaves the
 // table, so node churn does not grow it.
 func TestPlaceForgetsUnusedPlacements(t *testing.T) {
-	held := Place(Placement{Cluster: "c-held", Node: "kept"})
+	var pl Placer
+	held := pl.Place(Placement{Cluster: "c-held", Node: "kept"})
 	for i := range 1000 {
-		Place(Placement{Cluster: "c-gone", Node: string(rune('a' + i%26)), Namespace: string(rune('a' + i/26))})
+		pl.Place(Placement{Cluster: "c-gone", Node: string(rune('a' + i%26)), Namespace: string(rune('a' + i/26))})
 	}
 	require.Eventually(t, func() bool {
 		runtime.GC()
-		return placedIn("c-gone") == 0
+		return pl.Len() == 1
 	}, 10*time.Second, 10*time.Millisecond, "unused placements are forgotten")
-	assert.Equal(t, 1, placedIn("c-held"))
-	assert.Same(t, held, Place(Placement{Cluster: "c-held", Node: "kept"}))
+	assert.Same(t, held, pl.Place(Placement{Cluster: "c-held", Node: "kept"}))
+	assert.Equal(t, 1, pl.Len())
 }
 
 func TestSliceWorkloadService(t *testing.T) {
@@ -48,15 +50,15 @@ func TestSliceWorkloadService(t *testing.T) {
 	assert.False(t, ok)
 }
 
-// placedIn reports how many placements of cluster are interned (for tests).
-func placedIn(cluster ClusterID) int {
-	places.mu.Lock()
-	defer places.mu.Unlock()
-	n := 0
-	for p := range places.m {
-		if p.Cluster == cluster {
-			n++
-		}
-	}
-	return n
+// TestPlacersShareNothing: two clusters' placers hand out their own values.
+func TestPlacersShareNothing(t *testing.T) {
+	var a, b Placer
+	p := Placement{Cluster: "c1", Node: "n"}
+	pa, pb := a.Place(p), b.Place(p)
+	assert.NotSame(t, pa, pb)
+	assert.Equal(t, *pa, *pb)
+	assert.Equal(t, 1, a.Len())
+	assert.Equal(t, 1, b.Len())
+	runtime.KeepAlive(pa)
+	runtime.KeepAlive(pb)
 }
