@@ -378,7 +378,7 @@ func TestChartValues(t *testing.T) {
 func TestRemoteChartRulesAreReaderRules(t *testing.T) {
 	objs := render(t, "remote", namespace, nil)
 	role := convert[rbacv1.ClusterRole](t, find(t, objs, "ClusterRole", "isthmus-reader-"+namespace))
-	require.Equal(t, remotesecret.ReaderRules, role.Rules)
+	require.Equal(t, remotesecret.ReaderRules(), role.Rules)
 	binding := convert[rbacv1.ClusterRoleBinding](t, find(t, objs, "ClusterRoleBinding", "isthmus-reader-"+namespace))
 	require.Equal(t, rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: role.Name}, binding.RoleRef)
 	require.Equal(t, []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Name: "isthmus-reader-service-account", Namespace: namespace}}, binding.Subjects)
@@ -402,7 +402,7 @@ func TestRemoteChartThenCreateRemoteSecret(t *testing.T) {
 	require.NoError(t, err)
 	role, err := c.Client.RbacV1().ClusterRoles().Get(ctx, "isthmus-reader-"+ns, metav1.GetOptions{})
 	require.NoError(t, err)
-	require.Equal(t, remotesecret.ReaderRules, role.Rules)
+	require.Equal(t, remotesecret.ReaderRules(), role.Rules)
 	require.Equal(t, "Helm", role.Labels["app.kubernetes.io/managed-by"], "EnsureReader keeps the chart's labels")
 
 	reader, err := kubernetes.NewForConfig(&rest.Config{Host: c.Host(), BearerToken: token,
@@ -469,7 +469,7 @@ func TestPilotRBACCoversReaderRules(t *testing.T) {
 	}
 	type access struct{ group, resource, subresource, verb string }
 	var want []access
-	for _, r := range remotesecret.ReaderRules {
+	for _, r := range remotesecret.ReaderRules() {
 		for _, g := range r.APIGroups {
 			for _, res := range r.Resources {
 				resource, sub, _ := strings.Cut(res, "/")

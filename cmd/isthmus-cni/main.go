@@ -75,7 +75,7 @@ func newCommand(stderr io.Writer, run runFunc) *cobra.Command {
 }
 
 func newAgentCommand(stderr io.Writer, run runFunc) *cobra.Command {
-	d := agent.DefaultConfig
+	d := agent.DefaultConfig()
 	cfg := agent.Config{}
 	var (
 		kubeconfig    string

@@ -48,11 +48,11 @@ func TestFlagsToConfig(t *testing.T) {
 	require.Equal(t, agent.Config{
 		NodeName: "env-node", SystemNamespace: "mesh-system", ExcludedNamespaces: []string{"kube-system", "legacy"},
 		CNIBinDir: "/host/opt/cni/bin", CNIConfDir: "/host/etc/cni/net.d", UninstallOnExit: true,
-		InstallCheckInterval: agent.DefaultConfig.InstallCheckInterval,
+		InstallCheckInterval: agent.DefaultConfig().InstallCheckInterval,
 		PluginSocket:         "/s/plugin.sock", ZtunnelSocket: "/s/ztunnel.sock", PluginTimeout: 7 * time.Second,
-		AckTimeout: agent.DefaultConfig.AckTimeout, NetnsDirs: []string{"/var/run/netns", "/run/docker/netns"},
+		AckTimeout: agent.DefaultConfig().AckTimeout, NetnsDirs: []string{"/var/run/netns", "/run/docker/netns"},
 		ProcDir: "/host/proc", NodeAddresses: []netip.Addr{netip.MustParseAddr("10.0.0.5"), netip.MustParseAddr("fd00::5")},
-		RedirectDNS: true, MonitoringAddr: ":15014", ShutdownTimeout: agent.DefaultConfig.ShutdownTimeout,
+		RedirectDNS: true, MonitoringAddr: ":15014", ShutdownTimeout: agent.DefaultConfig().ShutdownTimeout,
 	}, cfg)
 
 	cfg, _, err = capture(t, "agent")

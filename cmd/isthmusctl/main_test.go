@@ -21,6 +21,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/internal/version"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 	"github.com/isthmus-mesh/isthmus/pilot/server"
@@ -166,7 +167,7 @@ func runPilot(t *testing.T, ns, clusterID, network string) string {
 	primary := clusters.Cluster("primary")
 	require.NoError(t, primary.EnsureNamespace(context.Background(), ns, nil))
 	p, err := server.New(server.Config{Namespace: ns, ClusterID: model.ClusterID(clusterID), Network: model.Network(network),
-		NoLeaderElection: true, DebugAddr: "127.0.0.1:0", MonitoringAddr: "-", GRPCAddr: "-", Logger: slog.New(slog.DiscardHandler)},
+		NoLeaderElection: true, DebugAddr: "127.0.0.1:0", MonitoringAddr: defaults.Disabled, GRPCAddr: defaults.Disabled, Logger: slog.New(slog.DiscardHandler)},
 		primary.Config, nil)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())

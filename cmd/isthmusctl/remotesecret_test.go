@@ -79,7 +79,7 @@ func TestCreateRemoteSecretPrintsSecret(t *testing.T) {
 	// The reader identity exists in the remote, with ReaderRules.
 	role, err := remote.Client.RbacV1().ClusterRoles().Get(ctx, "isthmus-reader-isthmus-system", metav1.GetOptions{})
 	require.NoError(t, err)
-	require.Equal(t, remotesecret.ReaderRules, role.Rules)
+	require.Equal(t, remotesecret.ReaderRules(), role.Rules)
 }
 
 // TestCreateRemoteSecretApply checks --apply: the first run creates the
@@ -134,7 +134,7 @@ func TestCreateRemoteSecretRefuses(t *testing.T) {
 		{"bad cluster ID", []string{"--kubeconfig", remoteKC, "--name", "Bad_ID"}, `--name "Bad_ID" is not a valid cluster ID`},
 		{"primary without apply", []string{"--kubeconfig", remoteKC, "--name", "c", "--primary-kubeconfig", primaryKC}, "need --apply"},
 		{"apply without primary", []string{"--kubeconfig", remoteKC, "--name", "c", "--apply"}, "--apply needs --primary-kubeconfig"},
-		{"missing kubeconfig", []string{"--kubeconfig", "/nonexistent/kubeconfig", "--name", "c"}, "remote cluster: load kubeconfig"},
+		{"missing kubeconfig", []string{"--kubeconfig", "/nonexistent/kubeconfig", "--name", "c"}, "remote cluster: kubeconfig /nonexistent/kubeconfig"},
 		{"unknown context", []string{"--kubeconfig", remoteKC, "--context", "nope", "--name", "c"}, `context "nope"`},
 		{"primary is the remote", []string{"--kubeconfig", remoteKC, "--name", "c", "--token-wait", "1ms", "--apply", "--primary-kubeconfig", remoteKC},
 			"a cluster is not its own remote"},

@@ -42,7 +42,7 @@ func runNode(ctx context.Context, cfg node.Config, deps node.Deps) error {
 }
 
 func newCommand(stderr io.Writer, run runFunc) *cobra.Command {
-	d := node.DefaultConfig
+	d := node.DefaultConfig()
 	cfg := node.Config{}
 	lc := cmdutil.Log{Format: "json", Level: "info"}
 	var mode string

@@ -54,7 +54,7 @@ func TestFlagsToConfig(t *testing.T) {
 		XDSAddress: "isthmusd.mesh.svc:15012", CAAddress: "isthmusd.mesh.svc:15012",
 		TokenFile: "/tok", RootCertFile: "/root.pem", RootsReloadInterval: 30 * time.Second, CertTTL: time.Hour, HBONEPort: 15009,
 		OutboundListen: ":15001", SOCKS5Listen: ":15080", AdminListen: "127.0.0.1:15000",
-		ReadinessListen: ":15021", MetricsListen: ":15020", ShutdownTimeout: node.DefaultConfig.ShutdownTimeout,
+		ReadinessListen: ":15021", MetricsListen: ":15020", ShutdownTimeout: node.DefaultConfig().ShutdownTimeout,
 		InPodSocket: "/var/run/isthmus/cni/ztunnel.sock", DNSListen: "10.0.0.1:53", DNSUpstreams: []string{"10.96.0.10"}, DisablePodDNS: true,
 	}, cfg)
 }

@@ -81,24 +81,26 @@ type Config struct {
 	ShutdownTimeout time.Duration
 }
 
-// DefaultConfig holds the defaults.
-var DefaultConfig = Config{
-	SystemNamespace:      defaults.Namespace,
-	CNIBinDir:            "/host/opt/cni/bin",
-	CNIConfDir:           "/host/etc/cni/net.d",
-	InstallCheckInterval: time.Minute,
-	PluginSocket:         "/var/run/isthmus/cni/plugin.sock",
-	ZtunnelSocket:        "/var/run/isthmus/cni/ztunnel.sock",
-	PluginTimeout:        plugin.DefaultTimeout,
-	AckTimeout:           3 * time.Second,
-	NetnsDirs:            []string{"/var/run/netns"},
-	ProcDir:              "/host/proc",
-	MonitoringAddr:       ":" + strconv.Itoa(defaults.MonitoringPort),
-	ShutdownTimeout:      5 * time.Second,
+// DefaultConfig returns the defaults.
+func DefaultConfig() Config {
+	return Config{
+		SystemNamespace:      defaults.Namespace,
+		CNIBinDir:            "/host/opt/cni/bin",
+		CNIConfDir:           "/host/etc/cni/net.d",
+		InstallCheckInterval: time.Minute,
+		PluginSocket:         "/var/run/isthmus/cni/plugin.sock",
+		ZtunnelSocket:        "/var/run/isthmus/cni/ztunnel.sock",
+		PluginTimeout:        plugin.DefaultTimeout,
+		AckTimeout:           3 * time.Second,
+		NetnsDirs:            []string{"/var/run/netns"},
+		ProcDir:              "/host/proc",
+		MonitoringAddr:       ":" + strconv.Itoa(defaults.MonitoringPort),
+		ShutdownTimeout:      5 * time.Second,
+	}
 }
 
 func (c Config) withDefaults() Config {
-	d := DefaultConfig
+	d := DefaultConfig()
 	or := func(v *string, def string) {
 		if *v == "" {
 			*v = def

@@ -36,7 +36,7 @@ const (
 )
 
 // DefaultExcludedNamespaces are never enrolled unless Config says otherwise.
-var DefaultExcludedNamespaces = []string{"kube-system", defaults.Namespace}
+func DefaultExcludedNamespaces() []string { return []string{"kube-system", defaults.Namespace} }
 
 // Reason says why a pod is or is not enrolled; it is a stable, short token
 // fit for logs and metric labels.
@@ -61,7 +61,7 @@ type Config struct {
 
 func (c Config) excluded() []string {
 	if c.ExcludedNamespaces == nil {
-		return DefaultExcludedNamespaces
+		return DefaultExcludedNamespaces()
 	}
 	return c.ExcludedNamespaces
 }

@@ -60,9 +60,11 @@ type Config struct {
 	ClusterTimeout time.Duration
 }
 
-// DefaultConfig holds the defaults.
-var DefaultConfig = Config{Debounce: 100 * time.Millisecond, Resync: 5 * time.Minute, RetryMax: 30 * time.Second,
-	ClusterTimeout: 30 * time.Second}
+// DefaultConfig returns the defaults.
+func DefaultConfig() Config {
+	return Config{Debounce: 100 * time.Millisecond, Resync: 5 * time.Minute, RetryMax: 30 * time.Second,
+		ClusterTimeout: 30 * time.Second}
+}
 
 // Deps are the Writer's collaborators.
 type Deps struct {
@@ -75,7 +77,7 @@ type Deps struct {
 }
 
 func (c Config) withDefaults() Config {
-	d := DefaultConfig
+	d := DefaultConfig()
 	if c.Debounce <= 0 {
 		c.Debounce = d.Debounce
 	}

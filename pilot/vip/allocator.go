@@ -79,13 +79,15 @@ type Config struct {
 	Grace time.Duration
 }
 
-// DefaultConfig holds the defaults.
-var DefaultConfig = Config{
-	IPv4Range: netip.MustParsePrefix("240.240.0.0/16"),
-	IPv6Range: netip.MustParsePrefix("2001:2::/48"),
-	Namespace: defaults.Namespace,
-	ConfigMap: "isthmus-vip-allocations",
-	Grace:     time.Hour,
+// DefaultConfig returns the defaults.
+func DefaultConfig() Config {
+	return Config{
+		IPv4Range: netip.MustParsePrefix("240.240.0.0/16"),
+		IPv6Range: netip.MustParsePrefix("2001:2::/48"),
+		Namespace: defaults.Namespace,
+		ConfigMap: "isthmus-vip-allocations",
+		Grace:     time.Hour,
+	}
 }
 
 // Deps are the Allocator's collaborators.
@@ -103,7 +105,7 @@ type Deps struct {
 }
 
 func (c Config) withDefaults() Config {
-	d := DefaultConfig
+	d := DefaultConfig()
 	if !c.IPv4Range.IsValid() {
 		c.IPv4Range = d.IPv4Range
 	}

@@ -196,7 +196,7 @@ func TestMalformedConfigMap(t *testing.T) {
 	good := snapshot(a, hs)
 
 	cms := clusters.Cluster("config").Client.CoreV1().ConfigMaps(e.ns)
-	cm, err := cms.Get(ctx, vip.DefaultConfig.ConfigMap, metav1.GetOptions{})
+	cm, err := cms.Get(ctx, vip.DefaultConfig().ConfigMap, metav1.GetOptions{})
 	require.NoError(t, err)
 	goodData := cm.Data[vip.DataKey]
 	for _, bad := range []string{
@@ -210,8 +210,8 @@ func TestMalformedConfigMap(t *testing.T) {
 		require.NoError(t, err)
 		err = a.Sync(ctx, append(hs, "more.demo.svc.cluster.local"))
 		require.ErrorIs(t, err, vip.ErrMalformed, bad)
-		require.ErrorContains(t, err, e.ns+"/"+vip.DefaultConfig.ConfigMap)
-		now, err := cms.Get(ctx, vip.DefaultConfig.ConfigMap, metav1.GetOptions{})
+		require.ErrorContains(t, err, e.ns+"/"+vip.DefaultConfig().ConfigMap)
+		now, err := cms.Get(ctx, vip.DefaultConfig().ConfigMap, metav1.GetOptions{})
 		require.NoError(t, err)
 		require.Equal(t, bad, now.Data[vip.DataKey], "nothing written over it")
 		require.Equal(t, good, snapshot(a, hs), "the last good table is still served")
@@ -237,7 +237,7 @@ func TestDeletedConfigMap(t *testing.T) {
 	require.NoError(t, a.Sync(ctx, hs))
 	good := snapshot(a, hs)
 	cms := clusters.Cluster("config").Client.CoreV1().ConfigMaps(e.ns)
-	require.NoError(t, cms.Delete(ctx, vip.DefaultConfig.ConfigMap, metav1.DeleteOptions{}))
+	require.NoError(t, cms.Delete(ctx, vip.DefaultConfig().ConfigMap, metav1.DeleteOptions{}))
 	require.NoError(t, a.Sync(ctx, hs))
 	require.Equal(t, good, snapshot(e.start(t, vip.Config{}), hs))
 }

@@ -21,12 +21,14 @@ type Config struct {
 	PolicyWait time.Duration
 }
 
-// DefaultConfig holds the defaults.
-var DefaultConfig = Config{PolicyWait: 5 * time.Second}
+// DefaultConfig returns the defaults.
+func DefaultConfig() Config {
+	return Config{PolicyWait: 5 * time.Second}
+}
 
 func (c Config) withDefaults() Config {
 	if c.PolicyWait <= 0 {
-		c.PolicyWait = DefaultConfig.PolicyWait
+		c.PolicyWait = DefaultConfig().PolicyWait
 	}
 	return c
 }

@@ -82,15 +82,17 @@ type Config struct {
 	RetryMax     time.Duration
 }
 
-// DefaultConfig holds the defaults.
-var DefaultConfig = Config{
-	RequestTimeout: 10 * time.Second,
-	RetryInitial:   500 * time.Millisecond,
-	RetryMax:       time.Minute,
+// DefaultConfig returns the defaults.
+func DefaultConfig() Config {
+	return Config{
+		RequestTimeout: 10 * time.Second,
+		RetryInitial:   500 * time.Millisecond,
+		RetryMax:       time.Minute,
+	}
 }
 
 func (c Config) withDefaults() Config {
-	d := DefaultConfig
+	d := DefaultConfig()
 	if c.ServerName == "" {
 		if host, _, err := net.SplitHostPort(c.Address); err == nil {
 			c.ServerName = host

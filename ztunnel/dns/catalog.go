@@ -85,7 +85,7 @@ func (c *StoreCatalog) Lookup(name Name, client Client) ([]netip.Addr, bool, boo
 	snap := c.Store.Load()
 	domain := c.Domain
 	if domain == "" {
-		domain = DefaultConfig.Domain
+		domain = DefaultConfig().Domain
 	}
 	svc, ok := snap.ServiceByHostname(name.Service + "." + name.Namespace + ".svc." + domain)
 	if !ok {

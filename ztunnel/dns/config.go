@@ -70,14 +70,16 @@ type Config struct {
 // maxTTL is the largest TTL DNS allows (RFC 2181: 2^31-1 seconds).
 const maxTTL = time.Duration(1<<31-1) * time.Second
 
-// DefaultConfig holds the defaults.
-var DefaultConfig = Config{
-	Domain:          defaults.DNSDomain,
-	TTL:             30 * time.Second,
-	NegativeTTL:     5 * time.Second,
-	ResolvConf:      "/etc/resolv.conf",
-	UpstreamTimeout: 2 * time.Second,
-	UDPSize:         1232,
+// DefaultConfig returns the defaults.
+func DefaultConfig() Config {
+	return Config{
+		Domain:          defaults.DNSDomain,
+		TTL:             30 * time.Second,
+		NegativeTTL:     5 * time.Second,
+		ResolvConf:      "/etc/resolv.conf",
+		UpstreamTimeout: 2 * time.Second,
+		UDPSize:         1232,
+	}
 }
 
 // Deps are the Server's collaborators.
@@ -106,7 +108,7 @@ type Deps struct {
 }
 
 func (c Config) withDefaults() (Config, error) {
-	d := DefaultConfig
+	d := DefaultConfig()
 	if c.Domain == "" {
 		c.Domain = d.Domain
 	}

@@ -41,18 +41,20 @@ type ClientConfig struct {
 	HealthCheckTimeout  time.Duration
 }
 
-// DefaultClientConfig holds the client defaults.
-var DefaultClientConfig = ClientConfig{
-	MaxStreamsPerConn:   100,
-	IdleTimeout:         90 * time.Second,
-	DialTimeout:         10 * time.Second,
-	MaxFrameSize:        1 << 20,
-	HealthCheckInterval: 10 * time.Second,
-	HealthCheckTimeout:  5 * time.Second,
+// DefaultClientConfig returns the client defaults.
+func DefaultClientConfig() ClientConfig {
+	return ClientConfig{
+		MaxStreamsPerConn:   100,
+		IdleTimeout:         90 * time.Second,
+		DialTimeout:         10 * time.Second,
+		MaxFrameSize:        1 << 20,
+		HealthCheckInterval: 10 * time.Second,
+		HealthCheckTimeout:  5 * time.Second,
+	}
 }
 
 func (c ClientConfig) withDefaults() ClientConfig {
-	d := DefaultClientConfig
+	d := DefaultClientConfig()
 	if c.MaxStreamsPerConn <= 0 {
 		c.MaxStreamsPerConn = d.MaxStreamsPerConn
 	}

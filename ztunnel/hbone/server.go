@@ -139,25 +139,27 @@ type ServerConfig struct {
 	HealthCheckTimeout  time.Duration
 }
 
-// DefaultServerConfig holds the server defaults.
-var DefaultServerConfig = ServerConfig{
-	Reporter:             metrics.ReporterDestination,
-	HandshakeTimeout:     5 * time.Second,
-	MaxHeaderBytes:       8 << 10,
-	MaxConcurrentStreams: 1000,
-	IdleTimeout:          10 * time.Minute,
-	StreamWindow:         4 << 20,
-	ConnWindow:           16 << 20,
-	MaxFrameSize:         16 << 10,
-	MaxConns:             16384,
-	MaxConnsPerPeer:      1024,
-	HalfCloseTimeout:     5 * time.Second,
-	HealthCheckInterval:  30 * time.Second,
-	HealthCheckTimeout:   10 * time.Second,
+// DefaultServerConfig returns the server defaults.
+func DefaultServerConfig() ServerConfig {
+	return ServerConfig{
+		Reporter:             metrics.ReporterDestination,
+		HandshakeTimeout:     5 * time.Second,
+		MaxHeaderBytes:       8 << 10,
+		MaxConcurrentStreams: 1000,
+		IdleTimeout:          10 * time.Minute,
+		StreamWindow:         4 << 20,
+		ConnWindow:           16 << 20,
+		MaxFrameSize:         16 << 10,
+		MaxConns:             16384,
+		MaxConnsPerPeer:      1024,
+		HalfCloseTimeout:     5 * time.Second,
+		HealthCheckInterval:  30 * time.Second,
+		HealthCheckTimeout:   10 * time.Second,
+	}
 }
 
 func (c ServerConfig) withDefaults() ServerConfig {
-	d := DefaultServerConfig
+	d := DefaultServerConfig()
 	if c.Reporter == "" {
 		c.Reporter = d.Reporter
 	}

@@ -129,30 +129,32 @@ type Config struct {
 	NoAuthorization bool
 }
 
-// DefaultConfig holds the defaults.
-var DefaultConfig = Config{
-	Mode:                  ModeNode,
-	TrustDomain:           defaults.TrustDomain,
-	Namespace:             defaults.Namespace,
-	ServiceAccount:        "ztunnel",
-	TokenFile:             "/var/run/secrets/tokens/isthmus-token",
-	RootCertFile:          "/var/run/secrets/isthmus/root-cert.pem",
-	RootsReloadInterval:   10 * time.Second,
-	HBONEPort:             defaults.HBONEPort,
-	OutboundListen:        loopback(defaults.OutboundPort),
-	SOCKS5Listen:          "127.0.0.1:15080",
-	AdminListen:           loopback(defaults.AdminPort),
-	ReadinessListen:       anyAddr(defaults.ReadinessPort),
-	MetricsListen:         anyAddr(defaults.MetricsPort),
-	ShutdownTimeout:       5 * time.Second,
-	HTTPReadHeaderTimeout: 10 * time.Second,
-	HTTPIdleTimeout:       60 * time.Second,
-	DNSListen:             Disabled,
-	Mark:                  0x539,
+// DefaultConfig returns the defaults.
+func DefaultConfig() Config {
+	return Config{
+		Mode:                  ModeNode,
+		TrustDomain:           defaults.TrustDomain,
+		Namespace:             defaults.Namespace,
+		ServiceAccount:        "ztunnel",
+		TokenFile:             "/var/run/secrets/tokens/isthmus-token",
+		RootCertFile:          "/var/run/secrets/isthmus/root-cert.pem",
+		RootsReloadInterval:   10 * time.Second,
+		HBONEPort:             defaults.HBONEPort,
+		OutboundListen:        loopback(defaults.OutboundPort),
+		SOCKS5Listen:          "127.0.0.1:15080",
+		AdminListen:           loopback(defaults.AdminPort),
+		ReadinessListen:       anyAddr(defaults.ReadinessPort),
+		MetricsListen:         anyAddr(defaults.MetricsPort),
+		ShutdownTimeout:       5 * time.Second,
+		HTTPReadHeaderTimeout: 10 * time.Second,
+		HTTPIdleTimeout:       60 * time.Second,
+		DNSListen:             Disabled,
+		Mark:                  0x539,
+	}
 }
 
 func (c Config) withDefaults() Config {
-	d := DefaultConfig
+	d := DefaultConfig()
 	or := func(v *string, def string) {
 		if *v == "" {
 			*v = def

@@ -64,19 +64,21 @@ type Config struct {
 	Client hbone.ClientConfig
 }
 
-// DefaultConfig holds the defaults.
-var DefaultConfig = Config{
-	TrustDomain:             defaults.TrustDomain,
-	HBONEPort:               defaults.HBONEPort,
-	DialTimeout:             5 * time.Second,
-	EjectionTime:            30 * time.Second,
-	SOCKSHandshakeTimeout:   10 * time.Second,
-	MaxClientConns:          16384,
-	MaxClientConnsPerSource: 4096,
+// DefaultConfig returns the defaults.
+func DefaultConfig() Config {
+	return Config{
+		TrustDomain:             defaults.TrustDomain,
+		HBONEPort:               defaults.HBONEPort,
+		DialTimeout:             5 * time.Second,
+		EjectionTime:            30 * time.Second,
+		SOCKSHandshakeTimeout:   10 * time.Second,
+		MaxClientConns:          16384,
+		MaxClientConnsPerSource: 4096,
+	}
 }
 
 func (c Config) withDefaults() Config {
-	d := DefaultConfig
+	d := DefaultConfig()
 	if c.TrustDomain == "" {
 		c.TrustDomain = d.TrustDomain
 	}

@@ -94,7 +94,7 @@ func TestGatewayFailsOverAndEjects(t *testing.T) {
 	}
 	require.Equal(t, 1, count(), "the refusing endpoint was dialled once, then tried last")
 
-	clock.Step(DefaultConfig.EjectionTime)
+	clock.Step(DefaultConfig().EjectionTime)
 	c, _, err := m.gw.dial(context.Background(), cands)
 	require.NoError(t, err)
 	require.NoError(t, c.Close())

@@ -443,7 +443,7 @@ func TestConnectFailureFailover(t *testing.T) {
 	require.Equal(t, 1, deadDials(), "only the first connection tried b0: it is ejected after failing")
 	require.Equal(t, 1.0, m.mOut.RefusedCount(metrics.ReporterSource, ReasonUpstreamUnavailble))
 
-	clock.Step(DefaultConfig.EjectionTime + time.Second)
+	clock.Step(DefaultConfig().EjectionTime + time.Second)
 	m.echoVia(t, echoHost)
 	require.Equal(t, 2, deadDials(), "once its ejection ended, b0 is preferred again")
 	m.echoVia(t, echoHost)

@@ -85,16 +85,18 @@ type Config struct {
 	KeepaliveTime time.Duration
 }
 
-// DefaultConfig holds the defaults.
-var DefaultConfig = Config{
-	TrustDomain:    defaults.TrustDomain,
-	InitialBackoff: 100 * time.Millisecond,
-	MaxBackoff:     15 * time.Second,
-	KeepaliveTime:  30 * time.Second,
+// DefaultConfig returns the defaults.
+func DefaultConfig() Config {
+	return Config{
+		TrustDomain:    defaults.TrustDomain,
+		InitialBackoff: 100 * time.Millisecond,
+		MaxBackoff:     15 * time.Second,
+		KeepaliveTime:  30 * time.Second,
+	}
 }
 
 func (c Config) withDefaults() Config {
-	d := DefaultConfig
+	d := DefaultConfig()
 	if c.TrustDomain == "" {
 		c.TrustDomain = d.TrustDomain
 	}
