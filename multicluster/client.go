@@ -1,10 +1,8 @@
 package multicluster
 
 import (
-	"context"
 	"fmt"
 	"net"
-	"sync"
 	"time"
 
 	"k8s.io/apimachinery/pkg/runtime"
@@ -15,6 +13,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/isthmus-mesh/isthmus/internal/conntrack"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 )
 
@@ -35,7 +34,7 @@ type Client struct {
 	// REST is the rest.Config the clients were made from.
 	REST *rest.Config
 
-	conns   *connTracker
+	conns   *conntrack.Tracker
 	closers []func()
 }
 
@@ -44,7 +43,7 @@ type Client struct {
 // client is unusable afterwards.
 func (c *Client) Close() {
 	if c.conns != nil {
-		c.conns.closeAll()
+		c.conns.Close()
 	}
 	for _, fn := range c.closers {
 		fn()
@@ -57,81 +56,16 @@ func (c *Client) OpenConnections() int {
 	if c.conns == nil {
 		return 0
 	}
-	c.conns.mu.Lock()
-	defer c.conns.mu.Unlock()
-	return len(c.conns.conns)
+	return c.conns.Len()
 }
 
-// connTracker dials for one client and remembers its connections, so that a
+// newDialer dials for one client and tracks its connections, so that a
 // removed cluster leaves no connection (and no HTTP/2 read loop) behind.
 // A custom dialer also keeps client-go from sharing the transport with other
 // clients through its TLS transport cache.
-type connTracker struct {
-	d     net.Dialer
-	mu    sync.Mutex
-	conns map[net.Conn]struct{}
-	done  bool
-}
-
-func newConnTracker() *connTracker {
-	return &connTracker{d: net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}, conns: map[net.Conn]struct{}{}}
-}
-
-func (t *connTracker) DialContext(ctx context.Context, network, addr string) (net.Conn, error) {
-	c, err := t.d.DialContext(ctx, network, addr)
-	if err != nil {
-		return nil, err
-	}
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.done {
-		_ = c.Close()
-		return nil, net.ErrClosed
-	}
-	tc := &trackedConn{Conn: c, t: t}
-	t.conns[tc] = struct{}{}
-	return tc, nil
-}
-
-// closeAll closes every connection and refuses to dial again.
-func (t *connTracker) closeAll() {
-	t.mu.Lock()
-	t.done = true
-	conns := t.conns
-	t.conns = nil
-	t.mu.Unlock()
-	for c := range conns {
-		_ = c.(*trackedConn).Conn.Close()
-	}
-}
-
-// closeConns closes the open connections and keeps dialing new ones (on
-// a client certificate change).
-func (t *connTracker) closeConns() {
-	t.mu.Lock()
-	conns := t.conns
-	if !t.done {
-		t.conns = map[net.Conn]struct{}{}
-	}
-	t.mu.Unlock()
-	for c := range conns {
-		_ = c.(*trackedConn).Conn.Close()
-	}
-}
-
-type trackedConn struct {
-	net.Conn
-	t    *connTracker
-	once sync.Once
-}
-
-func (c *trackedConn) Close() error {
-	c.once.Do(func() {
-		c.t.mu.Lock()
-		delete(c.t.conns, c)
-		c.t.mu.Unlock()
-	})
-	return c.Conn.Close()
+func newDialer() *conntrack.Dialer {
+	return &conntrack.Dialer{Dialer: net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second},
+		Tracker: conntrack.New(conntrack.Limits{})}
 }
 
 // ClientBuilder turns a remote secret's kubeconfig into a Client for cluster
@@ -156,10 +90,10 @@ func NewClient(cfg *rest.Config) (*Client, error) {
 		cfg.AcceptContentTypes = runtime.ContentTypeProtobuf + "," + runtime.ContentTypeJSON
 	}
 	cfg.DisableCompression = true
-	var conns *connTracker
+	var conns *conntrack.Tracker
 	if cfg.Dial == nil && cfg.Transport == nil {
-		conns = newConnTracker()
-		cfg.Dial = conns.DialContext
+		d := newDialer()
+		conns, cfg.Dial = d.Tracker, d.DialContext
 	}
 	if cfg.UserAgent == "" {
 		cfg.UserAgent = rest.DefaultKubernetesUserAgent()

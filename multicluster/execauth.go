@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/transport"
 
 	"github.com/isthmus-mesh/isthmus/internal/backoff"
+	"github.com/isthmus-mesh/isthmus/internal/conntrack"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 )
 
@@ -47,7 +48,7 @@ type execAuth struct {
 	plugin *execPlugin
 	log    *slog.Logger
 	m      *metrics
-	conns  *connTracker
+	conns  *conntrack.Dialer
 	now    func() time.Time
 
 	ctx    context.Context
@@ -69,7 +70,7 @@ func newExecAuth(p *execPlugin, log *slog.Logger, m *metrics) *execAuth {
 	ctx, cancel := context.WithCancel(context.Background())
 	return &execAuth{
 		plugin: p, log: log, m: m, now: time.Now, ctx: ctx, cancel: cancel,
-		conns: newConnTracker(), retry: backoff.New(execFirstBackoff, execMaxBackoff),
+		conns: newDialer(), retry: backoff.New(execFirstBackoff, execMaxBackoff),
 	}
 }
 
@@ -170,7 +171,7 @@ func (a *execAuth) finish(cred *execCredential, excerpt string, err error) {
 		a.log.Debug("exec credential obtained", "expires", cred.expiry, "refreshAt", cred.refreshAt, "clientCertificate", cred.cert != nil)
 		if prev != nil && !sameCert(prev.cert, cred.cert) {
 			// Handshakes made with the old certificate must not outlive it.
-			a.conns.closeConns()
+			a.conns.Tracker.CloseConns()
 		}
 	}
 	a.m.execRuns.WithLabelValues(result).Inc()
@@ -313,7 +314,7 @@ func (c *Controller) sanitizedClient(kubeconfig []byte, id model.ClusterID, log 
 		auth.close()
 		return nil, err
 	}
-	cl.conns = auth.conns
+	cl.conns = auth.conns.Tracker
 	cl.closers = append(cl.closers, auth.close)
 	return cl, nil
 }

@@ -6,6 +6,7 @@
 package conntrack
 
 import (
+	"context"
 	"errors"
 	"net"
 	"net/netip"
@@ -218,15 +219,57 @@ func (t *Tracker) Serve(ln net.Listener, handle func(net.Conn), refused func(net
 // and closing it stops tracking it. No goroutine is counted. After Close of
 // the tracker, Track closes c and returns it.
 func (t *Tracker) Track(c net.Conn) net.Conn {
+	tc, _ := t.track(c)
+	return tc
+}
+
+// track wraps and tracks c, or closes it and reports false when the tracker
+// is closed.
+func (t *Tracker) track(c net.Conn) (net.Conn, bool) {
 	tc := &trackedConn{Conn: c, t: t}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.closed {
 		c.Close()
-		return tc
+		return tc, false
 	}
 	t.conns[tc] = struct{}{}
-	return tc
+	return tc, true
+}
+
+// CloseConns closes the connections tracked now and leaves the tracker
+// open: later ones are tracked as before (a client whose credentials
+// changed drops the connections made with the old ones).
+func (t *Tracker) CloseConns() {
+	t.mu.Lock()
+	conns := make([]net.Conn, 0, len(t.conns))
+	for c := range t.conns {
+		conns = append(conns, c)
+	}
+	t.mu.Unlock()
+	for _, c := range conns { // outside mu: a tracked conn's Close takes it
+		c.Close()
+	}
+}
+
+// Dialer dials with its net.Dialer and tracks each connection it makes in
+// Tracker (see Track). Once the tracker is closed it refuses with ErrClosed.
+type Dialer struct {
+	net.Dialer
+	Tracker *Tracker
+}
+
+// DialContext dials and tracks the connection.
+func (d *Dialer) DialContext(ctx context.Context, network, addr string) (net.Conn, error) {
+	c, err := d.Dialer.DialContext(ctx, network, addr)
+	if err != nil {
+		return nil, err
+	}
+	tc, ok := d.Tracker.track(c)
+	if !ok {
+		return nil, ErrClosed
+	}
+	return tc, nil
 }
 
 type trackedConn struct {

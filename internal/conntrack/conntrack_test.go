@@ -101,3 +101,29 @@ func TestCloseEndsHandlersAndTrackedConns(t *testing.T) {
 	_, err = c.Read(make([]byte, 1))
 	require.Error(t, err)
 }
+
+func TestDialerTracksAndCloseConnsKeepsTheTrackerOpen(t *testing.T) {
+	ln := listen(t)
+	defer ln.Close()
+	tr := New(Limits{})
+	d := &Dialer{Tracker: tr}
+	first, err := d.DialContext(t.Context(), "tcp", ln.Addr().String())
+	require.NoError(t, err)
+	require.Equal(t, 1, tr.Len())
+
+	tr.CloseConns()
+	_, err = first.Write([]byte("x"))
+	require.Error(t, err, "CloseConns closed the dialed connection")
+	require.Equal(t, 0, tr.Len())
+
+	second, err := d.DialContext(t.Context(), "tcp", ln.Addr().String())
+	require.NoError(t, err, "the tracker is still open")
+	require.Equal(t, 1, tr.Len())
+	require.NoError(t, second.Close())
+	require.Equal(t, 0, tr.Len(), "closing a dialed connection stops tracking it")
+
+	tr.Close()
+	_, err = d.DialContext(t.Context(), "tcp", ln.Addr().String())
+	require.ErrorIs(t, err, ErrClosed)
+	require.Equal(t, 0, tr.Len())
+}
