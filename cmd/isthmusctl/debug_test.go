@@ -61,19 +61,19 @@ func fakeWorkloads() []*model.Workload {
 // syncz is /debug/syncz as pilot serves it, with a field isthmusctl does
 // not know (future_field) and one stream that has not identified itself.
 const syncz = `[
-  {"stream_id": 1, "node_id": "ztunnel~node-a", "cluster": "primary", "network": "net-1", "protocol": "delta",
+  {"streamId": 1, "nodeId": "ztunnel~node-a", "cluster": "primary", "network": "net-1", "protocol": "delta",
    "connected": "2026-03-01T11:00:00Z", "future_field": {"x": 1},
    "types": {
-     "type.googleapis.com/istio.workload.Address": {"sent_version": "v7", "sent_nonce": "n7", "sent_resources": 3,
-        "acked_version": "v7", "acked_nonce": "n7", "pushes": 7, "pending": false},
-     "type.googleapis.com/istio.security.Authorization": {"sent_version": "v2", "sent_nonce": "n2", "sent_resources": 0,
-        "acked_version": "v1", "acked_nonce": "n1", "pushes": 2, "pending": false,
-        "last_nack": {"nonce": "n2", "message": "bad policy", "at": "2026-03-01T11:59:00Z"}}
+     "type.googleapis.com/istio.workload.Address": {"sentVersion": "v7", "sentNonce": "n7", "sentResources": 3,
+        "ackedVersion": "v7", "ackedNonce": "n7", "pushes": 7, "pending": false},
+     "type.googleapis.com/istio.security.Authorization": {"sentVersion": "v2", "sentNonce": "n2", "sentResources": 0,
+        "ackedVersion": "v1", "ackedNonce": "n1", "pushes": 2, "pending": false,
+        "lastNack": {"nonce": "n2", "message": "bad policy", "at": "2026-03-01T11:59:00Z"}}
    }},
-  {"stream_id": 2, "node_id": "envoy~10.0.0.9", "cluster": "remote-1", "network": "net-2", "protocol": "sotw",
+  {"streamId": 2, "nodeId": "envoy~10.0.0.9", "cluster": "remote-1", "network": "net-2", "protocol": "sotw",
    "connected": "2026-03-01T11:30:00Z",
-   "types": {"type.googleapis.com/envoy.config.cluster.v3.Cluster": {"sent_version": "v3", "sent_nonce": "n3", "pending": true, "pushes": 1}}},
-  {"stream_id": 3, "node_id": "", "cluster": "", "network": "", "protocol": "delta", "connected": "2026-03-01T11:59:59Z", "types": {}}
+   "types": {"type.googleapis.com/envoy.config.cluster.v3.Cluster": {"sentVersion": "v3", "sentNonce": "n3", "pending": true, "pushes": 1}}},
+  {"streamId": 3, "nodeId": "", "cluster": "", "network": "", "protocol": "delta", "connected": "2026-03-01T11:59:59Z", "types": {}}
 ]`
 
 // fakePilot serves the debug endpoints; withWorkloadz adds /debug/workloadz.

@@ -46,18 +46,18 @@ func proxyStatus(ctx context.Context, p *pilotClient, cfg proxyStatusConfig, out
 	if cfg.Output != outputTable {
 		return printObject(out, cfg.Output, clients)
 	}
-	slices.SortStableFunc(clients, func(a, b map[string]any) int { return cmp.Compare(str(a, "node_id"), str(b, "node_id")) })
+	slices.SortStableFunc(clients, func(a, b map[string]any) int { return cmp.Compare(str(a, "nodeId"), str(b, "nodeId")) })
 	t := newTable(out, "NODE ID", "CLUSTER", "NETWORK", "PROTOCOL", "TYPE", "SENT", "ACKED", "STATUS")
 	for _, c := range clients {
 		types, _ := c["types"].(map[string]any)
 		if len(types) == 0 {
-			t.row(str(c, "node_id"), str(c, "cluster"), str(c, "network"), str(c, "protocol"), "", "", "", "CONNECTED")
+			t.row(str(c, "nodeId"), str(c, "cluster"), str(c, "network"), str(c, "protocol"), "", "", "", "CONNECTED")
 			continue
 		}
 		for _, url := range slices.Sorted(maps.Keys(types)) {
 			ts, _ := types[url].(map[string]any)
-			t.row(str(c, "node_id"), str(c, "cluster"), str(c, "network"), str(c, "protocol"),
-				shortType(url), str(ts, "sent_version"), str(ts, "acked_version"), syncState(ts))
+			t.row(str(c, "nodeId"), str(c, "cluster"), str(c, "network"), str(c, "protocol"),
+				shortType(url), str(ts, "sentVersion"), str(ts, "ackedVersion"), syncState(ts))
 		}
 	}
 	return t.flush()
@@ -67,12 +67,12 @@ func proxyStatus(ctx context.Context, p *pilotClient, cfg proxyStatusConfig, out
 // acknowledged), NACKED (rejected; the client runs an older version), STALE
 // (waiting for an answer) or NOT SENT.
 func syncState(ts map[string]any) string {
-	sent, acked := str(ts, "sent_version"), str(ts, "acked_version")
+	sent, acked := str(ts, "sentVersion"), str(ts, "ackedVersion")
 	pending, _ := ts["pending"].(bool)
 	switch {
 	case sent == "" && str(ts, "sent_nonce") == "":
 		return "NOT SENT"
-	case ts["last_nack"] != nil && acked != sent && !pending:
+	case ts["lastNack"] != nil && acked != sent && !pending:
 		return "NACKED"
 	case pending:
 		return "STALE"

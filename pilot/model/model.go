@@ -29,9 +29,9 @@ const HBONEPort = defaults.HBONEPort
 
 // Locality is where a workload runs, from its node's topology labels.
 type Locality struct {
-	Region  string
-	Zone    string
-	Subzone string
+	Region  string `json:"region"`
+	Zone    string `json:"zone"`
+	Subzone string `json:"subzone,omitempty"`
 }
 
 // String renders the locality as region/zone/subzone ("" when unset).
@@ -52,8 +52,8 @@ func Hostname(name, ns, domain string) string {
 
 // ServiceKey identifies a service across clusters (namespace sameness).
 type ServiceKey struct {
-	Namespace string
-	Name      string
+	Namespace string `json:"namespace"`
+	Name      string `json:"name"`
 }
 
 // String renders the key as namespace/name.
@@ -73,18 +73,18 @@ const (
 type Port struct {
 	// Name is the port's name (unique within the service, may be empty for a
 	// single-port service).
-	Name string
+	Name string `json:"name"`
 	// Port is the service port.
-	Port uint16
+	Port uint16 `json:"port"`
 	// TargetPort is the numeric port on the workload; zero when the service
 	// names its target port (TargetPortName) and it is resolved per workload.
-	TargetPort uint16
+	TargetPort uint16 `json:"targetPort"`
 	// TargetPortName is a named target port ("" when numeric).
-	TargetPortName string
+	TargetPortName string `json:"targetPortName,omitempty"`
 	// Protocol is the transport protocol.
-	Protocol Protocol
+	Protocol Protocol `json:"protocol"`
 	// AppProtocol is the application protocol (appProtocol, or "" when unset).
-	AppProtocol string
+	AppProtocol string `json:"appProtocol,omitempty"`
 }
 
 // Scope says whether a service crosses clusters.
@@ -114,8 +114,8 @@ func WorkloadUID(cluster ClusterID, ns, name string) string {
 
 // PortMapping maps a service port to the target port on one workload.
 type PortMapping struct {
-	ServicePort uint16
-	TargetPort  uint16
+	ServicePort uint16 `json:"servicePort"`
+	TargetPort  uint16 `json:"targetPort"`
 }
 
 // Workload is one addressable instance: a pod, or an address from an
@@ -126,33 +126,33 @@ type PortMapping struct {
 type Workload struct {
 	*Placement
 	// UID is <cluster>/<namespace>/<name>.
-	UID  string
-	Name string
+	UID  string `json:"uid"`
+	Name string `json:"name"`
 	// Addresses are the workload's IPs (status.podIPs).
-	Addresses []netip.Addr
-	Labels    map[string]string
+	Addresses []netip.Addr      `json:"addresses"`
+	Labels    map[string]string `json:"labels,omitempty"`
 	// Services the workload backs, keyed by service hostname, with the port
 	// mappings resolved for this workload. Set by the registry.
-	Services map[string][]PortMapping
+	Services map[string][]PortMapping `json:"services,omitempty"`
 	// Ready is the pod's Ready condition (or the EndpointSlice ready flag).
-	Ready bool
+	Ready bool `json:"ready"`
 	// Terminating is set once the pod has a deletion timestamp.
-	Terminating bool
+	Terminating bool `json:"terminating,omitempty"`
 	// HostNetwork is set for a pod sharing its node's network namespace (a
 	// ztunnel, a node agent): no ztunnel captures its traffic, so it is
 	// reached without HBONE.
-	HostNetwork bool
+	HostNetwork bool `json:"hostNetwork,omitempty"`
 	// FromSlice marks a workload made from an EndpointSlice address (UID
 	// from SliceWorkloadPrefix). Such a workload belongs to one service and
 	// is kept in that service's shard only. When the address's targetRef
 	// names a pod of the slice's namespace that has this address, Name is
 	// that pod's name and Placement the pod's; readiness is the slice's.
-	FromSlice bool
+	FromSlice bool `json:"fromSlice,omitempty"`
 	// Created is when the object that claims the addresses was created
 	// (Unix seconds; Kubernetes timestamps have a one-second resolution):
 	// the pod, or the EndpointSlice an address was listed in. The oldest
 	// claim of an address wins among equals (see Outranks).
-	Created int64
+	Created int64 `json:"created"`
 }
 
 // ClaimsAddresses reports whether w claims its addresses as their owner.
@@ -202,10 +202,10 @@ func SliceWorkloadService(uid string) (ServiceKey, bool) {
 type Endpoint struct {
 	// Workload is the pod, or the workload made from an EndpointSlice
 	// address, behind the endpoint. Never nil in a published shard.
-	Workload *Workload
+	Workload *Workload `json:"workload"`
 	// Ports maps the service's ports to this endpoint's target ports
 	// (shared between endpoints with equal mappings; never mutated).
-	Ports []PortMapping
+	Ports []PortMapping `json:"ports"`
 }
 
 // FindEndpoint returns where workload uid's endpoint is, or would be, in
@@ -284,26 +284,26 @@ func (w *Workload) Equal(o *Workload) bool {
 // trust (Ignored says why). Discovery reports every candidate so that
 // operators can see the ignored ones; only trusted gateways reach xDS.
 type NetworkGateway struct {
-	Network Network
-	Cluster ClusterID
+	Network Network   `json:"network"`
+	Cluster ClusterID `json:"cluster"`
 	// Address is the gateway's IP (or Hostname when it has none).
-	Address  netip.Addr
-	Hostname string
+	Address  netip.Addr `json:"address,omitzero"`
+	Hostname string     `json:"hostname,omitempty"`
 	// HBONEPort is the gateway's HBONE port (15008 by default).
-	HBONEPort uint16
+	HBONEPort uint16 `json:"hbonePort"`
 	// Source names the Service the gateway was discovered from (ns/name).
-	Source string
+	Source string `json:"source,omitempty"`
 	// ServiceAccounts are the accounts, in the Service's namespace, whose
 	// identities the gateway may present: those an operator annotated
 	// (GatewayServiceAccountsAnnotation), else those of the pods the
 	// Service selects. Sorted, without duplicates.
-	ServiceAccounts []string
+	ServiceAccounts []string `json:"serviceAccounts"`
 	// Capacity weighs the gateway against the other gateways of its
 	// network: its ready instances, at least 1.
-	Capacity uint32
+	Capacity uint32 `json:"capacity,omitempty"`
 	// Ignored is why the candidate is not a gateway ("" for a trusted one):
 	// one of the GatewayIgnored* reasons.
-	Ignored string
+	Ignored string `json:"ignored,omitempty"`
 }
 
 // Reasons a gateway candidate is ignored.

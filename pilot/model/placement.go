@@ -11,12 +11,12 @@ import (
 // value (see Placer) instead of carrying ~130 bytes each: at 100,000
 // EndpointSlice addresses that is the largest part of a workload.
 type Placement struct {
-	Cluster        ClusterID
-	Network        Network
-	Node           string
-	Namespace      string
-	ServiceAccount string
-	Locality       Locality
+	Cluster        ClusterID `json:"cluster"`
+	Network        Network   `json:"network"`
+	Node           string    `json:"node"`
+	Namespace      string    `json:"namespace"`
+	ServiceAccount string    `json:"serviceAccount"`
+	Locality       Locality  `json:"locality,omitzero"`
 }
 
 // Placer interns placements: Place returns one shared, immutable value

@@ -16,7 +16,7 @@ import (
 // second created.
 func podAt(cluster model.ClusterID, ns, name, addr string, created int64) *model.Workload {
 	return &model.Workload{UID: model.WorkloadUID(cluster, ns, name), Name: name, Addresses: []netip.Addr{netip.MustParseAddr(addr)},
-		Placement: model.Place(model.Placement{Cluster: cluster, Network: "net1", Node: "n1", Namespace: ns, ServiceAccount: name}),
+		Placement: &model.Placement{Cluster: cluster, Network: "net1", Node: "n1", Namespace: ns, ServiceAccount: name},
 		Ready:     true, Created: created}
 }
 
@@ -25,7 +25,7 @@ func podAt(cluster model.ClusterID, ns, name, addr string, created int64) *model
 func sliceAt(cluster model.ClusterID, k model.ServiceKey, addr string, created int64) model.Endpoint {
 	uid := model.SliceWorkloadPrefix(cluster, k) + addr
 	return model.Endpoint{Workload: &model.Workload{UID: uid, Name: addr, Addresses: []netip.Addr{netip.MustParseAddr(addr)},
-		Placement: model.Place(model.Placement{Cluster: cluster, Network: "net1", Node: "n1", Namespace: k.Namespace, ServiceAccount: "default"}),
+		Placement: &model.Placement{Cluster: cluster, Network: "net1", Node: "n1", Namespace: k.Namespace, ServiceAccount: "default"},
 		Ready:     true, FromSlice: true, Created: created}, Ports: []model.PortMapping{{ServicePort: 80, TargetPort: 8080}}}
 }
 

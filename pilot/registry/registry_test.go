@@ -247,7 +247,7 @@ func TestWorkloadsFromSlicesLiveInShards(t *testing.T) {
 	made := func(addr string, ready bool) model.Endpoint {
 		uid := model.SliceWorkloadPrefix("c1", k) + addr
 		return model.Endpoint{Workload: &model.Workload{UID: uid, Name: addr, Addresses: []netip.Addr{netip.MustParseAddr(addr)},
-			Placement: model.Place(model.Placement{Cluster: "c1", Network: "n1", Node: "node-a", Namespace: "db", ServiceAccount: "default"}),
+			Placement: &model.Placement{Cluster: "c1", Network: "n1", Node: "node-a", Namespace: "db", ServiceAccount: "default"},
 			Ready:     ready, FromSlice: true}, Ports: []model.PortMapping{{ServicePort: 80, TargetPort: 8080}}}
 	}
 	a, b := made("10.0.0.1", true), made("10.0.0.2", true)

@@ -166,7 +166,7 @@ func refusals(t *testing.T, e *env, reason string) float64 {
 }
 
 const (
-	ztunnelID = "spiffe://cluster.local/ns/istio-system/sa/ztunnel"
+	ztunnelID = "spiffe://cluster.local/ns/isthmus-system/sa/ztunnel"
 	clientID  = "spiffe://cluster.local/ns/default/sa/default"
 )
 
@@ -176,7 +176,7 @@ const (
 func authRegistry() *xdstest.Registry {
 	reg := xdstest.New()
 	reg.SetGateway(model.NetworkGateway{Network: "net2", Cluster: "c2", Address: ip("10.2.255.1"), HBONEPort: 15008, Source: "istio-system/eastwest", ServiceAccounts: []string{"eastwest"}})
-	zt := xdstest.Pod("c1", "net1", "istio-system", "ztunnel-n1", ip("10.1.9.1"))
+	zt := xdstest.Pod("c1", "net1", "isthmus-system", "ztunnel-n1", ip("10.1.9.1"))
 	zt.ServiceAccount, zt.Node, zt.HostNetwork = "ztunnel", "c1-n1", true
 	svc, ws := xdstest.Backing("echo", ns, tcp80, nil,
 		xdstest.Pod("c1", "net1", ns, "local", ip("10.1.0.1")), xdstest.Pod("c2", "net2", ns, "remote", ip("10.2.0.1")))
@@ -201,7 +201,7 @@ func TestAuthorizedClassFromIdentity(t *testing.T) {
 	require.Contains(t, c.state, xds.SplitHorizonUID("net2", ns, echoHost))
 	// The ztunnel's own hostNetwork pod shares its node's address and owns
 	// none: it is not served as that address's workload.
-	require.NotContains(t, c.state, "c1/istio-system/ztunnel-n1")
+	require.NotContains(t, c.state, "c1/isthmus-system/ztunnel-n1")
 	require.Equal(t, workloadv1.TunnelProtocol_HBONE, c.resources["c1/default/local"].GetWorkload().GetTunnelProtocol())
 	for _, res := range r.GetResources() {
 		a := &workloadv1.Address{}
@@ -263,8 +263,8 @@ func TestRefusedClaims(t *testing.T) {
 		{"another cluster", zt, claims("z", "c2", "", "c1-n1"), codes.PermissionDenied, xds.RefusedNotPlaced},
 		{"a cluster not (yet) in the registry", zt, claims("z", "c9", "", "c1-n1"), codes.Unavailable, xds.RefusedClusterUnknown},
 		{"node account without node", zt, claims("z", "c1", "net1", ""), codes.PermissionDenied, xds.RefusedNoNode},
-		{"workload in a cluster it does not run in", e.dialAs(t, e.ca, "spiffe://cluster.local/ns/istio-system/sa/ztunnel-x"), claims("w", "c1", "", ""), codes.PermissionDenied, xds.RefusedNotPlaced},
-		{"another trust domain", e.dialAs(t, e.ca, "spiffe://evil.example/ns/istio-system/sa/ztunnel"), claims("z", "c1", "net1", "c1-n1"), codes.PermissionDenied, xds.RefusedBadIdentity},
+		{"workload in a cluster it does not run in", e.dialAs(t, e.ca, "spiffe://cluster.local/ns/isthmus-system/sa/ztunnel-x"), claims("w", "c1", "", ""), codes.PermissionDenied, xds.RefusedNotPlaced},
+		{"another trust domain", e.dialAs(t, e.ca, "spiffe://evil.example/ns/isthmus-system/sa/ztunnel"), claims("z", "c1", "net1", "c1-n1"), codes.PermissionDenied, xds.RefusedBadIdentity},
 		{"not a SPIFFE ID", e.dialAs(t, e.ca, "https://example.com/ztunnel"), claims("z", "c1", "net1", "c1-n1"), codes.PermissionDenied, xds.RefusedBadIdentity},
 		{"no client certificate", e.dialAs(t, e.ca, ""), claims("z", "c1", "net1", "c1-n1"), codes.Unauthenticated, xds.RefusedNoClientCert},
 	}

@@ -7,6 +7,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 )
 
@@ -32,7 +33,7 @@ type Config struct {
 	AllowPlaintext bool
 	// NodeAccounts are the "namespace/serviceaccount" identities of node
 	// proxies (ztunnel): their claims are checked down to their node (default
-	// "istio-system/ztunnel").
+	// "isthmus-system/ztunnel", defaults.Namespace).
 	NodeAccounts []string
 	// Metrics registers the server's Prometheus metrics; nil keeps them in a
 	// private registry.
@@ -66,7 +67,7 @@ func (cfg Config) withDefaults() Config {
 		cfg.VersionPrefix = "p" + strconv.FormatInt(time.Now().UnixNano(), 36) + "-"
 	}
 	if len(cfg.NodeAccounts) == 0 {
-		cfg.NodeAccounts = []string{"istio-system/ztunnel"}
+		cfg.NodeAccounts = []string{defaults.Namespace + "/ztunnel"}
 	}
 	if cfg.Metrics == nil {
 		cfg.Metrics = prometheus.NewRegistry()

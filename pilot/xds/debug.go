@@ -58,7 +58,7 @@ func (s *Server) configDump(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	dump := struct {
-		NodeID    string                                `json:"node_id"`
+		NodeID    string                                `json:"nodeId"`
 		Network   string                                `json:"network"`
 		Cluster   string                                `json:"cluster"`
 		Resources map[string]map[string]json.RawMessage `json:"resources"`

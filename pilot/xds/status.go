@@ -61,16 +61,16 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 // TypeStatus is what a client has been sent and has answered for one type URL.
 type TypeStatus struct {
 	// SentVersion and SentNonce are those of the last response sent.
-	SentVersion string `json:"sent_version"`
-	SentNonce   string `json:"sent_nonce"`
+	SentVersion string `json:"sentVersion"`
+	SentNonce   string `json:"sentNonce"`
 	// SentResources is the number of resources in the last response.
-	SentResources int `json:"sent_resources"`
+	SentResources int `json:"sentResources"`
 	// AckedVersion and AckedNonce are those of the last accepted response:
 	// after a NACK the client still runs this version.
-	AckedVersion string `json:"acked_version,omitempty"`
-	AckedNonce   string `json:"acked_nonce,omitempty"`
+	AckedVersion string `json:"ackedVersion,omitempty"`
+	AckedNonce   string `json:"ackedNonce,omitempty"`
 	// LastNack is the last rejection, if any.
-	LastNack *Nack `json:"last_nack,omitempty"`
+	LastNack *Nack `json:"lastNack,omitempty"`
 	// Pushes counts the responses sent.
 	Pushes int `json:"pushes"`
 	// Pending is true while the last response is neither ACKed nor NACKed.
@@ -90,9 +90,9 @@ type Nack struct {
 // ClientStatus is the state of one xDS stream, as /debug/syncz shows it.
 type ClientStatus struct {
 	// StreamID is go-control-plane's id of the stream, unique per Protocol.
-	StreamID int64 `json:"stream_id"`
+	StreamID int64 `json:"streamId"`
 	// NodeID is the node id of the client.
-	NodeID string `json:"node_id"`
+	NodeID string `json:"nodeId"`
 	// Identity is the SPIFFE ID of the client's verified certificate; empty
 	// on the plaintext development listener.
 	Identity string `json:"identity,omitempty"`
