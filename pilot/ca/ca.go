@@ -158,7 +158,9 @@ func (c *CA) Run(ctx context.Context) error {
 	}
 	var factories []informers.SharedInformerFactory
 	byName := func(name string) func(*metav1.ListOptions) {
-		return func(o *metav1.ListOptions) { o.FieldSelector = fields.OneTermEqualSelector("metadata.name", name).String() }
+		return func(o *metav1.ListOptions) {
+			o.FieldSelector = fields.OneTermEqualSelector("metadata.name", name).String()
+		}
 	}
 	domainSecrets := func(o *metav1.ListOptions) { o.LabelSelector = TrustDomainSecretLabel + "=true" }
 	for _, tweak := range []func(*metav1.ListOptions){byName(c.cfg.PluginSecret), byName(c.cfg.SelfSignedSecret), domainSecrets} {
