@@ -103,8 +103,8 @@ func (c *CA) Init(ctx context.Context) error { return c.Reload(ctx) }
 // every root publisher rewrites its ConfigMap. A CA that runs on the
 // operator's plug-in Secret never falls back to a self-signed root: if that
 // Secret disappears, Reload fails and the current material stays. A
-// trust-domain Secret that does not parse is reported (the error) and its
-// previous material, if any, stays; the others are applied.
+// trust-domain Secret that does not parse is logged and its previous
+// material, if any, stays; the others are applied.
 func (c *CA) Reload(ctx context.Context) error {
 	c.reloadMu.Lock()
 	defer c.reloadMu.Unlock()
@@ -136,7 +136,10 @@ func (c *CA) Reload(ctx context.Context) error {
 	if old == nil || string(old.rootsPEM) != string(b.rootsPEM) || trustChanged {
 		c.notify()
 	}
-	return errors.Join(problems...)
+	for _, p := range problems {
+		c.log.Warn("trust-domain secret not applied", "err", p)
+	}
+	return nil
 }
 
 func (c *CA) pluginSource() string { return "secret/" + c.cfg.PluginSecret }
