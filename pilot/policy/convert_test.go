@@ -281,7 +281,9 @@ func TestTrustDomainAliases(t *testing.T) {
 		c.Peer = peer
 		return zs.Evaluate(c)
 	}
-	web := func(td string) identity.Identity { return identity.Identity{TrustDomain: td, Namespace: "front", ServiceAccount: "web"} }
+	web := func(td string) identity.Identity {
+		return identity.Identity{TrustDomain: td, Namespace: "front", ServiceAccount: "web"}
+	}
 	allowed := authz.Decision{Allowed: true, Namespace: "prod", Name: "allow"}
 	unmatched := authz.Decision{Reason: authz.ReasonAllowUnmatched}
 	for _, tc := range []struct {
