@@ -162,10 +162,10 @@ type Ztunnel struct {
 
 // ZtunnelOptions say which ztunnel to run.
 type ZtunnelOptions struct {
-	Mode                      node.Mode
-	Cluster, Network, Node    string
-	ServiceAccount, Token     string
-	IP                        netip.Addr
+	Mode                   node.Mode
+	Cluster, Network, Node string
+	ServiceAccount, Token  string
+	IP                     netip.Addr
 	// TrustDomain is the cluster's (default: the mesh's, cluster.local).
 	TrustDomain string
 	// TrustBundle, when set, is the SPIFFE trust bundle map the ztunnel
