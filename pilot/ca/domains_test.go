@@ -122,15 +122,25 @@ func TestTrustDomainsIssueAndPublish(t *testing.T) {
 	require.NoError(t, err)
 	onlySAN(t, leafOf(t, resp, roots), "spiffe://cluster.local/ns/shop/sa/web")
 
-	// network-2 leaves: the bundle and the published ConfigMap follow.
+	// Run follows the trust-domain Secrets: network-2 leaves, another
+	// domain joins; the bundle and the published ConfigMap follow.
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan error, 1)
+	go func() { ran <- c.Run(ctx) }()
+	defer func() {
+		cancel()
+		require.NoError(t, <-ran)
+	}()
 	require.NoError(t, cfgC.Client.CoreV1().Secrets(ns).Delete(context.Background(), "network-2", metav1.DeleteOptions{}))
-	require.NoError(t, c.Reload(context.Background()))
-	require.Equal(t, []string{"cluster.local", "partner.example"}, c.TrustBundle().Domains())
+	require.Eventually(t, func() bool { return !c.TrustBundle().Has("network-2.example") }, 30*time.Second, 20*time.Millisecond)
+	trustDomainSecret(t, ns, "late", "late.example", map[string][]byte{ca.RootCertKey: net2[ca.RootCertKey]})
+	require.Eventually(t, func() bool { return c.TrustBundle().Has("late.example") }, 30*time.Second, 20*time.Millisecond)
+	require.Equal(t, []string{"cluster.local", "late.example", "partner.example"}, c.TrustBundle().Domains())
 	require.EventuallyWithT(t, func(ct *assert.CollectT) {
 		cm, err := fed[remoteCluster].CoreV1().ConfigMaps(ns).Get(context.Background(), ca.DefaultRootConfigMap, metav1.GetOptions{})
 		require.NoError(ct, err)
 		b, err := spiffe.ParseTrustBundle([]byte(cm.Data[ca.TrustBundleKey]))
 		require.NoError(ct, err)
-		assert.Equal(ct, []string{"cluster.local", "partner.example"}, b.Domains())
+		assert.Equal(ct, []string{"cluster.local", "late.example", "partner.example"}, b.Domains())
 	}, 30*time.Second, 50*time.Millisecond)
 }
