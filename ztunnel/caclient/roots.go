@@ -31,7 +31,8 @@ type RootSource interface {
 	TrustBundle() *spiffe.TrustBundle
 }
 
-// StaticRoots is a RootSource that never changes.
+// StaticRoots is a RootSource that never changes. Build it with
+// NewStaticRoots: a nil Bundle trusts no workload certificate.
 type StaticRoots struct {
 	Pool   *x509.CertPool
 	Bundle *spiffe.TrustBundle
