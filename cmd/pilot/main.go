@@ -82,7 +82,10 @@ func newCommand() *cobra.Command {
 		"namespaces whose Services may be east-west gateways (default: --namespace); a Service labelled with a network elsewhere is ignored and reported")
 	f.StringVar(&o.gatewaySelector, "gateway-namespace-selector", "",
 		"label selector of further namespaces whose Services may be east-west gateways (e.g. isthmus.io/gateways=trusted)")
-	f.StringVar(&o.cfg.CA.TrustDomain, "trust-domain", defaults.TrustDomain, "SPIFFE trust domain")
+	f.StringVar(&o.cfg.CA.TrustDomain, "trust-domain", defaults.TrustDomain,
+		"the mesh's SPIFFE trust domain (a remote cluster may have its own: the remote Secret's security.isthmus.io/trust-domain annotation)")
+	f.StringSliceVar(&o.cfg.TrustDomainAliases, "trust-domain-alias", nil,
+		"trust domains whose identities count as the mesh's in AuthorizationPolicy principals (Istio's meshConfig trustDomainAliases; repeatable or comma separated)")
 	f.StringSliceVar(&o.cfg.CA.ServingSANs, "serving-san", nil, "DNS names or IPs of pilot's serving certificate (default isthmusd.<namespace>.svc)")
 	f.BoolVar(&o.cfg.NoLeaderElection, "no-leader-election", false, "write cluster status without a leader Lease (single replica only)")
 	f.DurationVar(&o.cfg.ShutdownTimeout, "shutdown-timeout", 10*time.Second, "bound of the graceful shutdown")

@@ -37,8 +37,6 @@ const (
 type Config struct {
 	// Node is this ztunnel's node; local workloads have Workload.Node == Node.
 	Node string
-	// TrustDomain is the mesh trust domain.
-	TrustDomain string
 	// HBONEPort is the port HBONE is served on (15008).
 	HBONEPort uint16
 	// DialTimeout bounds plain TCP dials to workloads and endpoints.
@@ -67,7 +65,6 @@ type Config struct {
 // DefaultConfig returns the defaults.
 func DefaultConfig() Config {
 	return Config{
-		TrustDomain:             defaults.TrustDomain,
 		HBONEPort:               defaults.HBONEPort,
 		DialTimeout:             5 * time.Second,
 		EjectionTime:            30 * time.Second,
@@ -79,9 +76,6 @@ func DefaultConfig() Config {
 
 func (c Config) withDefaults() Config {
 	d := DefaultConfig()
-	if c.TrustDomain == "" {
-		c.TrustDomain = d.TrustDomain
-	}
 	if c.HBONEPort == 0 {
 		c.HBONEPort = d.HBONEPort
 	}
@@ -100,7 +94,6 @@ func (c Config) withDefaults() Config {
 	if c.MaxClientConnsPerSource <= 0 {
 		c.MaxClientConnsPerSource = d.MaxClientConnsPerSource
 	}
-	c.Server.TrustDomain = c.TrustDomain
 	return c
 }
 
