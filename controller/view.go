@@ -50,6 +50,12 @@ type view struct {
 	// matches (maintained by a watch). A candidate elsewhere is ignored.
 	gatewayNS  map[string]bool
 	selectedNS map[string]bool
+	// discovered are the namespaces the discovery selectors select (nil:
+	// every namespace is discovered; scope.go); onEnter is called when one
+	// enters the selection, and scoped are the stores of namespaced kinds.
+	discovered map[string]bool
+	onEnter    func()
+	scoped     []*store
 
 	// Derived state, as the sink has it. Workloads made from EndpointSlice
 	// addresses are kept only in their service's shard, not in workloads:

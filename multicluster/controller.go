@@ -86,6 +86,11 @@ type Config struct {
 	Registerer prometheus.Registerer
 	// Logger (default slog.Default()).
 	Logger *slog.Logger
+	// DiscoverySelectors are the mesh-wide namespace selectors (as Istio's
+	// MeshConfig discoverySelectors: OR-ed; none selects every namespace).
+	// A remote Secret's discovery-selectors annotation replaces them for
+	// its clusters. Handed to components in Cluster.Namespaces.
+	DiscoverySelectors []metav1.LabelSelector
 	// RecordEvents reports whether this replica writes Events on remote
 	// Secrets (nil: always). With several replicas only the leader does, so
 	// that every transition is one Event.
@@ -129,7 +134,8 @@ func (c *Config) validate() error {
 	if c.Exec.Timeout < 0 {
 		return fmt.Errorf("exec timeout %s is negative", c.Exec.Timeout)
 	}
-	return errors.Join(validateKubeconfigOptions(c.AllowedKubeconfigOptions), validateExecRules(c.Exec.Allowlist))
+	return errors.Join(validateKubeconfigOptions(c.AllowedKubeconfigOptions), validateExecRules(c.Exec.Allowlist),
+		ValidateDiscoverySelectors(c.DiscoverySelectors))
 }
 
 // Cluster is what a component is built for: one generation of one cluster.
@@ -144,6 +150,10 @@ type Cluster struct {
 	Network model.Network
 	// IsConfig is set for the config cluster pilot runs in.
 	IsConfig bool
+	// Namespaces are the namespaces discovery covers: the Secret's
+	// discovery-selectors annotation, else the mesh-wide selectors. A
+	// change of them starts a new generation.
+	Namespaces *NamespaceSelection
 }
 
 // Component is a per-cluster part of pilot (e.g. discovery). Close must
@@ -166,12 +176,13 @@ type namedBuilder struct {
 
 // Controller runs the remote clusters. It is safe for concurrent use.
 type Controller struct {
-	cfg          Config
-	policy       KubeconfigPolicy
-	configClient *Client
-	build        ClientBuilder
-	log          *slog.Logger
-	metrics      *metrics
+	cfg           Config
+	meshSelection *NamespaceSelection
+	policy        KubeconfigPolicy
+	configClient  *Client
+	build         ClientBuilder
+	log           *slog.Logger
+	metrics       *metrics
 
 	mu         sync.Mutex
 	components []namedBuilder
@@ -196,8 +207,12 @@ type entry struct {
 	ref     *corev1.ObjectReference
 	network model.Network
 	hash    [32]byte
-	active  *instance
-	pending *instance
+	// selection is the namespace selection generations are built with;
+	// selectionErr why the Secret's annotation was not taken ("": it was).
+	selection    *NamespaceSelection
+	selectionErr string
+	active       *instance
+	pending      *instance
 }
 
 // New makes a controller. configClient reaches the config cluster (it is
@@ -214,15 +229,20 @@ func New(cfg Config, configClient *Client, build ClientBuilder) (*Controller, er
 	if build == nil {
 		build = DefaultClientBuilder
 	}
+	mesh, err := NewNamespaceSelection(cfg.DiscoverySelectors)
+	if err != nil {
+		return nil, fmt.Errorf("multicluster: %w", err)
+	}
 	return &Controller{
-		cfg:          cfg,
-		policy:       KubeconfigPolicy{AllowedOptions: cfg.AllowedKubeconfigOptions, Exec: cfg.Exec.Allowlist},
-		configClient: configClient,
-		build:        build,
-		log:          cfg.Logger.With("component", "multicluster"),
-		metrics:      newMetrics(cfg.Registerer),
-		clusters:     map[model.ClusterID]*entry{},
-		refused:      map[string]map[model.ClusterID]Status{},
+		cfg:           cfg,
+		meshSelection: mesh,
+		policy:        KubeconfigPolicy{AllowedOptions: cfg.AllowedKubeconfigOptions, Exec: cfg.Exec.Allowlist},
+		configClient:  configClient,
+		build:         build,
+		log:           cfg.Logger.With("component", "multicluster"),
+		metrics:       newMetrics(cfg.Registerer),
+		clusters:      map[model.ClusterID]*entry{},
+		refused:       map[string]map[model.ClusterID]Status{},
 	}, nil
 }
 
@@ -282,7 +302,7 @@ func (c *Controller) Run(ctx context.Context) error {
 	// The config cluster runs the same components as remotes.
 	c.mu.Lock()
 	c.listers, c.synced = listers, synced
-	e := &entry{id: c.cfg.ConfigClusterID, network: c.cfg.ConfigClusterNetwork}
+	e := &entry{id: c.cfg.ConfigClusterID, network: c.cfg.ConfigClusterNetwork, selection: c.meshSelection}
 	c.clusters[e.id] = e
 	c.startLocked(ctx, e, nil)
 	c.mu.Unlock()
@@ -402,6 +422,8 @@ func (e *entry) status() Status {
 		p := e.pending.getStatus()
 		s.Pending = &p
 	}
+	s.Namespaces = e.active.selection.String()
+	s.SelectorError = e.selectionErr
 	return s
 }
 
@@ -418,7 +440,9 @@ func (c *Controller) reconcile(ctx context.Context, key string) {
 	desired := map[model.ClusterID][]byte{}
 	network := model.Network("")
 	var ref *corev1.ObjectReference
+	selection, selErr := c.meshSelection, error(nil)
 	if sec != nil {
+		selection, selErr = c.selectionOf(sec)
 		for k, v := range sec.Data {
 			desired[model.ClusterID(k)] = v
 		}
@@ -458,15 +482,27 @@ func (c *Controller) reconcile(ctx context.Context, key string) {
 			continue
 		}
 		hash := sha256.Sum256(kubeconfig)
+		if selErr != nil && !ok {
+			// Nothing to keep: refuse rather than discover namespaces the
+			// operator may have meant to exclude.
+			refused[id] = c.refuse(ref, key, id, ReasonInvalidDiscoverySelectors, selErr.Error())
+			continue
+		}
+		sel := c.keepSelection(e, ref, key, selection, selErr)
 		switch {
 		case !ok:
-			e = &entry{id: id, secret: key, ref: ref, network: network, hash: hash}
+			e = &entry{id: id, secret: key, ref: ref, network: network, hash: hash, selection: sel}
 			c.clusters[id] = e
-			c.log.Info("remote cluster added", "cluster", id, "secret", key)
+			c.log.Info("remote cluster added", "cluster", id, "secret", key, "namespaces", sel.String())
 			c.startLocked(ctx, e, kubeconfig)
-		case e.hash != hash || e.network != network:
-			e.hash, e.ref, e.network = hash, ref, network
-			c.log.Info("remote cluster kubeconfig changed; starting a new generation (make-before-break)", "cluster", id, "secret", key)
+		case e.hash != hash || e.network != network || e.selection.String() != sel.String():
+			if e.selection.String() != sel.String() {
+				c.log.Info("remote cluster discovery selectors changed; starting a new generation (make-before-break)", "cluster", id, "secret", key,
+					"namespaces", sel.String())
+			} else {
+				c.log.Info("remote cluster kubeconfig changed; starting a new generation (make-before-break)", "cluster", id, "secret", key)
+			}
+			e.hash, e.ref, e.network, e.selection = hash, ref, network, sel
 			c.startLocked(ctx, e, kubeconfig)
 		default:
 			e.ref = ref // unchanged bytes: keep the running client
@@ -488,6 +524,41 @@ func (c *Controller) reconcile(ctx context.Context, key string) {
 	}
 }
 
+// selectionOf returns the namespace selection sec's annotation asks for
+// (the mesh-wide one without it), or why the annotation does not parse.
+func (c *Controller) selectionOf(sec *corev1.Secret) (*NamespaceSelection, error) {
+	text, ok := sec.Annotations[remotesecret.DiscoverySelectorsAnnotation]
+	if !ok {
+		return c.meshSelection, nil
+	}
+	sels, err := ParseDiscoverySelectors(text)
+	if err != nil {
+		return nil, fmt.Errorf("annotation %s: %w; the cluster keeps its previous selection", remotesecret.DiscoverySelectorsAnnotation, err)
+	}
+	return NewNamespaceSelection(sels)
+}
+
+// keepSelection returns the selection registered cluster e (nil: a new
+// one) is to run with: want, or, when the annotation did not parse
+// (selErr), the one it has; a new parse error is reported once.
+func (c *Controller) keepSelection(e *entry, ref *corev1.ObjectReference, key string, want *NamespaceSelection, selErr error) *NamespaceSelection {
+	if e == nil {
+		return want
+	}
+	if selErr == nil {
+		e.selectionErr = ""
+		return want
+	}
+	if msg := selErr.Error(); e.selectionErr != msg {
+		e.selectionErr = msg
+		c.log.Warn("remote cluster discovery selectors refused", "cluster", e.id, "secret", key, "reason", ReasonInvalidDiscoverySelectors, "detail", msg)
+		if ref != nil {
+			c.event(ref, corev1.EventTypeWarning, ReasonInvalidDiscoverySelectors, msg)
+		}
+	}
+	return e.selection
+}
+
 func (c *Controller) refuse(ref *corev1.ObjectReference, key string, id model.ClusterID, reason, msg string) Status {
 	c.log.Warn("remote cluster refused", "cluster", id, "secret", key, "reason", reason, "detail", msg)
 	if ref != nil {
@@ -502,7 +573,7 @@ func (c *Controller) startLocked(ctx context.Context, e *entry, kubeconfig []byt
 	c.nextGen++
 	ictx, cancel := context.WithCancel(ctx)
 	inst := &instance{
-		c: c, e: e, gen: c.nextGen, ctx: ictx, cancel: cancel,
+		c: c, e: e, gen: c.nextGen, ctx: ictx, cancel: cancel, selection: e.selection,
 		syncedCh: make(chan struct{}), done: make(chan struct{}),
 		status: Status{ID: e.id, Secret: e.secret, State: StatePending, Reason: "Starting", Generation: c.nextGen, LastTransitionTime: time.Now()},
 	}

@@ -35,6 +35,11 @@ const (
 	// NetworkAnnotation gives the default network of the registered
 	// cluster(s); optional.
 	NetworkAnnotation = "topology.istio.io/network"
+	// DiscoverySelectorsAnnotation holds the namespace selectors of the
+	// registered cluster(s) (a YAML or JSON list of Kubernetes
+	// LabelSelectors, OR-ed); it replaces pilot's mesh-wide list for them.
+	// An empty list selects every namespace. Isthmus only.
+	DiscoverySelectorsAnnotation = "isthmus.io/discovery-selectors"
 )
 
 // ReaderOptions configures the reader identity created in a remote cluster.
