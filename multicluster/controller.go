@@ -485,7 +485,7 @@ func (c *Controller) reconcile(ctx context.Context, key string) {
 		if selErr != nil && !ok {
 			// Nothing to keep: refuse rather than discover namespaces the
 			// operator may have meant to exclude.
-			refused[id] = c.refuse(ref, key, id, ReasonInvalidDiscoverySelectors, selErr.Error())
+			refused[id] = c.refuse(ref, key, id, ReasonInvalidDiscoverySelectors, selErr.Error()+"; the cluster is not added until it parses")
 			continue
 		}
 		sel := c.keepSelection(e, ref, key, selection, selErr)
@@ -533,7 +533,7 @@ func (c *Controller) selectionOf(sec *corev1.Secret) (*NamespaceSelection, error
 	}
 	sels, err := ParseDiscoverySelectors(text)
 	if err != nil {
-		return nil, fmt.Errorf("annotation %s: %w; the cluster keeps its previous selection", remotesecret.DiscoverySelectorsAnnotation, err)
+		return nil, fmt.Errorf("annotation %s: %w", remotesecret.DiscoverySelectorsAnnotation, err)
 	}
 	return NewNamespaceSelection(sels)
 }
@@ -549,7 +549,7 @@ func (c *Controller) keepSelection(e *entry, ref *corev1.ObjectReference, key st
 		e.selectionErr = ""
 		return want
 	}
-	if msg := selErr.Error(); e.selectionErr != msg {
+	if msg := selErr.Error() + "; the cluster keeps its previous selection (" + e.selection.String() + ")"; e.selectionErr != msg {
 		e.selectionErr = msg
 		c.log.Warn("remote cluster discovery selectors refused", "cluster", e.id, "secret", key, "reason", ReasonInvalidDiscoverySelectors, "detail", msg)
 		if ref != nil {

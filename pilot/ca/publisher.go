@@ -11,9 +11,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
-	"k8s.io/client-go/informers"
+	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/tools/cache"
 )
 
 // Component is a per-cluster piece of the control plane, as the multicluster controller runs it:
@@ -48,24 +47,8 @@ func (c *CA) PublishRoots(ctx context.Context, clusterID string, client kubernet
 		kick:    make(chan struct{}, 1),
 		done:    make(chan struct{}),
 	}
-	p.factory = informers.NewSharedInformerFactoryWithOptions(client, 0,
-		informers.WithNamespace(c.cfg.Namespace),
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
-			o.FieldSelector = fields.OneTermEqualSelector("metadata.name", c.cfg.RootConfigMap).String()
-		}))
-	cms := p.factory.Core().V1().ConfigMaps()
-	inf := cms.Informer()
-	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(any) { p.poke() },
-		UpdateFunc: func(any, any) { p.poke() },
-		DeleteFunc: func(any) { p.poke() },
-	}); err != nil {
-		cancel()
-		return nil, fmt.Errorf("publish roots to cluster %q: %w", clusterID, err)
-	}
 	p.unsubscribe = c.subscribe(p.poke)
-	p.factory.Start(ctx.Done())
-	go p.run(ctx, inf.HasSynced)
+	go p.run(ctx)
 	return p, nil
 }
 
@@ -73,7 +56,6 @@ type publisher struct {
 	ca          *CA
 	cluster     string
 	client      kubernetes.Interface
-	factory     informers.SharedInformerFactory
 	cancel      context.CancelFunc
 	unsubscribe func()
 	kick        chan struct{}
@@ -92,7 +74,6 @@ func (p *publisher) Close() {
 		p.unsubscribe()
 		p.cancel()
 		<-p.done
-		p.factory.Shutdown()
 	})
 }
 
@@ -103,19 +84,59 @@ func (p *publisher) poke() {
 	}
 }
 
-func (p *publisher) run(ctx context.Context, informerSynced cache.InformerSynced) {
+// run keeps the ConfigMap current until ctx ends. It watches the one
+// ConfigMap itself, in this goroutine: an informer would cost a cache and
+// five more goroutines per cluster to learn when to look again. Every event,
+// CA change and failed write's backoff leads to a reconcile, which reads the
+// live object; after the watch (re)starts it looks once, since what changed
+// before is not delivered.
+func (p *publisher) run(ctx context.Context) {
 	defer close(p.done)
 	log := p.ca.log.With("cluster", p.cluster, "configmap", p.ca.cfg.Namespace+"/"+p.ca.cfg.RootConfigMap)
-	if !cache.WaitForCacheSync(ctx.Done(), informerSynced) {
-		return
-	}
-	retry := time.NewTimer(0) // first pass at once
+	var w watch.Interface
+	defer func() {
+		if w != nil {
+			w.Stop()
+		}
+	}()
+	retry := time.NewTimer(time.Hour) // armed after a failed write
+	retry.Stop()
 	defer retry.Stop()
-	delay := publishRetryMin
+	rewatch := time.NewTimer(time.Hour) // armed after a failed watch
+	rewatch.Stop()
+	defer rewatch.Stop()
+	delay, watchDelay, watchWait := publishRetryMin, publishRetryMin, false
 	for {
+		if w == nil && !watchWait {
+			var err error
+			if w, err = p.watch(ctx); err != nil {
+				if ctx.Err() != nil {
+					return
+				}
+				log.Warn("watching the root ConfigMap failed; retrying", "err", err, "in", watchDelay)
+				rewatch.Reset(watchDelay)
+				watchDelay, watchWait = min(2*watchDelay, publishRetryMax), true
+			} else {
+				watchDelay = publishRetryMin
+				p.poke()
+			}
+		}
+		var events <-chan watch.Event
+		if w != nil {
+			events = w.ResultChan()
+		}
 		select {
 		case <-ctx.Done():
 			return
+		case <-rewatch.C:
+			watchWait = false
+			continue
+		case ev, ok := <-events:
+			if !ok || ev.Type == watch.Error {
+				w.Stop()
+				w = nil
+				continue
+			}
 		case <-p.kick:
 		case <-retry.C:
 		}
@@ -133,6 +154,13 @@ func (p *publisher) run(ctx context.Context, informerSynced cache.InformerSynced
 		}
 		delay = publishRetryMin
 	}
+}
+
+// watch watches the root ConfigMap (by name) from now on.
+func (p *publisher) watch(ctx context.Context) (watch.Interface, error) {
+	return p.client.CoreV1().ConfigMaps(p.ca.cfg.Namespace).Watch(ctx, metav1.ListOptions{
+		FieldSelector: fields.OneTermEqualSelector("metadata.name", p.ca.cfg.RootConfigMap).String(),
+	})
 }
 
 // reconcile makes the ConfigMap hold the current bundle. It reads the live object (the informer

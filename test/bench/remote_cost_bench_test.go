@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -25,7 +26,7 @@ import (
 )
 
 var (
-	remoteCounts = flag.String("remotes", "1,10,30", "BenchmarkEmptyRemoteCost: the numbers of empty remotes to register, one sub-benchmark each")
+	remoteCounts   = flag.String("remotes", "1,10,30", "BenchmarkEmptyRemoteCost: the numbers of empty remotes to register, one sub-benchmark each")
 	remoteProfiles = flag.String("remote-profiles", "", "BenchmarkEmptyRemoteCost: a folder to write heap and goroutine profiles to, before and after registering")
 )
 
@@ -76,15 +77,18 @@ func BenchmarkEmptyRemoteCost(b *testing.B) {
 	for run, n := range counts {
 		b.Run(fmt.Sprintf("remotes=%d", n), func(b *testing.B) {
 			for range b.N {
-				measureRemotes(b, set, kubeconfigs, n, fmt.Sprintf("cost-%d-%d", run, n))
+				measureRemotes(b, set, kubeconfigs, n, fmt.Sprintf("run%d", run))
 			}
 		})
 	}
 }
 
-// measureRemotes runs one pilot in namespace ns of cluster-0, registers
-// remotes cluster-1..cluster-n and reports heap and goroutines per remote.
-func measureRemotes(b *testing.B, set *framework.ClusterSet, kubeconfigs [][]byte, n int, ns string) {
+// measureRemotes runs one pilot in namespace isthmus-system of cluster-0
+// (the remotes' reader identities are bound there), registers remotes
+// cluster-1..cluster-n and reports heap and goroutines per remote; run
+// names the profiles.
+func measureRemotes(b *testing.B, set *framework.ClusterSet, kubeconfigs [][]byte, n int, run string) {
+	const ns = "isthmus-system"
 	ctx := context.Background()
 	c0 := set.Cluster(clusterName(0))
 	require.NoError(b, c0.EnsureNamespace(ctx, ns, nil))
@@ -100,7 +104,7 @@ func measureRemotes(b *testing.B, set *framework.ClusterSet, kubeconfigs [][]byt
 	require.Eventually(b, p.Ready, time.Minute, 10*time.Millisecond)
 
 	heap0, g0 := settle()
-	profile(b, ns+"-before")
+	profile(b, run+"-before")
 	b.ResetTimer()
 	for i := 1; i <= n; i++ {
 		sec := remotesecret.Secret(clusterName(i), ns, kubeconfigs[i])
@@ -108,18 +112,21 @@ func measureRemotes(b *testing.B, set *framework.ClusterSet, kubeconfigs [][]byt
 		_, err := c0.Client.CoreV1().Secrets(ns).Create(ctx, sec, metav1.CreateOptions{})
 		require.NoError(b, err)
 	}
-	require.Eventually(b, func() bool {
+	require.EventuallyWithT(b, func(c *assert.CollectT) {
 		synced := 0
+		var not []multicluster.Status
 		for _, s := range p.Multicluster.Statuses() {
 			if s.State == multicluster.StateSynced && s.Pending == nil {
 				synced++
+			} else {
+				not = append(not, s)
 			}
 		}
-		return synced == n+1
-	}, 10*time.Minute, 50*time.Millisecond)
+		assert.Equal(c, n+1, synced, "not synced: %+v", not)
+	}, 5*time.Minute, 50*time.Millisecond)
 	b.StopTimer()
 	heap1, g1 := settle()
-	profile(b, ns+"-after")
+	profile(b, run+"-after")
 	b.ReportMetric(float64(int64(heap1)-int64(heap0))/float64(n), "heap-B/remote")
 	b.ReportMetric(float64(g1-g0)/float64(n), "goroutines/remote")
 	b.Logf("%d remotes: heap %d -> %d B, goroutines %d -> %d", n, heap0, heap1, g0, g1)
