@@ -65,7 +65,7 @@ type federation struct {
 	events *events
 }
 
-func startFederation(t *testing.T, ns string, regCfg registry.Config, discCfg controller.Config, mc ...func(*multicluster.Config)) *federation {
+func startFederation(t testing.TB, ns string, regCfg registry.Config, discCfg controller.Config, mc ...func(*multicluster.Config)) *federation {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	c1 := clusters.Cluster("cluster-1")
