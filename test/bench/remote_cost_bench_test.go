@@ -56,7 +56,7 @@ func BenchmarkEmptyRemoteCost(b *testing.B) {
 		names[i] = clusterName(i)
 	}
 	start := time.Now()
-	set, err := framework.Start(framework.Options{Names: names})
+	set, err := framework.Start(framework.Options{Names: names, MaxParallel: 4})
 	require.NoError(b, err)
 	defer func() { require.NoError(b, set.Stop()) }()
 	var rss int64
