@@ -44,8 +44,6 @@ type scope struct {
 	// kick asks run to (re)start the namespaced watches.
 	kick    chan struct{}
 	started atomic.Bool // the namespace watch has listed once
-	// restarts counts the restarts after the first start (for tests).
-	restarts atomic.Int64
 }
 
 type scopedWatch struct {
@@ -118,16 +116,13 @@ func (sc *scope) start(ctx context.Context, kube kubernetes.Interface) {
 func (sc *scope) run(ctx context.Context) {
 	stop := func() {}
 	defer func() { stop() }()
-	for runs := 0; ; runs++ {
+	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-sc.kick:
 		}
 		stop()
-		if runs > 0 {
-			sc.restarts.Add(1)
-		}
 		stop = sc.runWatches(ctx)
 		// Coalesce a burst of namespaces entering (a label applied to
 		// several at once) into one restart.
@@ -202,14 +197,4 @@ func (v *view) dropNamespace(ns string) {
 			v.setExported(k, false, time.Time{})
 		}
 	}
-}
-
-// discoveredNamespaces returns the selected namespaces (nil: all are).
-func (d *Discovery) discoveredNamespaces() []string {
-	d.v.mu.Lock()
-	defer d.v.mu.Unlock()
-	if d.v.discovered == nil {
-		return nil
-	}
-	return slices.Sorted(maps.Keys(d.v.discovered))
 }

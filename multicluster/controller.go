@@ -524,41 +524,6 @@ func (c *Controller) reconcile(ctx context.Context, key string) {
 	}
 }
 
-// selectionOf returns the namespace selection sec's annotation asks for
-// (the mesh-wide one without it), or why the annotation does not parse.
-func (c *Controller) selectionOf(sec *corev1.Secret) (*NamespaceSelection, error) {
-	text, ok := sec.Annotations[remotesecret.DiscoverySelectorsAnnotation]
-	if !ok {
-		return c.meshSelection, nil
-	}
-	sels, err := ParseDiscoverySelectors(text)
-	if err != nil {
-		return nil, fmt.Errorf("annotation %s: %w", remotesecret.DiscoverySelectorsAnnotation, err)
-	}
-	return NewNamespaceSelection(sels)
-}
-
-// keepSelection returns the selection registered cluster e (nil: a new
-// one) is to run with: want, or, when the annotation did not parse
-// (selErr), the one it has; a new parse error is reported once.
-func (c *Controller) keepSelection(e *entry, ref *corev1.ObjectReference, key string, want *NamespaceSelection, selErr error) *NamespaceSelection {
-	if e == nil {
-		return want
-	}
-	if selErr == nil {
-		e.selectionErr = ""
-		return want
-	}
-	if msg := selErr.Error() + "; the cluster keeps its previous selection (" + e.selection.String() + ")"; e.selectionErr != msg {
-		e.selectionErr = msg
-		c.log.Warn("remote cluster discovery selectors refused", "cluster", e.id, "secret", key, "reason", ReasonInvalidDiscoverySelectors, "detail", msg)
-		if ref != nil {
-			c.event(ref, corev1.EventTypeWarning, ReasonInvalidDiscoverySelectors, msg)
-		}
-	}
-	return e.selection
-}
-
 func (c *Controller) refuse(ref *corev1.ObjectReference, key string, id model.ClusterID, reason, msg string) Status {
 	c.log.Warn("remote cluster refused", "cluster", id, "secret", key, "reason", reason, "detail", msg)
 	if ref != nil {

@@ -4,9 +4,13 @@ import (
 	"fmt"
 	"slices"
 
+	corev1 "k8s.io/api/core/v1"
+
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"sigs.k8s.io/yaml"
+
+	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
 )
 
 // ReasonInvalidDiscoverySelectors: a Secret's discovery-selectors
@@ -112,4 +116,39 @@ func (s *NamespaceSelection) String() string {
 		out += "{" + sel.String() + "}"
 	}
 	return out
+}
+
+// selectionOf returns the namespace selection sec's annotation asks for
+// (the mesh-wide one without it), or why the annotation does not parse.
+func (c *Controller) selectionOf(sec *corev1.Secret) (*NamespaceSelection, error) {
+	text, ok := sec.Annotations[remotesecret.DiscoverySelectorsAnnotation]
+	if !ok {
+		return c.meshSelection, nil
+	}
+	sels, err := ParseDiscoverySelectors(text)
+	if err != nil {
+		return nil, fmt.Errorf("annotation %s: %w", remotesecret.DiscoverySelectorsAnnotation, err)
+	}
+	return NewNamespaceSelection(sels)
+}
+
+// keepSelection returns the selection registered cluster e (nil: a new
+// one) is to run with: want, or, when the annotation did not parse
+// (selErr), the one it has; a new parse error is reported once.
+func (c *Controller) keepSelection(e *entry, ref *corev1.ObjectReference, key string, want *NamespaceSelection, selErr error) *NamespaceSelection {
+	if e == nil {
+		return want
+	}
+	if selErr == nil {
+		e.selectionErr = ""
+		return want
+	}
+	if msg := selErr.Error() + "; the cluster keeps its previous selection (" + e.selection.String() + ")"; e.selectionErr != msg {
+		e.selectionErr = msg
+		c.log.Warn("remote cluster discovery selectors refused", "cluster", e.id, "secret", key, "reason", ReasonInvalidDiscoverySelectors, "detail", msg)
+		if ref != nil {
+			c.event(ref, corev1.EventTypeWarning, ReasonInvalidDiscoverySelectors, msg)
+		}
+	}
+	return e.selection
 }
