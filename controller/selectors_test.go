@@ -151,15 +151,25 @@ func TestDiscoverySelectors(t *testing.T) {
 	require.NoError(t, err)
 	assert.NotEmpty(t, events.Items, "an Event on the Secret")
 
-	// Fixed again: the error clears and the selection applies.
-	annotate(t, f, "cluster-2", `[{"matchLabels": {"`+team+`": "b"}}]`)
-	expect("annotation: team=b", map[string][]model.ClusterID{
+	// Fixed again: the error clears and the selection applies. Two
+	// selectors (OR-ed, so matched by pilot, not the API server): team=b,
+	// or no mesh label.
+	annotate(t, f, "cluster-2", `[{"matchLabels": {"`+team+`": "b"}}, {"matchExpressions": [{"key": "mesh", "operator": "DoesNotExist"}]}]`)
+	expect("annotation: team=b or no mesh label", map[string][]model.ClusterID{
 		"ds-a":   {"cluster-1", "cluster-3"},
 		"ds-b":   {"cluster-1", "cluster-2", "cluster-3"},
-		"ds-off": nil,
+		"ds-off": {"cluster-2"},
 	})
 	s2, _ = f.ctl.Status("cluster-2")
 	assert.Empty(t, s2.SelectorError)
+	// Relabeling under client-side matching: ds-off gains the mesh label
+	// and leaves cluster-2's selection; ds-a loses it and enters.
+	require.NoError(t, clusters.Cluster("cluster-2").EnsureNamespace(ctx, "ds-off", map[string]string{"mesh": "on"}))
+	require.NoError(t, clusters.Cluster("cluster-2").EnsureNamespace(ctx, "ds-a", map[string]string{team: "a"}))
+	expect("relabeled under two selectors", map[string][]model.ClusterID{
+		"ds-a":   {"cluster-1", "cluster-2", "cluster-3"},
+		"ds-off": nil,
+	})
 
 	// A new Secret whose annotation does not parse is refused, with the reason.
 	f.unregister(t, "cluster-3")
