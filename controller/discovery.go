@@ -18,6 +18,10 @@
 // without a selector takes them from its EndpointSlices, whose addresses
 // take their readiness from the slice and, when they name a pod by
 // targetRef, their identity and placement from that pod (slices.go).
+//
+// Discovery selectors (the cluster's multicluster.NamespaceSelection) limit
+// it to the namespaces they select; objects of other namespaces are dropped
+// on arrival (scope.go).
 package controller
 
 import (
@@ -262,12 +266,11 @@ func lw(list cache.ListWithContextFunc, w cache.WatchFuncWithContext) *cache.Lis
 }
 
 // watch runs a reflector of one kind into a store feeding the view.
-func (d *Discovery) watch(ctx context.Context, name string, example runtime.Object, lw *cache.ListWatch, put func(any), remove func(string)) *store {
+func (d *Discovery) watch(ctx context.Context, name string, example runtime.Object, lw *cache.ListWatch, put func(any), remove func(string)) {
 	s := &store{v: d.v, put: put, remove: remove, keys: map[string]struct{}{}}
 	d.stores = append(d.stores, s)
 	r := cache.NewReflectorWithOptions(lw, example, s, cache.ReflectorOptions{Name: name + "@" + string(d.v.cluster)})
 	d.wg.Go(func() { r.RunWithContext(ctx) })
-	return s
 }
 
 // watchNamespaced is watch for a namespaced kind: when discovery selectors
