@@ -163,7 +163,7 @@ func (p *publisher) watch(ctx context.Context) (watch.Interface, error) {
 	})
 }
 
-// reconcile makes the ConfigMap hold the current bundle. It reads the live object (the informer
+// reconcile makes the ConfigMap hold the current bundle. It reads the live object (the watch
 // only tells when to look), so a lost race is settled by reading again. A replica that is not the
 // leader writes nothing: it has synced once it has read the cluster.
 func (p *publisher) reconcile(ctx context.Context) error {
