@@ -18,6 +18,10 @@
 // without a selector takes them from its EndpointSlices, whose addresses
 // take their readiness from the slice and, when they name a pod by
 // targetRef, their identity and placement from that pod (slices.go).
+//
+// Discovery selectors (the cluster's multicluster.NamespaceSelection) limit
+// it to the namespaces they select; objects of other namespaces are dropped
+// on arrival (scope.go).
 package controller
 
 import (
@@ -161,6 +165,9 @@ type Discovery struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 	once   sync.Once
+	// scope runs the namespaced watches when discovery selectors narrow
+	// the namespaces (nil: they run like the others).
+	scope *scope
 }
 
 func start(parent context.Context, cfg Config, c *multicluster.Cluster, sink Sink) *Discovery {
@@ -172,8 +179,11 @@ func start(parent context.Context, cfg Config, c *multicluster.Cluster, sink Sin
 	for _, ns := range cfg.GatewayNamespaces {
 		v.gatewayNS[ns] = true
 	}
+	if !c.Namespaces.All() {
+		d.scope = newScope(d, c.Namespaces)
+	}
 
-	d.watch(ctx, "pods", &corev1.Pod{}, lw(
+	d.watchNamespaced(ctx, "pods", &corev1.Pod{}, lw(
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 			return kube.CoreV1().Pods("").List(ctx, o)
 		},
@@ -181,7 +191,7 @@ func start(parent context.Context, cfg Config, c *multicluster.Cluster, sink Sin
 			return kube.CoreV1().Pods("").Watch(ctx, o)
 		}),
 		func(obj any) { v.putPod(convertPod(obj.(*corev1.Pod))) }, v.removePod)
-	d.watch(ctx, "services", &corev1.Service{}, lw(
+	d.watchNamespaced(ctx, "services", &corev1.Service{}, lw(
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 			return kube.CoreV1().Services("").List(ctx, o)
 		},
@@ -223,7 +233,7 @@ func start(parent context.Context, cfg Config, c *multicluster.Cluster, sink Sin
 			func(obj any) { v.setGatewayNamespaceSelected(obj.(*corev1.Namespace).Name, true) },
 			func(key string) { v.setGatewayNamespaceSelected(key, false) })
 	}
-	d.watch(ctx, "endpointslices", &discoveryv1.EndpointSlice{}, lw(
+	d.watchNamespaced(ctx, "endpointslices", &discoveryv1.EndpointSlice{}, lw(
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 			return kube.DiscoveryV1().EndpointSlices("").List(ctx, o)
 		},
@@ -233,7 +243,7 @@ func start(parent context.Context, cfg Config, c *multicluster.Cluster, sink Sin
 		func(obj any) { v.putSlice(convertSlice(obj.(*discoveryv1.EndpointSlice))) }, v.removeSlice)
 	if cfg.WatchServiceExports && c.Client.Dynamic != nil {
 		ex := &exportSource{client: c.Client}
-		d.watch(ctx, "serviceexports", &unstructured.Unstructured{}, lw(ex.list, ex.watch),
+		d.watchNamespaced(ctx, "serviceexports", &unstructured.Unstructured{}, lw(ex.list, ex.watch),
 			func(obj any) {
 				u := obj.(*unstructured.Unstructured)
 				v.setExported(model.ServiceKey{Namespace: u.GetNamespace(), Name: u.GetName()}, true, u.GetCreationTimestamp().Time)
@@ -242,6 +252,11 @@ func start(parent context.Context, cfg Config, c *multicluster.Cluster, sink Sin
 				ns, name := splitKey(key)
 				v.setExported(model.ServiceKey{Namespace: ns, Name: name}, false, time.Time{})
 			})
+	}
+	if d.scope != nil {
+		d.scope.start(ctx, kube)
+		log.Debug("discovery started", "namespaces", c.Namespaces.String())
+		return d
 	}
 	log.Debug("discovery started")
 	return d
@@ -257,6 +272,19 @@ func (d *Discovery) watch(ctx context.Context, name string, example runtime.Obje
 	d.stores = append(d.stores, s)
 	r := cache.NewReflectorWithOptions(lw, example, s, cache.ReflectorOptions{Name: name + "@" + string(d.v.cluster)})
 	d.wg.Go(func() { r.RunWithContext(ctx) })
+}
+
+// watchNamespaced is watch for a namespaced kind: when discovery selectors
+// narrow the namespaces, its store keeps only the selected namespaces'
+// objects and the scope runs its reflector.
+func (d *Discovery) watchNamespaced(ctx context.Context, name string, example runtime.Object, lw *cache.ListWatch, put func(any), remove func(string)) {
+	if d.scope == nil {
+		d.watch(ctx, name, example, lw, put, remove)
+		return
+	}
+	s := &store{v: d.v, put: put, remove: remove, keys: map[string]struct{}{}, inScope: d.v.inScope}
+	d.stores = append(d.stores, s)
+	d.scope.add(name, example, lw, s)
 }
 
 // HasSynced reports whether every watch has listed once. The first time it
@@ -287,6 +315,11 @@ type store struct {
 	v      *view
 	put    func(any)
 	remove func(key string)
+	// inScope, if set, says whether a namespace's objects are kept
+	// (called with the view's mu held); others are ignored.
+	inScope func(ns string) bool
+	// replaced, if set, is called after each Replace (not under a lock).
+	replaced func()
 
 	mu     sync.Mutex
 	keys   map[string]struct{}
@@ -323,11 +356,26 @@ func (s *store) Update(obj any) error {
 	if err != nil {
 		return err
 	}
-	s.mu.Lock()
-	s.keys[key] = struct{}{}
-	s.mu.Unlock()
-	s.apply(func() { s.put(obj) })
+	s.apply(func() {
+		if !s.keeps(key) {
+			return
+		}
+		s.mu.Lock()
+		s.keys[key] = struct{}{}
+		s.mu.Unlock()
+		s.put(obj)
+	})
 	return nil
+}
+
+// keeps reports whether the object of key is in scope. Called with the
+// view's mu held.
+func (s *store) keeps(key string) bool {
+	if s.inScope == nil {
+		return true
+	}
+	ns, _ := splitKey(key)
+	return s.inScope(ns)
 }
 
 // Delete implements cache.ReflectorStore.
@@ -343,34 +391,57 @@ func (s *store) Delete(obj any) error {
 	return nil
 }
 
+// forgetNamespace drops the keys of namespace ns (whose objects the view
+// dropped when it left the selection). Called with the view's mu held.
+func (s *store) forgetNamespace(ns string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for key := range s.keys {
+		if kns, _ := splitKey(key); kns == ns {
+			delete(s.keys, key)
+		}
+	}
+}
+
 // Replace implements cache.ReflectorStore: a (re)list. Keys not listed are
 // removed; the rest are upserted (equal values change nothing).
 func (s *store) Replace(list []any, _ string) error {
-	next := make(map[string]struct{}, len(list))
-	for _, obj := range list {
+	keys := make([]string, len(list))
+	for i, obj := range list {
 		key, err := keyOf(obj)
 		if err != nil {
 			return err
 		}
-		next[key] = struct{}{}
+		keys[i] = key
 	}
-	s.mu.Lock()
-	prev := s.keys
-	s.keys = next
-	s.mu.Unlock()
 	s.apply(func() {
+		next := make(map[string]struct{}, len(list))
+		for _, key := range keys {
+			if s.keeps(key) {
+				next[key] = struct{}{}
+			}
+		}
+		s.mu.Lock()
+		prev := s.keys
+		s.keys = next
+		s.mu.Unlock()
 		for key := range prev {
 			if _, ok := next[key]; !ok {
 				s.remove(key)
 			}
 		}
-		for _, obj := range list {
-			s.put(obj)
+		for i, obj := range list {
+			if _, ok := next[keys[i]]; ok {
+				s.put(obj)
+			}
 		}
 	})
 	s.mu.Lock()
 	s.synced = true
 	s.mu.Unlock()
+	if s.replaced != nil {
+		s.replaced()
+	}
 	return nil
 }
 

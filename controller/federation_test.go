@@ -28,7 +28,7 @@ import (
 var clusters *framework.ClusterSet
 
 func TestMain(m *testing.M) {
-	code := framework.Main(m, framework.Options{Names: []string{"cluster-1", "cluster-2"}}, &clusters)
+	code := framework.Main(m, framework.Options{Names: []string{"cluster-1", "cluster-2", "cluster-3"}}, &clusters)
 	if code == 0 {
 		if err := goleak.Find(); err != nil {
 			fmt.Fprintln(os.Stderr, "goleak:", err)
@@ -65,7 +65,7 @@ type federation struct {
 	events *events
 }
 
-func startFederation(t *testing.T, ns string, regCfg registry.Config, discCfg controller.Config) *federation {
+func startFederation(t testing.TB, ns string, regCfg registry.Config, discCfg controller.Config, mc ...func(*multicluster.Config)) *federation {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	c1 := clusters.Cluster("cluster-1")
@@ -77,10 +77,14 @@ func startFederation(t *testing.T, ns string, regCfg registry.Config, discCfg co
 	reg.Subscribe(ev.add)
 	local, err := multicluster.NewClient(c1.Config)
 	require.NoError(t, err)
-	ctl, err := multicluster.New(multicluster.Config{
+	mcCfg := multicluster.Config{
 		Namespace: ns, ConfigClusterID: "cluster-1", ConfigClusterNetwork: "network-1",
 		LivenessInterval: 200 * time.Millisecond, UnreachableAfter: 2, Logger: log,
-	}, local, nil)
+	}
+	for _, f := range mc {
+		f(&mcCfg)
+	}
+	ctl, err := multicluster.New(mcCfg, local, nil)
 	require.NoError(t, err)
 	discCfg.ControlPlaneNamespace = ns
 	discCfg.Logger = log

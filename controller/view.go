@@ -2,11 +2,9 @@ package controller
 
 import (
 	"cmp"
-	"fmt"
 	"maps"
 	"net/netip"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -52,6 +50,12 @@ type view struct {
 	// matches (maintained by a watch). A candidate elsewhere is ignored.
 	gatewayNS  map[string]bool
 	selectedNS map[string]bool
+	// discovered are the namespaces the discovery selectors select (nil:
+	// every namespace is discovered; scope.go); onEnter is called when one
+	// enters the selection, and scoped are the stores of namespaced kinds.
+	discovered map[string]bool
+	onEnter    func()
+	scoped     []*store
 
 	// Derived state, as the sink has it. Workloads made from EndpointSlice
 	// addresses are kept only in their service's shard, not in workloads:
@@ -64,10 +68,8 @@ type view struct {
 	placer model.Placer
 
 	// Shared immutable values: identical label sets and service-port maps
-	// are stored once per view.
-	labelSets   map[string]map[string]string
-	serviceMaps map[string]map[string][]model.PortMapping
-	portLists   map[string][]model.PortMapping
+	// are stored once per view; values no one holds are swept (intern.go).
+	interned interned
 
 	delta model.ClusterDelta
 }
@@ -81,8 +83,7 @@ func newView(cluster model.ClusterID, gen uint64, domain string, network model.N
 		podRefs:  map[string]map[string][]sliceRef{},
 		exported: map[model.ServiceKey]time.Time{}, gatewayNS: map[string]bool{}, selectedNS: map[string]bool{},
 		workloads: map[string]*model.Workload{}, shards: map[model.ServiceKey]*shard{},
-		portLists: map[string][]model.PortMapping{},
-		labelSets: map[string]map[string]string{}, serviceMaps: map[string]map[string][]model.PortMapping{},
+		interned: newInterned(),
 	}
 }
 
@@ -201,65 +202,9 @@ func (v *view) workloadOf(p *podInfo) *model.Workload {
 	return w
 }
 
-// internServices returns the view's shared copy of an equal services map.
-func (v *view) internServices(m map[string][]model.PortMapping) map[string][]model.PortMapping {
-	if len(m) == 0 {
-		return nil
-	}
-	var b strings.Builder
-	for _, h := range slices.Sorted(maps.Keys(m)) {
-		b.WriteString(h)
-		for _, pm := range m[h] {
-			fmt.Fprintf(&b, ",%d:%d", pm.ServicePort, pm.TargetPort)
-		}
-		b.WriteByte(';')
-	}
-	key := b.String()
-	if shared, ok := v.serviceMaps[key]; ok {
-		return shared
-	}
-	v.serviceMaps[key] = m
-	return m
-}
-
-// internLabels returns the view's shared copy of an equal label set, with
-// interned keys and values.
-func (v *view) internLabels(m map[string]string) map[string]string {
-	if len(m) == 0 {
-		return nil
-	}
-	var b strings.Builder
-	for _, k := range slices.Sorted(maps.Keys(m)) {
-		b.WriteString(k)
-		b.WriteByte(0)
-		b.WriteString(m[k])
-		b.WriteByte(0)
-	}
-	key := b.String()
-	if shared, ok := v.labelSets[key]; ok {
-		return shared
-	}
-	shared := internMap(m)
-	v.labelSets[key] = shared
-	return shared
-}
-
 // portsOf returns the view's shared copy of s's port mapping for p.
 func (v *view) portsOf(s *svcInfo, p *podInfo) []model.PortMapping {
 	return v.internPorts(portsFor(s, p))
-}
-
-func (v *view) internPorts(pm []model.PortMapping) []model.PortMapping {
-	var b strings.Builder
-	for _, m := range pm {
-		fmt.Fprintf(&b, "%d:%d,", m.ServicePort, m.TargetPort)
-	}
-	key := b.String()
-	if shared, ok := v.portLists[key]; ok {
-		return shared
-	}
-	v.portLists[key] = pm
-	return pm
 }
 
 // setWorkload records pod workload uid (nil: none) and notes it in the
@@ -378,6 +323,7 @@ func (v *view) finish() {
 		v.delta.Gateways = v.gatewayList()
 	}
 	v.flush()
+	v.maybeSweep()
 }
 
 // refreshPod recomputes p's workload, its endpoints in the services of

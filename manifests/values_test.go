@@ -3,6 +3,7 @@ package manifests_test
 import (
 	"encoding/json"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 
@@ -12,8 +13,10 @@ import (
 	"helm.sh/helm/v3/pkg/release"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/isthmus-mesh/isthmus/internal/imagebuild"
+	"github.com/isthmus-mesh/isthmus/multicluster"
 )
 
 // install runs `helm install --dry-run` (client only) of chart dir with
@@ -111,7 +114,8 @@ func TestPilotOperatorValues(t *testing.T) {
 		"clusterID": "east", "trustDomain": "mesh.example", "exportMode": true, "syncTimeout": "45s", "staleGrace": "10m",
 		"debounce":                 map[string]any{"quiet": "50ms", "max": "2s"},
 		"allowedKubeconfigOptions": []any{"exec", "auth-provider:gcp"}, "servingSANs": []any{"pilot.example"},
-		"log": map[string]any{"level": "debug", "format": "text"},
+		"log":                map[string]any{"level": "debug", "format": "text"},
+		"discoverySelectors": []any{map[string]any{"matchLabels": map[string]any{"isthmus.io/discovery": "enabled"}}},
 	})
 	args := convert[appsv1.Deployment](t, find(t, objs, "Deployment", "isthmusd")).Spec.Template.Spec.Containers[0].Args
 	for _, want := range []string{"--trust-domain=mesh.example", "--export-mode", "--sync-timeout=45s", "--stale-grace=10m",
@@ -119,6 +123,12 @@ func TestPilotOperatorValues(t *testing.T) {
 		"--serving-san=pilot.example", "--log-level=debug", "--log-format=text"} {
 		require.Contains(t, args, want)
 	}
+	const selFlag = "--discovery-selectors="
+	i := slices.IndexFunc(args, func(a string) bool { return strings.HasPrefix(a, selFlag) })
+	require.GreaterOrEqual(t, i, 0, "--discovery-selectors")
+	sels, err := multicluster.ParseDiscoverySelectors(strings.TrimPrefix(args[i], selFlag))
+	require.NoError(t, err, "pilot parses the rendered flag")
+	require.Equal(t, []metav1.LabelSelector{{MatchLabels: map[string]string{"isthmus.io/discovery": "enabled"}}}, sels)
 }
 
 // TestNotes: each chart's NOTES.txt renders with the release's values and

@@ -24,6 +24,7 @@ type instance struct {
 	cancel context.CancelFunc
 
 	cluster    *Cluster
+	selection  *NamespaceSelection // the namespaces discovery covers
 	components []Component
 	syncedCh   chan struct{}
 	done       chan struct{}
@@ -123,7 +124,8 @@ func (i *instance) start(kubeconfig []byte) error {
 			return err
 		}
 	}
-	i.cluster = &Cluster{ID: i.e.id, Generation: i.gen, Client: client, Network: i.e.network, TrustDomain: i.e.trustDomain, IsConfig: kubeconfig == nil}
+	i.cluster = &Cluster{ID: i.e.id, Generation: i.gen, Client: client, Network: i.e.network, TrustDomain: i.e.trustDomain, IsConfig: kubeconfig == nil,
+		Namespaces: i.selection}
 	comps, err := i.c.buildComponents(i.ctx, i.cluster)
 	if err != nil {
 		if kubeconfig != nil {

@@ -87,6 +87,11 @@ type Config struct {
 	Registerer prometheus.Registerer
 	// Logger (default slog.Default()).
 	Logger *slog.Logger
+	// DiscoverySelectors are the mesh-wide namespace selectors (as Istio's
+	// MeshConfig discoverySelectors: OR-ed; none selects every namespace).
+	// A remote Secret's discovery-selectors annotation replaces them for
+	// its clusters. Handed to components in Cluster.Namespaces.
+	DiscoverySelectors []metav1.LabelSelector
 	// RecordEvents reports whether this replica writes Events on remote
 	// Secrets (nil: always). With several replicas only the leader does, so
 	// that every transition is one Event.
@@ -130,7 +135,8 @@ func (c *Config) validate() error {
 	if c.Exec.Timeout < 0 {
 		return fmt.Errorf("exec timeout %s is negative", c.Exec.Timeout)
 	}
-	return errors.Join(validateKubeconfigOptions(c.AllowedKubeconfigOptions), validateExecRules(c.Exec.Allowlist))
+	return errors.Join(validateKubeconfigOptions(c.AllowedKubeconfigOptions), validateExecRules(c.Exec.Allowlist),
+		ValidateDiscoverySelectors(c.DiscoverySelectors))
 }
 
 // Cluster is what a component is built for: one generation of one cluster.
@@ -149,6 +155,10 @@ type Cluster struct {
 	TrustDomain string
 	// IsConfig is set for the config cluster pilot runs in.
 	IsConfig bool
+	// Namespaces are the namespaces discovery covers: the Secret's
+	// discovery-selectors annotation, else the mesh-wide selectors. A
+	// change of them starts a new generation.
+	Namespaces *NamespaceSelection
 }
 
 // Component is a per-cluster part of pilot (e.g. discovery). Close must
@@ -171,12 +181,13 @@ type namedBuilder struct {
 
 // Controller runs the remote clusters. It is safe for concurrent use.
 type Controller struct {
-	cfg          Config
-	policy       KubeconfigPolicy
-	configClient *Client
-	build        ClientBuilder
-	log          *slog.Logger
-	metrics      *metrics
+	cfg           Config
+	meshSelection *NamespaceSelection
+	policy        KubeconfigPolicy
+	configClient  *Client
+	build         ClientBuilder
+	log           *slog.Logger
+	metrics       *metrics
 
 	mu         sync.Mutex
 	components []namedBuilder
@@ -203,8 +214,12 @@ type entry struct {
 	// trustDomain is the Secret's trust-domain annotation.
 	trustDomain string
 	hash        [32]byte
-	active      *instance
-	pending     *instance
+	// selection is the namespace selection generations are built with;
+	// selectionErr why the Secret's annotation was not taken ("": it was).
+	selection    *NamespaceSelection
+	selectionErr string
+	active       *instance
+	pending      *instance
 }
 
 // New makes a controller. configClient reaches the config cluster (it is
@@ -221,15 +236,20 @@ func New(cfg Config, configClient *Client, build ClientBuilder) (*Controller, er
 	if build == nil {
 		build = DefaultClientBuilder
 	}
+	mesh, err := NewNamespaceSelection(cfg.DiscoverySelectors)
+	if err != nil {
+		return nil, fmt.Errorf("multicluster: %w", err)
+	}
 	return &Controller{
-		cfg:          cfg,
-		policy:       KubeconfigPolicy{AllowedOptions: cfg.AllowedKubeconfigOptions, Exec: cfg.Exec.Allowlist},
-		configClient: configClient,
-		build:        build,
-		log:          cfg.Logger.With("component", "multicluster"),
-		metrics:      newMetrics(cfg.Registerer),
-		clusters:     map[model.ClusterID]*entry{},
-		refused:      map[string]map[model.ClusterID]Status{},
+		cfg:           cfg,
+		meshSelection: mesh,
+		policy:        KubeconfigPolicy{AllowedOptions: cfg.AllowedKubeconfigOptions, Exec: cfg.Exec.Allowlist},
+		configClient:  configClient,
+		build:         build,
+		log:           cfg.Logger.With("component", "multicluster"),
+		metrics:       newMetrics(cfg.Registerer),
+		clusters:      map[model.ClusterID]*entry{},
+		refused:       map[string]map[model.ClusterID]Status{},
 	}, nil
 }
 
@@ -289,7 +309,7 @@ func (c *Controller) Run(ctx context.Context) error {
 	// The config cluster runs the same components as remotes.
 	c.mu.Lock()
 	c.listers, c.synced = listers, synced
-	e := &entry{id: c.cfg.ConfigClusterID, network: c.cfg.ConfigClusterNetwork}
+	e := &entry{id: c.cfg.ConfigClusterID, network: c.cfg.ConfigClusterNetwork, selection: c.meshSelection}
 	c.clusters[e.id] = e
 	c.startLocked(ctx, e, nil)
 	c.mu.Unlock()
@@ -409,6 +429,8 @@ func (e *entry) status() Status {
 		p := e.pending.getStatus()
 		s.Pending = &p
 	}
+	s.Namespaces = e.active.selection.String()
+	s.SelectorError = e.selectionErr
 	return s
 }
 
@@ -426,7 +448,9 @@ func (c *Controller) reconcile(ctx context.Context, key string) {
 	network := model.Network("")
 	trustDomain := ""
 	var ref *corev1.ObjectReference
+	selection, selErr := c.meshSelection, error(nil)
 	if sec != nil {
+		selection, selErr = c.selectionOf(sec)
 		for k, v := range sec.Data {
 			desired[model.ClusterID(k)] = v
 		}
@@ -467,15 +491,27 @@ func (c *Controller) reconcile(ctx context.Context, key string) {
 			continue
 		}
 		hash := sha256.Sum256(kubeconfig)
+		if selErr != nil && !ok {
+			// Nothing to keep: refuse rather than discover namespaces the
+			// operator may have meant to exclude.
+			refused[id] = c.refuse(ref, key, id, ReasonInvalidDiscoverySelectors, selErr.Error()+"; the cluster is not added until it parses")
+			continue
+		}
+		sel := c.keepSelection(e, ref, key, selection, selErr)
 		switch {
 		case !ok:
-			e = &entry{id: id, secret: key, ref: ref, network: network, trustDomain: trustDomain, hash: hash}
+			e = &entry{id: id, secret: key, ref: ref, network: network, trustDomain: trustDomain, hash: hash, selection: sel}
 			c.clusters[id] = e
-			c.log.Info("remote cluster added", "cluster", id, "secret", key)
+			c.log.Info("remote cluster added", "cluster", id, "secret", key, "namespaces", sel.String())
 			c.startLocked(ctx, e, kubeconfig)
-		case e.hash != hash || e.network != network || e.trustDomain != trustDomain:
-			e.hash, e.ref, e.network, e.trustDomain = hash, ref, network, trustDomain
-			c.log.Info("remote cluster kubeconfig changed; starting a new generation (make-before-break)", "cluster", id, "secret", key)
+		case e.hash != hash || e.network != network || e.trustDomain != trustDomain || e.selection.String() != sel.String():
+			if e.selection.String() != sel.String() {
+				c.log.Info("remote cluster discovery selectors changed; starting a new generation (make-before-break)", "cluster", id, "secret", key,
+					"namespaces", sel.String())
+			} else {
+				c.log.Info("remote cluster kubeconfig changed; starting a new generation (make-before-break)", "cluster", id, "secret", key)
+			}
+			e.hash, e.ref, e.network, e.trustDomain, e.selection = hash, ref, network, trustDomain, sel
 			c.startLocked(ctx, e, kubeconfig)
 		default:
 			e.ref = ref // unchanged bytes: keep the running client
@@ -511,7 +547,7 @@ func (c *Controller) startLocked(ctx context.Context, e *entry, kubeconfig []byt
 	c.nextGen++
 	ictx, cancel := context.WithCancel(ctx)
 	inst := &instance{
-		c: c, e: e, gen: c.nextGen, ctx: ictx, cancel: cancel,
+		c: c, e: e, gen: c.nextGen, ctx: ictx, cancel: cancel, selection: e.selection,
 		syncedCh: make(chan struct{}), done: make(chan struct{}),
 		status: Status{ID: e.id, Secret: e.secret, State: StatePending, Reason: "Starting", Generation: c.nextGen, LastTransitionTime: time.Now()},
 	}

@@ -69,6 +69,12 @@ type Status struct {
 	// Pending is the status of a replacement generation that is starting
 	// while this one keeps serving (make-before-break), if any.
 	Pending *Status `json:"pending,omitempty"`
+	// Namespaces are the namespace selectors the serving generation
+	// discovers ("all namespaces" without any).
+	Namespaces string `json:"namespaces,omitempty"`
+	// SelectorError says why the Secret's discovery-selectors annotation
+	// was not taken (the cluster keeps Namespaces).
+	SelectorError string `json:"selectorError,omitempty"`
 }
 
 // metrics are the controller's Prometheus metrics.

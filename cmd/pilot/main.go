@@ -30,6 +30,7 @@ type options struct {
 	namespace, clusterID    string
 	network                 string
 	gatewaySelector         string
+	discoverySelectors      string
 	execAllowlistFile       string
 	execAllow               []string
 	cfg                     server.Config
@@ -82,6 +83,8 @@ func newCommand() *cobra.Command {
 		"namespaces whose Services may be east-west gateways (default: --namespace); a Service labelled with a network elsewhere is ignored and reported")
 	f.StringVar(&o.gatewaySelector, "gateway-namespace-selector", "",
 		"label selector of further namespaces whose Services may be east-west gateways (e.g. isthmus.io/gateways=trusted)")
+	f.StringVar(&o.discoverySelectors, "discovery-selectors", "",
+		"namespaces discovered in every cluster: a YAML or JSON list of label selectors, OR-ed, as Istio's MeshConfig discoverySelectors (e.g. '[{matchLabels: {isthmus.io/discovery: enabled}}]'); empty: all. A remote Secret's isthmus.io/discovery-selectors annotation replaces it for its clusters")
 	f.StringVar(&o.cfg.CA.TrustDomain, "trust-domain", defaults.TrustDomain,
 		"the mesh's SPIFFE trust domain (a remote cluster may have its own: the remote Secret's security.isthmus.io/trust-domain annotation)")
 	f.StringSliceVar(&o.cfg.TrustDomainAliases, "trust-domain-alias", nil,
@@ -113,6 +116,11 @@ func (o *options) run(ctx context.Context) error {
 			return fmt.Errorf("--gateway-namespace-selector: %w", err)
 		}
 		o.cfg.Discovery.GatewayNamespaceSelector = sel
+	}
+	if o.discoverySelectors != "" {
+		if o.cfg.Multicluster.DiscoverySelectors, err = multicluster.ParseDiscoverySelectors(o.discoverySelectors); err != nil {
+			return fmt.Errorf("--discovery-selectors: %w", err)
+		}
 	}
 	o.cfg.Logger = logger
 	srv, err := server.New(o.cfg, rc, nil)

@@ -41,6 +41,11 @@ const (
 	// the config cluster's). Pilot's CA issues their certificates there,
 	// signed by that domain's own CA (an Isthmus extension).
 	TrustDomainAnnotation = "security.isthmus.io/trust-domain"
+	// DiscoverySelectorsAnnotation holds the namespace selectors of the
+	// registered cluster(s) (a YAML or JSON list of Kubernetes
+	// LabelSelectors, OR-ed); it replaces pilot's mesh-wide list for them.
+	// An empty list selects every namespace. Isthmus only.
+	DiscoverySelectorsAnnotation = "isthmus.io/discovery-selectors"
 )
 
 // ReaderOptions configures the reader identity created in a remote cluster.

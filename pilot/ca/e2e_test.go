@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/x509"
 	"encoding/pem"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -308,4 +309,33 @@ func TestRootPublisherRepairsDrift(t *testing.T) {
 		require.NoError(ct, err)
 		assert.Equal(ct, string(want), cm.Data[ca.RootCertKey])
 	}, 30*time.Second, 50*time.Millisecond, "deleted bundle recreated")
+}
+
+// The publisher's watch survives its API server's restart: after it, the
+// ConfigMap is repaired once the publisher watches again, and a second edit
+// (which only the watch reports: the publisher has nothing left to retry)
+// is repaired too.
+func TestRootPublisherWatchesAgainAfterRestart(t *testing.T) {
+	const ns = "isthmus-rewatch"
+	c, _, fed := testCA(t, ns)
+	_, remote := clusters(t)
+	client := fed[remoteCluster]
+	want := publishedRoots(t, c, remoteCluster, client, ns)
+	require.NoError(t, remote.StopAPIServer())
+	require.NoError(t, remote.RestartAPIServer())
+	cms := client.CoreV1().ConfigMaps(ns)
+	for i := range 2 {
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
+			cm, err := cms.Get(context.Background(), ca.DefaultRootConfigMap, metav1.GetOptions{})
+			require.NoError(ct, err)
+			cm.Data[ca.RootCertKey] = fmt.Sprintf("tampered-%d", i)
+			_, err = cms.Update(context.Background(), cm, metav1.UpdateOptions{})
+			require.NoError(ct, err)
+		}, time.Minute, 100*time.Millisecond, "edit %d", i)
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
+			cm, err := cms.Get(context.Background(), ca.DefaultRootConfigMap, metav1.GetOptions{})
+			require.NoError(ct, err)
+			assert.Equal(ct, string(want), cm.Data[ca.RootCertKey])
+		}, time.Minute, 50*time.Millisecond, "edit %d repaired", i)
+	}
 }

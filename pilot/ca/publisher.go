@@ -13,9 +13,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
-	"k8s.io/client-go/informers"
+	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/tools/cache"
 )
 
 // Component is a per-cluster piece of the control plane, as the multicluster controller runs it:
@@ -52,24 +51,8 @@ func (c *CA) PublishRoots(ctx context.Context, clusterID string, client kubernet
 		kick:    make(chan struct{}, 1),
 		done:    make(chan struct{}),
 	}
-	p.factory = informers.NewSharedInformerFactoryWithOptions(client, 0,
-		informers.WithNamespace(c.cfg.Namespace),
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
-			o.FieldSelector = fields.OneTermEqualSelector("metadata.name", c.cfg.RootConfigMap).String()
-		}))
-	cms := p.factory.Core().V1().ConfigMaps()
-	inf := cms.Informer()
-	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(any) { p.poke() },
-		UpdateFunc: func(any, any) { p.poke() },
-		DeleteFunc: func(any) { p.poke() },
-	}); err != nil {
-		cancel()
-		return nil, fmt.Errorf("publish roots to cluster %q: %w", clusterID, err)
-	}
 	p.unsubscribe = c.subscribe(p.poke)
-	p.factory.Start(ctx.Done())
-	go p.run(ctx, inf.HasSynced)
+	go p.run(ctx)
 	return p, nil
 }
 
@@ -77,7 +60,6 @@ type publisher struct {
 	ca          *CA
 	cluster     string
 	client      kubernetes.Interface
-	factory     informers.SharedInformerFactory
 	cancel      context.CancelFunc
 	unsubscribe func()
 	kick        chan struct{}
@@ -96,7 +78,6 @@ func (p *publisher) Close() {
 		p.unsubscribe()
 		p.cancel()
 		<-p.done
-		p.factory.Shutdown()
 	})
 }
 
@@ -107,19 +88,60 @@ func (p *publisher) poke() {
 	}
 }
 
-func (p *publisher) run(ctx context.Context, informerSynced cache.InformerSynced) {
+// run keeps the ConfigMap current until ctx ends. It watches the one
+// ConfigMap itself, in this goroutine: an informer would cost a cache and
+// five more goroutines per cluster to learn when to look again. Every event,
+// CA change and failed write's backoff leads to a reconcile, which reads the
+// live object; after the watch (re)starts it looks once, since what changed
+// before is not delivered.
+func (p *publisher) run(ctx context.Context) {
 	defer close(p.done)
 	log := p.ca.log.With("cluster", p.cluster, "configmap", p.ca.cfg.Namespace+"/"+p.ca.cfg.RootConfigMap)
-	if !cache.WaitForCacheSync(ctx.Done(), informerSynced) {
-		return
-	}
-	retry := time.NewTimer(0) // first pass at once
+	var w watch.Interface
+	defer func() {
+		if w != nil {
+			w.Stop()
+		}
+	}()
+	retry := time.NewTimer(time.Hour) // armed after a failed write
+	retry.Stop()
 	defer retry.Stop()
-	failures := backoff.New(publishRetryMin, publishRetryMax)
+	rewatch := time.NewTimer(time.Hour) // armed after a failed watch
+	rewatch.Stop()
+	defer rewatch.Stop()
+	failures, watchFailures, watchWait := backoff.New(publishRetryMin, publishRetryMax), backoff.New(publishRetryMin, publishRetryMax), false
 	for {
+		if w == nil && !watchWait {
+			var err error
+			if w, err = p.watch(ctx); err != nil {
+				if ctx.Err() != nil {
+					return
+				}
+				delay := watchFailures.Next()
+				log.Warn("watching the root ConfigMap failed; retrying", "err", err, "in", delay)
+				rewatch.Reset(delay)
+				watchWait = true
+			} else {
+				watchFailures.Reset()
+				p.poke()
+			}
+		}
+		var events <-chan watch.Event
+		if w != nil {
+			events = w.ResultChan()
+		}
 		select {
 		case <-ctx.Done():
 			return
+		case <-rewatch.C:
+			watchWait = false
+			continue
+		case ev, ok := <-events:
+			if !ok || ev.Type == watch.Error {
+				w.Stop()
+				w = nil
+				continue
+			}
 		case <-p.kick:
 		case <-retry.C:
 		}
@@ -139,7 +161,14 @@ func (p *publisher) run(ctx context.Context, informerSynced cache.InformerSynced
 	}
 }
 
-// reconcile makes the ConfigMap hold the current bundle. It reads the live object (the informer
+// watch watches the root ConfigMap (by name) from now on.
+func (p *publisher) watch(ctx context.Context) (watch.Interface, error) {
+	return p.client.CoreV1().ConfigMaps(p.ca.cfg.Namespace).Watch(ctx, metav1.ListOptions{
+		FieldSelector: fields.OneTermEqualSelector("metadata.name", p.ca.cfg.RootConfigMap).String(),
+	})
+}
+
+// reconcile makes the ConfigMap hold the current bundle. It reads the live object (the watch
 // only tells when to look), so a lost race is settled by reading again. A replica that is not the
 // leader writes nothing: it has synced once it has read the cluster.
 func (p *publisher) reconcile(ctx context.Context) error {

@@ -25,6 +25,7 @@
 package framework
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -54,6 +55,9 @@ type Options struct {
 	AssetsDir string
 	// Output receives the processes' logs (default: discarded).
 	Output io.Writer
+	// MaxParallel bounds how many API servers start at once (default: all;
+	// dozens at once on two cores outlast their start timeout).
+	MaxParallel int
 }
 
 // ClusterSet is a set of running clusters sharing one etcd.
@@ -127,8 +131,11 @@ func Start(opts Options) (*ClusterSet, error) {
 	s.Clusters = make([]*Cluster, len(opts.Names))
 	errs := make([]error, len(opts.Names))
 	var wg sync.WaitGroup
+	slots := make(chan struct{}, cmp.Or(opts.MaxParallel, len(opts.Names)))
 	for i, name := range opts.Names {
 		wg.Go(func() {
+			slots <- struct{}{}
+			defer func() { <-slots }()
 			s.Clusters[i], errs[i] = s.startCluster(name, opts)
 		})
 	}
