@@ -42,6 +42,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/isthmus-mesh/isthmus/internal/defaults"
@@ -67,11 +68,12 @@ type Config struct {
 	// labels it matches (namespace labels are the cluster administrator's,
 	// unlike Service labels). It is watched on the API server.
 	GatewayNamespaceSelector labels.Selector
-	// Logger (default slog.Default()).
+	// Logger (default: discards).
 	Logger *slog.Logger
 }
 
-func (c *Config) defaults() {
+// withDefaults fills what c leaves empty.
+func (c Config) withDefaults() Config {
 	if c.ControlPlaneNamespace == "" {
 		c.ControlPlaneNamespace = defaults.Namespace
 	}
@@ -82,8 +84,9 @@ func (c *Config) defaults() {
 		c.GatewayNamespaces = []string{c.ControlPlaneNamespace}
 	}
 	if c.Logger == nil {
-		c.Logger = slog.Default()
+		c.Logger = slog.New(slog.DiscardHandler)
 	}
+	return c
 }
 
 // ServiceExportGVRs are the MCS ServiceExport versions, preferred first.
@@ -149,7 +152,7 @@ func idleWatch(d time.Duration, initialEvents bool) watch.Interface {
 // NewBuilder returns the multicluster component builder of discovery: one
 // view per cluster generation, feeding sink.
 func NewBuilder(cfg Config, sink Sink) multicluster.ComponentBuilder {
-	cfg.defaults()
+	cfg = cfg.withDefaults()
 	return func(ctx context.Context, c *multicluster.Cluster) (multicluster.Component, error) {
 		if sink == nil {
 			return nil, errors.New("controller: nil sink")
@@ -183,6 +186,21 @@ func start(parent context.Context, cfg Config, c *multicluster.Cluster, sink Sin
 		d.scope = newScope(d, c.Namespaces)
 	}
 
+	d.watchWorkloads(ctx, c, cfg)
+	d.watchClusterScoped(ctx, cfg, kube)
+	if d.scope != nil {
+		d.scope.start(ctx, kube)
+		log.Debug("discovery started", "namespaces", c.Namespaces.String())
+		return d
+	}
+	log.Debug("discovery started")
+	return d
+}
+
+// watchWorkloads watches the namespaced kinds: pods, services,
+// EndpointSlices and (when asked) ServiceExports.
+func (d *Discovery) watchWorkloads(ctx context.Context, c *multicluster.Cluster, cfg Config) {
+	kube, v := c.Client.Kube, d.v
 	d.watchNamespaced(ctx, "pods", &corev1.Pod{}, lw(
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 			return kube.CoreV1().Pods("").List(ctx, o)
@@ -199,6 +217,32 @@ func start(parent context.Context, cfg Config, c *multicluster.Cluster, sink Sin
 			return kube.CoreV1().Services("").Watch(ctx, o)
 		}),
 		func(obj any) { v.putService(convertService(c.ID, obj.(*corev1.Service))) }, v.removeService)
+	d.watchNamespaced(ctx, "endpointslices", &discoveryv1.EndpointSlice{}, lw(
+		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			return kube.DiscoveryV1().EndpointSlices("").List(ctx, o)
+		},
+		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			return kube.DiscoveryV1().EndpointSlices("").Watch(ctx, o)
+		}),
+		func(obj any) { v.putSlice(convertSlice(obj.(*discoveryv1.EndpointSlice))) }, v.removeSlice)
+	if cfg.WatchServiceExports && c.Client.Dynamic != nil {
+		ex := &exportSource{client: c.Client}
+		d.watchNamespaced(ctx, "serviceexports", &unstructured.Unstructured{}, lw(ex.list, ex.watch),
+			func(obj any) {
+				u := obj.(*unstructured.Unstructured)
+				v.setExported(model.ServiceKey{Namespace: u.GetNamespace(), Name: u.GetName()}, true, u.GetCreationTimestamp().Time)
+			},
+			func(key string) {
+				ns, name := splitKey(key)
+				v.setExported(model.ServiceKey{Namespace: ns, Name: name}, false, time.Time{})
+			})
+	}
+}
+
+// watchClusterScoped watches nodes, the control-plane namespace (its
+// network label) and the namespaces trusted for gateways by selector.
+func (d *Discovery) watchClusterScoped(ctx context.Context, cfg Config, kube kubernetes.Interface) {
+	v := d.v
 	d.watch(ctx, "nodes", &corev1.Node{}, lw(
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 			return kube.CoreV1().Nodes().List(ctx, o)
@@ -233,33 +277,6 @@ func start(parent context.Context, cfg Config, c *multicluster.Cluster, sink Sin
 			func(obj any) { v.setGatewayNamespaceSelected(obj.(*corev1.Namespace).Name, true) },
 			func(key string) { v.setGatewayNamespaceSelected(key, false) })
 	}
-	d.watchNamespaced(ctx, "endpointslices", &discoveryv1.EndpointSlice{}, lw(
-		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-			return kube.DiscoveryV1().EndpointSlices("").List(ctx, o)
-		},
-		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-			return kube.DiscoveryV1().EndpointSlices("").Watch(ctx, o)
-		}),
-		func(obj any) { v.putSlice(convertSlice(obj.(*discoveryv1.EndpointSlice))) }, v.removeSlice)
-	if cfg.WatchServiceExports && c.Client.Dynamic != nil {
-		ex := &exportSource{client: c.Client}
-		d.watchNamespaced(ctx, "serviceexports", &unstructured.Unstructured{}, lw(ex.list, ex.watch),
-			func(obj any) {
-				u := obj.(*unstructured.Unstructured)
-				v.setExported(model.ServiceKey{Namespace: u.GetNamespace(), Name: u.GetName()}, true, u.GetCreationTimestamp().Time)
-			},
-			func(key string) {
-				ns, name := splitKey(key)
-				v.setExported(model.ServiceKey{Namespace: ns, Name: name}, false, time.Time{})
-			})
-	}
-	if d.scope != nil {
-		d.scope.start(ctx, kube)
-		log.Debug("discovery started", "namespaces", c.Namespaces.String())
-		return d
-	}
-	log.Debug("discovery started")
-	return d
 }
 
 func lw(list cache.ListWithContextFunc, w cache.WatchFuncWithContext) *cache.ListWatch {

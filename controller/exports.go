@@ -44,7 +44,7 @@ type ExportStatusWriter struct {
 // NewExportStatusWriter makes a writer.
 func NewExportStatusWriter(reg FederatedServices, clients ClientSource, log *slog.Logger) *ExportStatusWriter {
 	if log == nil {
-		log = slog.Default()
+		log = slog.New(slog.DiscardHandler)
 	}
 	return &ExportStatusWriter{reg: reg, clients: clients, log: log.With("component", "export-status")}
 }

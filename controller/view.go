@@ -1,9 +1,7 @@
 package controller
 
 import (
-	"cmp"
 	"maps"
-	"net/netip"
 	"slices"
 	"sync"
 	"time"
@@ -234,80 +232,6 @@ func (v *view) noteWorkload(uid string, w *model.Workload) {
 	v.delta.Workloads[uid] = w
 }
 
-// shard is one service's endpoints, sorted by workload uid. Once published
-// (handed to the sink) its slice is never written again: the next change
-// copies it first, so a burst of changes between two flushes costs one copy.
-type shard struct {
-	eps    []model.Endpoint
-	shared bool
-	// fromSlices: the endpoints were made from EndpointSlices (the
-	// service has no selector), not from pods.
-	fromSlices bool
-	// dups are the addresses its slices list more than once (nil: none).
-	dups map[netip.Addr]struct{}
-}
-
-func (sh *shard) dup(a netip.Addr) bool {
-	_, ok := sh.dups[a]
-	return ok
-}
-
-func (sh *shard) publish() []model.Endpoint {
-	sh.shared = true
-	return sh.eps
-}
-
-func (sh *shard) own() {
-	if sh.shared {
-		sh.eps = slices.Clone(sh.eps)
-		sh.shared = false
-	}
-}
-
-func (sh *shard) find(uid string) (int, bool) {
-	return model.FindEndpoint(sh.eps, uid)
-}
-
-// setEndpoint records the endpoint of workload uid in service k's shard
-// (nil: none) and marks the shard changed when it did.
-func (v *view) setEndpoint(k model.ServiceKey, uid string, ep *model.Endpoint) {
-	sh := v.shards[k]
-	if sh == nil {
-		if ep == nil {
-			return
-		}
-		sh = &shard{}
-		v.shards[k] = sh
-	}
-	i, found := sh.find(uid)
-	switch {
-	case ep == nil && !found:
-		return
-	case ep == nil:
-		sh.own()
-		sh.eps = slices.Delete(sh.eps, i, i+1)
-		if len(sh.eps) == 0 {
-			delete(v.shards, k)
-		}
-	case found && sh.eps[i].Workload == ep.Workload && slices.Equal(sh.eps[i].Ports, ep.Ports):
-		return
-	case found:
-		sh.own()
-		sh.eps[i] = *ep
-	default:
-		sh.own()
-		sh.eps = slices.Insert(sh.eps, i, *ep)
-	}
-	v.markShard(k)
-}
-
-func (v *view) markShard(k model.ServiceKey) {
-	if v.delta.Shards == nil {
-		v.delta.Shards = map[model.ServiceKey][]model.Endpoint{}
-	}
-	v.delta.Shards[k] = nil // filled at flush time
-}
-
 // finish renders the changed shards and flushes. Called with mu held after
 // every store callback.
 func (v *view) finish() {
@@ -533,88 +457,6 @@ func (v *view) setExported(k model.ServiceKey, exported bool, at time.Time) {
 		cs.Exported, cs.ExportCreated = exported, at
 		v.services[k] = &svcInfo{cs: &cs, selector: s.selector, gateway: s.gateway}
 		v.setServiceDelta(k, &cs)
-	}
-}
-
-func (v *view) gatewaysChanged() {
-	v.delta.GatewaysChanged = true
-	v.delta.Gateways = v.gatewayList()
-}
-
-// gatewayList returns every gateway candidate of the cluster, resolved:
-// trusted or ignored (with the reason), with its identities and capacity.
-func (v *view) gatewayList() []model.NetworkGateway {
-	var out []model.NetworkGateway
-	for k, s := range v.services {
-		if s.gateway != nil {
-			out = append(out, v.resolveGateway(k, *s.gateway))
-		}
-	}
-	slices.SortFunc(out, func(a, b model.NetworkGateway) int { return cmp.Compare(a.Key(), b.Key()) })
-	return out
-}
-
-// resolveGateway decides whether the candidate g of Service k is trusted:
-// only Services in the operator's gateway namespaces qualify (any tenant can
-// label a Service and give it external IPs), and only with an address and a
-// known identity. The identities are the annotated service accounts, else
-// those of the pods the Service selects; the capacity is its ready pods.
-func (v *view) resolveGateway(k model.ServiceKey, g model.NetworkGateway) model.NetworkGateway {
-	var ready uint32
-	var podAccounts []string
-	if sh := v.shards[k]; sh != nil {
-		for i := range sh.eps {
-			e := &sh.eps[i]
-			if e.Ready() && !e.Terminating() {
-				ready++
-			}
-			podAccounts = append(podAccounts, cmp.Or(e.ServiceAccount(), "default"))
-		}
-	}
-	return TrustGateway(g, v.gatewayNS[k.Namespace] || v.selectedNS[k.Namespace], podAccounts, ready)
-}
-
-// TrustGateway decides whether the candidate g (from GatewayCandidate) is a
-// gateway: trustedNamespace says whether its Service's namespace is one of
-// the operator's gateway namespaces; podAccounts are the service accounts
-// of the pods the Service selects ("default" for none named) and ready
-// counts the ready ones. Without annotated accounts the pods' are its
-// identities; the capacity is its ready pods, at least 1. An untrusted
-// candidate gets its reason in Ignored.
-func TrustGateway(g model.NetworkGateway, trustedNamespace bool, podAccounts []string, ready uint32) model.NetworkGateway {
-	if len(g.ServiceAccounts) == 0 {
-		accounts := slices.Clone(podAccounts)
-		slices.Sort(accounts)
-		g.ServiceAccounts = slices.Compact(accounts)
-	}
-	g.Capacity = max(ready, 1)
-	switch {
-	case !trustedNamespace:
-		g.Ignored = model.GatewayIgnoredUntrustedNamespace
-	case !g.Address.IsValid() && g.Hostname == "":
-		g.Ignored = model.GatewayIgnoredNoAddress
-	case len(g.ServiceAccounts) == 0:
-		g.Ignored = model.GatewayIgnoredNoIdentity
-	}
-	return g
-}
-
-// setGatewayNamespaceSelected records whether namespace ns matches the
-// operator's gateway namespace selector.
-func (v *view) setGatewayNamespaceSelected(ns string, selected bool) {
-	if v.selectedNS[ns] == selected {
-		return
-	}
-	if selected {
-		v.selectedNS[ns] = true
-	} else {
-		delete(v.selectedNS, ns)
-	}
-	for k, s := range v.services {
-		if k.Namespace == ns && s.gateway != nil {
-			v.gatewaysChanged()
-			return
-		}
 	}
 }
 

@@ -23,21 +23,13 @@ package multicluster
 
 import (
 	"context"
-	"crypto/sha256"
 	"errors"
 	"fmt"
 	"log/slog"
-	"maps"
-	"slices"
 	"sync"
-	"time"
 
-	"github.com/hashicorp/go-multierror"
-	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes/scheme"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
@@ -47,97 +39,9 @@ import (
 	"k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/workqueue"
 
-	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 )
-
-// Config configures the Controller. The zero value of each field takes the
-// default written beside it.
-type Config struct {
-	// Namespace watched for remote secrets (default "isthmus-system").
-	Namespace string
-	// ConfigClusterID is the ID of the cluster pilot runs in (default
-	// "primary"); a remote secret key equal to it is refused.
-	ConfigClusterID model.ClusterID
-	// ConfigClusterNetwork is the config cluster's default network.
-	ConfigClusterNetwork model.Network
-	// SyncTimeout after which a cluster that has not synced is reported
-	// timed out (default 30 s).
-	SyncTimeout time.Duration
-	// AllowedKubeconfigOptions names kubeconfig options that read files or
-	// run auth providers which remote kubeconfigs may use (see the Allow*
-	// constants). "exec" is refused: exec plugins are allowed one by one
-	// in Exec.Allowlist.
-	AllowedKubeconfigOptions []string
-	// Exec says which exec credential plugins remote kubeconfigs may run
-	// and bounds their runs (default timeout 10 s).
-	Exec ExecConfig
-	// LivenessInterval between probes of each cluster's API server (default 5 s).
-	LivenessInterval time.Duration
-	// LivenessTimeout bounds one probe (default 5 s).
-	LivenessTimeout time.Duration
-	// UnreachableAfter consecutive failed probes mark a synced cluster
-	// unreachable (default 3).
-	UnreachableAfter int
-	// RetryBackoff is the first delay before retrying a cluster whose client
-	// or components failed to build; it doubles up to five minutes (default 1 s).
-	RetryBackoff time.Duration
-	// Registerer receives the controller's metrics (nil: not registered).
-	Registerer prometheus.Registerer
-	// Logger (default slog.Default()).
-	Logger *slog.Logger
-	// DiscoverySelectors are the mesh-wide namespace selectors (as Istio's
-	// MeshConfig discoverySelectors: OR-ed; none selects every namespace).
-	// A remote Secret's discovery-selectors annotation replaces them for
-	// its clusters. Handed to components in Cluster.Namespaces.
-	DiscoverySelectors []metav1.LabelSelector
-	// RecordEvents reports whether this replica writes Events on remote
-	// Secrets (nil: always). With several replicas only the leader does, so
-	// that every transition is one Event.
-	RecordEvents func() bool
-}
-
-func (c *Config) defaults() {
-	if c.Namespace == "" {
-		c.Namespace = defaults.Namespace
-	}
-	if c.ConfigClusterID == "" {
-		c.ConfigClusterID = "primary"
-	}
-	if c.SyncTimeout == 0 {
-		c.SyncTimeout = 30 * time.Second
-	}
-	if c.LivenessInterval == 0 {
-		c.LivenessInterval = 5 * time.Second
-	}
-	if c.LivenessTimeout == 0 {
-		c.LivenessTimeout = 5 * time.Second
-	}
-	if c.UnreachableAfter == 0 {
-		c.UnreachableAfter = 3
-	}
-	if c.RetryBackoff == 0 {
-		c.RetryBackoff = time.Second
-	}
-	if c.Exec.Timeout == 0 {
-		c.Exec.Timeout = 10 * time.Second
-	}
-	if c.Logger == nil {
-		c.Logger = slog.Default()
-	}
-}
-
-func (c *Config) validate() error {
-	if errs := validation.IsDNS1123Label(string(c.ConfigClusterID)); len(errs) > 0 {
-		return fmt.Errorf("config cluster ID %q: %v", c.ConfigClusterID, errs)
-	}
-	if c.Exec.Timeout < 0 {
-		return fmt.Errorf("exec timeout %s is negative", c.Exec.Timeout)
-	}
-	return errors.Join(validateKubeconfigOptions(c.AllowedKubeconfigOptions), validateExecRules(c.Exec.Allowlist),
-		ValidateDiscoverySelectors(c.DiscoverySelectors))
-}
 
 // Cluster is what a component is built for: one generation of one cluster.
 type Cluster struct {
@@ -204,29 +108,11 @@ type Controller struct {
 	wg       sync.WaitGroup // cluster goroutines
 }
 
-// entry is one registered cluster: the serving generation and, during a
-// swap, the one replacing it.
-type entry struct {
-	id      model.ClusterID
-	secret  string
-	ref     *corev1.ObjectReference
-	network model.Network
-	// trustDomain is the Secret's trust-domain annotation.
-	trustDomain string
-	hash        [32]byte
-	// selection is the namespace selection generations are built with;
-	// selectionErr why the Secret's annotation was not taken ("": it was).
-	selection    *NamespaceSelection
-	selectionErr string
-	active       *instance
-	pending      *instance
-}
-
 // New makes a controller. configClient reaches the config cluster (it is
 // also run as a cluster, with ID cfg.ConfigClusterID); build makes remote
 // clients (DefaultClientBuilder when nil).
 func New(cfg Config, configClient *Client, build ClientBuilder) (*Controller, error) {
-	cfg.defaults()
+	cfg = cfg.withDefaults()
 	if configClient == nil {
 		return nil, errors.New("multicluster: a config cluster client is required")
 	}
@@ -418,233 +304,6 @@ func (c *Controller) KubeClient(id string) (*Client, bool) {
 		return nil, false
 	}
 	return e.active.cluster.Client, true
-}
-
-func (e *entry) status() Status {
-	if e.active == nil {
-		return Status{ID: e.id, Secret: e.secret, State: StatePending}
-	}
-	s := e.active.getStatus()
-	if e.pending != nil {
-		p := e.pending.getStatus()
-		s.Pending = &p
-	}
-	s.Namespaces = e.active.selection.String()
-	s.SelectorError = e.selectionErr
-	return s
-}
-
-// reconcile makes the clusters registered by one Secret match its data.
-func (c *Controller) reconcile(ctx context.Context, key string) {
-	var sec *corev1.Secret
-	ns, name, _ := cache.SplitMetaNamespaceKey(key)
-	for _, l := range c.listers {
-		if s, err := l.Secrets(ns).Get(name); err == nil {
-			sec = s
-			break
-		}
-	}
-	desired := map[model.ClusterID][]byte{}
-	network := model.Network("")
-	trustDomain := ""
-	var ref *corev1.ObjectReference
-	selection, selErr := c.meshSelection, error(nil)
-	if sec != nil {
-		selection, selErr = c.selectionOf(sec)
-		for k, v := range sec.Data {
-			desired[model.ClusterID(k)] = v
-		}
-		network = model.Network(sec.Annotations[remotesecret.NetworkAnnotation])
-		trustDomain = sec.Annotations[remotesecret.TrustDomainAnnotation]
-		ref = &corev1.ObjectReference{Kind: "Secret", APIVersion: "v1", Namespace: sec.Namespace, Name: sec.Name, UID: sec.UID, ResourceVersion: sec.ResourceVersion}
-	}
-
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	refused := map[model.ClusterID]Status{}
-	removedAny := false
-	// Clusters this Secret owned that it no longer lists.
-	for id, e := range c.clusters {
-		if e.secret == key {
-			if _, ok := desired[id]; !ok {
-				c.log.Info("remote cluster removed", "cluster", id, "secret", key)
-				c.stopEntryLocked(e)
-				delete(c.clusters, id)
-				c.notifyLocked(Status{ID: id, Secret: key, State: StateClosing, Reason: ReasonRemoved, LastTransitionTime: time.Now()})
-				removedAny = true
-			}
-		}
-	}
-	for _, id := range slices.Sorted(maps.Keys(desired)) {
-		kubeconfig := desired[id]
-		if errs := validation.IsDNS1123Label(string(id)); len(errs) > 0 {
-			refused[id] = c.refuse(ref, key, id, ReasonInvalidClusterID, fmt.Sprintf("cluster ID %q is not a DNS-1123 label", id))
-			continue
-		}
-		if id == c.cfg.ConfigClusterID {
-			refused[id] = c.refuse(ref, key, id, ReasonConfigClusterID, fmt.Sprintf("cluster ID %q is the config cluster's own ID; ignored", id))
-			continue
-		}
-		e, ok := c.clusters[id]
-		if ok && e.secret != key {
-			refused[id] = c.refuse(ref, key, id, ReasonDuplicateCluster, fmt.Sprintf("cluster %q is already registered by secret %s; the first secret wins", id, e.secret))
-			continue
-		}
-		hash := sha256.Sum256(kubeconfig)
-		if selErr != nil && !ok {
-			// Nothing to keep: refuse rather than discover namespaces the
-			// operator may have meant to exclude.
-			refused[id] = c.refuse(ref, key, id, ReasonInvalidDiscoverySelectors, selErr.Error()+"; the cluster is not added until it parses")
-			continue
-		}
-		sel := c.keepSelection(e, ref, key, selection, selErr)
-		switch {
-		case !ok:
-			e = &entry{id: id, secret: key, ref: ref, network: network, trustDomain: trustDomain, hash: hash, selection: sel}
-			c.clusters[id] = e
-			c.log.Info("remote cluster added", "cluster", id, "secret", key, "namespaces", sel.String())
-			c.startLocked(ctx, e, kubeconfig)
-		case e.hash != hash || e.network != network || e.trustDomain != trustDomain || e.selection.String() != sel.String():
-			if e.selection.String() != sel.String() {
-				c.log.Info("remote cluster discovery selectors changed; starting a new generation (make-before-break)", "cluster", id, "secret", key,
-					"namespaces", sel.String())
-			} else {
-				c.log.Info("remote cluster kubeconfig changed; starting a new generation (make-before-break)", "cluster", id, "secret", key)
-			}
-			e.hash, e.ref, e.network, e.trustDomain, e.selection = hash, ref, network, trustDomain, sel
-			c.startLocked(ctx, e, kubeconfig)
-		default:
-			e.ref = ref // unchanged bytes: keep the running client
-		}
-	}
-	if len(refused) > 0 {
-		c.refused[key] = refused
-	} else {
-		delete(c.refused, key)
-	}
-	c.metrics.setStates(c.statusesLocked())
-	if removedAny {
-		// A cluster ID freed by this Secret may be claimed by another.
-		for other := range c.refused {
-			if other != key {
-				c.queue.Add(other)
-			}
-		}
-	}
-}
-
-func (c *Controller) refuse(ref *corev1.ObjectReference, key string, id model.ClusterID, reason, msg string) Status {
-	c.log.Warn("remote cluster refused", "cluster", id, "secret", key, "reason", reason, "detail", msg)
-	if ref != nil {
-		c.event(ref, corev1.EventTypeWarning, reason, msg)
-	}
-	return Status{ID: id, Secret: key, State: StateError, Reason: reason, Message: msg, LastTransitionTime: time.Now()}
-}
-
-// startLocked starts a new generation for e: the serving one when e has
-// none, else a pending replacement (closing any earlier pending one).
-func (c *Controller) startLocked(ctx context.Context, e *entry, kubeconfig []byte) {
-	c.nextGen++
-	ictx, cancel := context.WithCancel(ctx)
-	inst := &instance{
-		c: c, e: e, gen: c.nextGen, ctx: ictx, cancel: cancel, selection: e.selection,
-		syncedCh: make(chan struct{}), done: make(chan struct{}),
-		status: Status{ID: e.id, Secret: e.secret, State: StatePending, Reason: "Starting", Generation: c.nextGen, LastTransitionTime: time.Now()},
-	}
-	if e.active == nil {
-		e.active = inst
-	} else {
-		if e.pending != nil {
-			e.pending.stop()
-		}
-		e.pending = inst
-	}
-	c.wg.Go(func() { inst.run(kubeconfig) })
-}
-
-// promote makes inst the serving generation once it has synced, and closes
-// the one it replaces.
-func (c *Controller) promote(inst *instance) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	e := inst.e
-	if e.pending != inst {
-		return
-	}
-	old := e.active
-	e.active, e.pending = inst, nil
-	c.log.Info("remote cluster swapped to new generation", "cluster", e.id, "generation", inst.gen)
-	old.stop()
-	c.notifyLocked(inst.getStatus())
-	c.metrics.setStates(c.statusesLocked())
-}
-
-func (c *Controller) stopEntryLocked(e *entry) {
-	if e.pending != nil {
-		e.pending.stop()
-		e.pending = nil
-	}
-	if e.active != nil {
-		e.active.stop()
-	}
-}
-
-// statusChanged is called by an instance after its status changed.
-func (c *Controller) statusChanged(inst *instance, s Status, event *eventInfo) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	e := inst.e
-	if cur, ok := c.clusters[e.id]; !ok || cur != e {
-		return
-	}
-	if event != nil && e.ref != nil {
-		c.event(e.ref, event.kind, event.reason, event.msg)
-	}
-	if e.active == inst {
-		c.notifyLocked(s)
-	}
-	c.metrics.setStates(c.statusesLocked())
-}
-
-func (c *Controller) notifyLocked(s Status) {
-	for _, fn := range c.listeners {
-		fn(s)
-	}
-}
-
-type eventInfo struct{ kind, reason, msg string }
-
-// buildComponents builds every registered component for cl; on error the
-// ones built are closed and the errors aggregated.
-func (c *Controller) buildComponents(ctx context.Context, cl *Cluster) ([]Component, error) {
-	c.mu.Lock()
-	builders := slices.Clone(c.components)
-	c.mu.Unlock()
-	var out []Component
-	var errs *multierror.Error
-	for _, b := range builders {
-		comp, err := b.build(ctx, cl)
-		if err != nil {
-			errs = multierror.Append(errs, fmt.Errorf("component %s: %w", b.name, err))
-			continue
-		}
-		out = append(out, comp)
-	}
-	if err := errs.ErrorOrNil(); err != nil {
-		for _, comp := range out {
-			comp.Close()
-		}
-		return nil, err
-	}
-	return out, nil
-}
-
-// event records an Event on ref, when this replica records them.
-func (c *Controller) event(ref runtime.Object, kind, reason, msg string) {
-	if c.recorder == nil || (c.cfg.RecordEvents != nil && !c.cfg.RecordEvents()) {
-		return
-	}
-	c.recorder.Event(ref, kind, reason, msg)
 }
 
 // SanitizedClient builds the client of a remote kubeconfig as pilot does

@@ -83,37 +83,68 @@ func SanitizeKubeconfig(raw []byte, allowed []string) (*clientcmdapi.Config, err
 // allowed by name, an exec plugin unless an allowlist rule allows its
 // command, arguments and environment; unknown fields never pass.
 func (p KubeconfigPolicy) Sanitize(raw []byte) (*clientcmdapi.Config, error) {
-	allowed := p.AllowedOptions
+	name, kctx, cl, user, err := currentContext(raw)
+	if err != nil {
+		return nil, err
+	}
+	outCluster, err := p.cluster(cl)
+	if err != nil {
+		return nil, err
+	}
+	outUser, err := p.user(user)
+	if err != nil {
+		return nil, err
+	}
+	out := clientcmdapi.NewConfig()
+	out.Clusters[kctx.Cluster] = outCluster
+	out.AuthInfos[kctx.AuthInfo] = outUser
+	out.Contexts[name] = &clientcmdapi.Context{Cluster: kctx.Cluster, AuthInfo: kctx.AuthInfo, Namespace: kctx.Namespace}
+	out.CurrentContext = name
+	if err := clientcmd.Validate(*out); err != nil {
+		return nil, &KubeconfigError{ReasonInvalidKubeconfig, redactValidation(err)}
+	}
+	return out, nil
+}
+
+// currentContext parses raw and returns its current context with the
+// cluster and user it names.
+func currentContext(raw []byte) (string, *clientcmdapi.Context, *clientcmdapi.Cluster, *clientcmdapi.AuthInfo, error) {
 	if len(raw) == 0 {
-		return nil, &KubeconfigError{ReasonInvalidKubeconfig, "empty kubeconfig"}
+		return "", nil, nil, nil, &KubeconfigError{ReasonInvalidKubeconfig, "empty kubeconfig"}
 	}
 	in, err := clientcmd.Load(raw)
 	if err != nil {
 		// The parser's message can quote input; keep only its kind.
-		return nil, &KubeconfigError{ReasonInvalidKubeconfig, "cannot parse kubeconfig: " + firstLine(err.Error(), 80)}
+		return "", nil, nil, nil, &KubeconfigError{ReasonInvalidKubeconfig, "cannot parse kubeconfig: " + firstLine(err.Error(), 80)}
 	}
 	name := in.CurrentContext
 	if name == "" {
-		return nil, &KubeconfigError{ReasonNoCurrentContext, "kubeconfig has no current-context"}
+		return "", nil, nil, nil, &KubeconfigError{ReasonNoCurrentContext, "kubeconfig has no current-context"}
 	}
 	kctx, ok := in.Contexts[name]
 	if !ok {
-		return nil, &KubeconfigError{ReasonNoCurrentContext, fmt.Sprintf("current-context %q is not defined", name)}
+		return "", nil, nil, nil, &KubeconfigError{ReasonNoCurrentContext, fmt.Sprintf("current-context %q is not defined", name)}
 	}
 	cl, ok := in.Clusters[kctx.Cluster]
 	if !ok || cl.Server == "" {
-		return nil, &KubeconfigError{ReasonInvalidKubeconfig, fmt.Sprintf("context %q names no cluster with a server", name)}
+		return "", nil, nil, nil, &KubeconfigError{ReasonInvalidKubeconfig, fmt.Sprintf("context %q names no cluster with a server", name)}
 	}
 	user, ok := in.AuthInfos[kctx.AuthInfo]
 	if !ok {
-		return nil, &KubeconfigError{ReasonInvalidKubeconfig, fmt.Sprintf("context %q names no user", name)}
+		return "", nil, nil, nil, &KubeconfigError{ReasonInvalidKubeconfig, fmt.Sprintf("context %q names no user", name)}
 	}
-	allow := func(opt string) bool { return slices.Contains(allowed, opt) }
-	forbidden := func(field string) error {
-		return &KubeconfigError{ReasonForbiddenOption, fmt.Sprintf("%s is not allowed in remote kubeconfigs (operator option %q)", field, field)}
-	}
+	return name, kctx, cl, user, nil
+}
 
-	outCluster := &clientcmdapi.Cluster{
+func (p KubeconfigPolicy) allow(opt string) bool { return slices.Contains(p.AllowedOptions, opt) }
+
+func forbidden(field string) error {
+	return &KubeconfigError{ReasonForbiddenOption, fmt.Sprintf("%s is not allowed in remote kubeconfigs (operator option %q)", field, field)}
+}
+
+// cluster copies the fields of cl that may pass.
+func (p KubeconfigPolicy) cluster(cl *clientcmdapi.Cluster) (*clientcmdapi.Cluster, error) {
+	out := &clientcmdapi.Cluster{
 		Server:                   cl.Server,
 		TLSServerName:            cl.TLSServerName,
 		InsecureSkipTLSVerify:    cl.InsecureSkipTLSVerify,
@@ -122,13 +153,19 @@ func (p KubeconfigPolicy) Sanitize(raw []byte) (*clientcmdapi.Config, error) {
 		DisableCompression:       cl.DisableCompression,
 	}
 	if cl.CertificateAuthority != "" {
-		if !allow(AllowCertificateAuthority) {
+		if !p.allow(AllowCertificateAuthority) {
 			return nil, forbidden(AllowCertificateAuthority)
 		}
-		outCluster.CertificateAuthority = cl.CertificateAuthority
+		out.CertificateAuthority = cl.CertificateAuthority
 	}
+	return out, nil
+}
 
-	outUser := &clientcmdapi.AuthInfo{
+// user copies the fields of user that may pass: files only when allowed by
+// name, an exec plugin only when the allowlist allows it, an auth provider
+// only oidc unless allowed.
+func (p KubeconfigPolicy) user(user *clientcmdapi.AuthInfo) (*clientcmdapi.AuthInfo, error) {
+	out := &clientcmdapi.AuthInfo{
 		ClientCertificateData: user.ClientCertificateData,
 		ClientKeyData:         user.ClientKeyData,
 		Token:                 user.Token,
@@ -138,48 +175,34 @@ func (p KubeconfigPolicy) Sanitize(raw []byte) (*clientcmdapi.Config, error) {
 		Username:              user.Username,
 		Password:              user.Password,
 	}
-	if user.TokenFile != "" {
-		if !allow(AllowTokenFile) {
-			return nil, forbidden(AllowTokenFile)
+	for _, f := range []struct {
+		value, option string
+		into          *string
+	}{{user.TokenFile, AllowTokenFile, &out.TokenFile}, {user.ClientCertificate, AllowClientCertificate, &out.ClientCertificate},
+		{user.ClientKey, AllowClientKey, &out.ClientKey}} {
+		if f.value == "" {
+			continue
 		}
-		outUser.TokenFile = user.TokenFile
-	}
-	if user.ClientCertificate != "" {
-		if !allow(AllowClientCertificate) {
-			return nil, forbidden(AllowClientCertificate)
+		if !p.allow(f.option) {
+			return nil, forbidden(f.option)
 		}
-		outUser.ClientCertificate = user.ClientCertificate
-	}
-	if user.ClientKey != "" {
-		if !allow(AllowClientKey) {
-			return nil, forbidden(AllowClientKey)
-		}
-		outUser.ClientKey = user.ClientKey
+		*f.into = f.value
 	}
 	if user.Exec != nil {
 		if err := checkExecUser(p.Exec, user); err != nil {
 			return nil, err
 		}
-		outUser.Exec = &clientcmdapi.ExecConfig{
+		out.Exec = &clientcmdapi.ExecConfig{
 			Command: user.Exec.Command, Args: slices.Clone(user.Exec.Args), Env: slices.Clone(user.Exec.Env),
 			APIVersion: user.Exec.APIVersion, ProvideClusterInfo: user.Exec.ProvideClusterInfo,
 			InteractiveMode: user.Exec.InteractiveMode,
 		}
 	}
-	if p := user.AuthProvider; p != nil {
-		if p.Name != "oidc" && !allow(AllowAuthProvider) && !allow(AllowAuthProvider+":"+p.Name) {
-			return nil, &KubeconfigError{ReasonForbiddenOption, fmt.Sprintf("auth-provider %q is not allowed in remote kubeconfigs (only oidc, unless the operator allows %q)", p.Name, AllowAuthProvider+":"+p.Name)}
+	if ap := user.AuthProvider; ap != nil {
+		if ap.Name != "oidc" && !p.allow(AllowAuthProvider) && !p.allow(AllowAuthProvider+":"+ap.Name) {
+			return nil, &KubeconfigError{ReasonForbiddenOption, fmt.Sprintf("auth-provider %q is not allowed in remote kubeconfigs (only oidc, unless the operator allows %q)", ap.Name, AllowAuthProvider+":"+ap.Name)}
 		}
-		outUser.AuthProvider = p.DeepCopy()
-	}
-
-	out := clientcmdapi.NewConfig()
-	out.Clusters[kctx.Cluster] = outCluster
-	out.AuthInfos[kctx.AuthInfo] = outUser
-	out.Contexts[name] = &clientcmdapi.Context{Cluster: kctx.Cluster, AuthInfo: kctx.AuthInfo, Namespace: kctx.Namespace}
-	out.CurrentContext = name
-	if err := clientcmd.Validate(*out); err != nil {
-		return nil, &KubeconfigError{ReasonInvalidKubeconfig, redactValidation(err)}
+		out.AuthProvider = ap.DeepCopy()
 	}
 	return out, nil
 }

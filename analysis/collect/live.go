@@ -50,7 +50,7 @@ type LiveDeps struct {
 	Build multicluster.ClientBuilder
 }
 
-func (c *LiveConfig) withDefaults() {
+func (c LiveConfig) withDefaults() LiveConfig {
 	c.Mesh = meshDefaults(c.Mesh)
 	if c.Timeout == 0 {
 		c.Timeout = 30 * time.Second
@@ -61,6 +61,7 @@ func (c *LiveConfig) withDefaults() {
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
+	return c
 }
 
 func (c *LiveConfig) validate(d LiveDeps) error {
@@ -88,7 +89,7 @@ func meshDefaults(m analysis.Mesh) analysis.Mesh {
 // is reported in Snapshot.Remotes, never as an error: only a config
 // cluster that cannot be read is.
 func Live(ctx context.Context, cfg LiveConfig, deps LiveDeps) (*analysis.Snapshot, error) {
-	cfg.withDefaults()
+	cfg = cfg.withDefaults()
 	if err := cfg.validate(deps); err != nil {
 		return nil, err
 	}

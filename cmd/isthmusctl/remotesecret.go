@@ -92,19 +92,8 @@ or updated in the primary cluster. The token appears nowhere else.`,
 
 // createRemoteSecret runs create-remote-secret with cfg.
 func createRemoteSecret(ctx context.Context, cfg createRemoteSecretConfig, out io.Writer, log *slog.Logger) error {
-	if errs := validation.IsDNS1123Label(cfg.Name); len(errs) > 0 {
-		return fmt.Errorf("--name %q is not a valid cluster ID: %s", cfg.Name, strings.Join(errs, "; "))
-	}
-	if cfg.TrustDomain != "" {
-		if err := spiffe.ValidateTrustDomain(cfg.TrustDomain); err != nil {
-			return fmt.Errorf("--trust-domain: %w", err)
-		}
-	}
-	if !cfg.Apply && (cfg.PrimaryKubeconfig != "" || cfg.PrimaryContext != "") {
-		return errors.New("--primary-kubeconfig and --primary-context need --apply")
-	}
-	if cfg.Apply && cfg.PrimaryKubeconfig == "" && cfg.PrimaryContext == "" {
-		return errors.New("--apply needs --primary-kubeconfig or --primary-context: name the primary cluster explicitly")
+	if err := cfg.validate(); err != nil {
+		return err
 	}
 	if cfg.Timeout > 0 {
 		var cancel context.CancelFunc
@@ -112,44 +101,9 @@ func createRemoteSecret(ctx context.Context, cfg createRemoteSecretConfig, out i
 		defer cancel()
 	}
 
-	remote, err := cmdutil.RestConfig(cfg.Kubeconfig, cfg.Context)
+	remote, secret, err := readerSecret(ctx, cfg, log)
 	if err != nil {
-		return fmt.Errorf("remote cluster: %w", err)
-	}
-	server := cfg.Server
-	if server == "" {
-		server = remote.Host
-	}
-	if _, err := url.Parse(server); err != nil || server == "" {
-		return fmt.Errorf("remote API server URL %q: invalid", server)
-	}
-	ca, err := caData(remote)
-	if err != nil {
-		return fmt.Errorf("remote cluster: %w", err)
-	}
-	if len(ca) == 0 && strings.HasPrefix(server, "https://") {
-		log.Warn("the remote kubeconfig has no CA; pilot will verify the API server with its system roots", "server", server)
-	}
-
-	client, err := kubernetes.NewForConfig(remote)
-	if err != nil {
-		return fmt.Errorf("remote cluster client: %w", err)
-	}
-	log.Debug("creating the reader identity", "server", remote.Host, "namespace", cfg.Namespace)
-	token, err := remotesecret.EnsureReader(ctx, client, remotesecret.ReaderOptions{Namespace: cfg.Namespace, TokenWait: cfg.TokenWait})
-	if err != nil {
-		return fmt.Errorf("reader identity in the remote cluster: %w", err)
-	}
-	kubeconfig, err := remotesecret.Kubeconfig(cfg.Name, server, ca, token)
-	if err != nil {
-		return fmt.Errorf("render kubeconfig: %w", err)
-	}
-	secret := remotesecret.Secret(cfg.Name, cfg.Namespace, kubeconfig)
-	if cfg.Network != "" {
-		secret.Annotations[remotesecret.NetworkAnnotation] = cfg.Network
-	}
-	if cfg.TrustDomain != "" {
-		secret.Annotations[remotesecret.TrustDomainAnnotation] = cfg.TrustDomain
+		return err
 	}
 
 	if !cfg.Apply {
@@ -177,6 +131,70 @@ func createRemoteSecret(ctx context.Context, cfg createRemoteSecretConfig, out i
 	}
 	_, err = fmt.Fprintf(out, "secret/%s %s in namespace %s of the primary cluster (%s)\n", secret.Name, verb, secret.Namespace, primary.Host)
 	return err
+}
+
+// validate checks the flags before anything is read or written.
+func (cfg createRemoteSecretConfig) validate() error {
+	if errs := validation.IsDNS1123Label(cfg.Name); len(errs) > 0 {
+		return fmt.Errorf("--name %q is not a valid cluster ID: %s", cfg.Name, strings.Join(errs, "; "))
+	}
+	if cfg.TrustDomain != "" {
+		if err := spiffe.ValidateTrustDomain(cfg.TrustDomain); err != nil {
+			return fmt.Errorf("--trust-domain: %w", err)
+		}
+	}
+	if !cfg.Apply && (cfg.PrimaryKubeconfig != "" || cfg.PrimaryContext != "") {
+		return errors.New("--primary-kubeconfig and --primary-context need --apply")
+	}
+	if cfg.Apply && cfg.PrimaryKubeconfig == "" && cfg.PrimaryContext == "" {
+		return errors.New("--apply needs --primary-kubeconfig or --primary-context: name the primary cluster explicitly")
+	}
+	return nil
+}
+
+// readerSecret makes the reader identity in the remote cluster and returns
+// the remote's client configuration and the Secret that registers it.
+func readerSecret(ctx context.Context, cfg createRemoteSecretConfig, log *slog.Logger) (*rest.Config, *corev1.Secret, error) {
+	remote, err := cmdutil.RestConfig(cfg.Kubeconfig, cfg.Context)
+	if err != nil {
+		return nil, nil, fmt.Errorf("remote cluster: %w", err)
+	}
+	server := cfg.Server
+	if server == "" {
+		server = remote.Host
+	}
+	if _, err := url.Parse(server); err != nil || server == "" {
+		return nil, nil, fmt.Errorf("remote API server URL %q: invalid", server)
+	}
+	ca, err := caData(remote)
+	if err != nil {
+		return nil, nil, fmt.Errorf("remote cluster: %w", err)
+	}
+	if len(ca) == 0 && strings.HasPrefix(server, "https://") {
+		log.Warn("the remote kubeconfig has no CA; pilot will verify the API server with its system roots", "server", server)
+	}
+
+	client, err := kubernetes.NewForConfig(remote)
+	if err != nil {
+		return nil, nil, fmt.Errorf("remote cluster client: %w", err)
+	}
+	log.Debug("creating the reader identity", "server", remote.Host, "namespace", cfg.Namespace)
+	token, err := remotesecret.EnsureReader(ctx, client, remotesecret.ReaderOptions{Namespace: cfg.Namespace, TokenWait: cfg.TokenWait})
+	if err != nil {
+		return nil, nil, fmt.Errorf("reader identity in the remote cluster: %w", err)
+	}
+	kubeconfig, err := remotesecret.Kubeconfig(cfg.Name, server, ca, token)
+	if err != nil {
+		return nil, nil, fmt.Errorf("render kubeconfig: %w", err)
+	}
+	secret := remotesecret.Secret(cfg.Name, cfg.Namespace, kubeconfig)
+	if cfg.Network != "" {
+		secret.Annotations[remotesecret.NetworkAnnotation] = cfg.Network
+	}
+	if cfg.TrustDomain != "" {
+		secret.Annotations[remotesecret.TrustDomainAnnotation] = cfg.TrustDomain
+	}
+	return remote, secret, nil
 }
 
 // caData returns the PEM CA of cfg's server, inline or read from its file.

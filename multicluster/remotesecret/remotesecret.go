@@ -62,7 +62,8 @@ type ReaderOptions struct {
 	TokenTTL time.Duration
 }
 
-func (o *ReaderOptions) defaults() {
+// withDefaults fills what o leaves empty.
+func (o ReaderOptions) withDefaults() ReaderOptions {
 	if o.Namespace == "" {
 		o.Namespace = defaults.Namespace
 	}
@@ -75,6 +76,7 @@ func (o *ReaderOptions) defaults() {
 	if o.TokenTTL == 0 {
 		o.TokenTTL = 365 * 24 * time.Hour
 	}
+	return o
 }
 
 // ReaderRules returns the permissions pilot needs in a remote cluster: read
@@ -98,7 +100,7 @@ func ReaderRules() []rbacv1.PolicyRule {
 // controller's Secret when it is filled within TokenWait, else a token from
 // the TokenRequest API.
 func EnsureReader(ctx context.Context, c kubernetes.Interface, opts ReaderOptions) (string, error) {
-	opts.defaults()
+	opts = opts.withDefaults()
 	name := opts.ServiceAccount
 	if err := ensure(ctx, c.CoreV1().Namespaces(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: opts.Namespace}}); err != nil {
 		return "", fmt.Errorf("namespace %s: %w", opts.Namespace, err)

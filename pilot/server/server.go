@@ -346,12 +346,9 @@ func addrOf(mu *sync.Mutex, ln *net.Listener) string {
 	return (*ln).Addr().String()
 }
 
-// Run runs every part until ctx ends, then shuts down within
-// ShutdownTimeout and returns the first error of any part.
-func (s *Server) Run(ctx context.Context) error {
-	if err := s.CA.Init(ctx); err != nil {
-		return fmt.Errorf("ca: %w", err)
-	}
+// listen binds every listener not disabled; on a failure it closes those
+// it bound.
+func (s *Server) listen() error {
 	listeners := []struct {
 		name, addr string
 		into       *net.Listener
@@ -373,6 +370,18 @@ func (s *Server) Run(ctx context.Context) error {
 		s.mu.Lock()
 		*l.into = ln
 		s.mu.Unlock()
+	}
+	return nil
+}
+
+// Run runs every part until ctx ends, then shuts down within
+// ShutdownTimeout and returns the first error of any part.
+func (s *Server) Run(ctx context.Context) error {
+	if err := s.CA.Init(ctx); err != nil {
+		return fmt.Errorf("ca: %w", err)
+	}
+	if err := s.listen(); err != nil {
+		return err
 	}
 
 	ctx, cancel := context.WithCancel(ctx)

@@ -302,19 +302,10 @@ func only(path string, h http.Handler) http.Handler {
 // clients and returns the first failure (nil for a requested stop). Run
 // may be called once.
 func (n *Node) Run(ctx context.Context) error {
-	n.runMu.Lock()
-	if n.closed {
-		n.runMu.Unlock()
-		return nil
+	ctx, cancel, err := n.begin(ctx)
+	if err != nil || ctx == nil {
+		return err
 	}
-	if n.started {
-		n.runMu.Unlock()
-		return errors.New("ztunnel: Run called twice")
-	}
-	n.started = true
-	ctx, cancel := context.WithCancel(ctx)
-	n.cancel, n.done = cancel, make(chan struct{})
-	n.runMu.Unlock()
 	defer close(n.done)
 	defer cancel()
 	defer n.xds.Close()
@@ -325,8 +316,47 @@ func (n *Node) Run(ctx context.Context) error {
 		return err
 	}
 	g, gctx := errgroup.WithContext(ctx)
-	servers := []*http.Server{}
-	serveHTTP := func(ln net.Listener, h http.Handler) {
+	servers := n.serveHTTP(g, lns)
+	if err := n.startParts(gctx, g, lns); err != nil {
+		cancel()
+		_ = n.stop(ctx, servers, lns) // the HTTP servers do not end with ctx
+		_ = g.Wait()
+		return err
+	}
+	n.log.Info("ztunnel started", "identity", n.id.String(), "xds", n.cfg.XDSAddress, "ca", n.cfg.CAAddress)
+	g.Go(func() error {
+		<-gctx.Done()
+		return n.stop(ctx, servers, lns)
+	})
+	err = g.Wait()
+	if n.in != nil {
+		n.in.Close()
+	}
+	n.log.Info("ztunnel stopped", "err", err)
+	return err
+}
+
+// begin marks the node started and returns the run's context; a nil
+// context (and error) means Close came first and there is nothing to run.
+func (n *Node) begin(ctx context.Context) (context.Context, context.CancelFunc, error) {
+	n.runMu.Lock()
+	defer n.runMu.Unlock()
+	if n.closed {
+		return nil, nil, nil
+	}
+	if n.started {
+		return nil, nil, errors.New("ztunnel: Run called twice")
+	}
+	n.started = true
+	ctx, cancel := context.WithCancel(ctx)
+	n.cancel, n.done = cancel, make(chan struct{})
+	return ctx, cancel, nil
+}
+
+// serveHTTP serves the admin, readiness and metrics listeners in g.
+func (n *Node) serveHTTP(g *errgroup.Group, lns *listeners) []*http.Server {
+	var servers []*http.Server
+	serve := func(ln net.Listener, h http.Handler) {
 		if ln == nil {
 			return
 		}
@@ -343,13 +373,18 @@ func (n *Node) Run(ctx context.Context) error {
 			return nil
 		})
 	}
-	serveHTTP(lns.admin, n.admin)
-	serveHTTP(lns.ready, only("/healthz/ready", n.admin))
-	serveHTTP(lns.metrics, only("/metrics", n.admin))
-	g.Go(func() error { return n.xds.Run(gctx) })
-	g.Go(func() error { return n.certs.Run(gctx) })
+	serve(lns.admin, n.admin)
+	serve(lns.ready, only("/healthz/ready", n.admin))
+	serve(lns.metrics, only("/metrics", n.admin))
+	return servers
+}
+
+// startParts runs the xDS and CA clients and the mode's proxies in g.
+func (n *Node) startParts(ctx context.Context, g *errgroup.Group, lns *listeners) error {
+	g.Go(func() error { return n.xds.Run(ctx) })
+	g.Go(func() error { return n.certs.Run(ctx) })
 	if n.roots != nil {
-		g.Go(func() error { return n.roots.Run(gctx) })
+		g.Go(func() error { return n.roots.Run(ctx) })
 	}
 	serve := func(ln net.Listener, fn func(net.Listener) error) {
 		if ln != nil {
@@ -358,60 +393,51 @@ func (n *Node) Run(ctx context.Context) error {
 	}
 	if n.gw != nil {
 		serve(lns.gateway, n.gw.Serve)
-	} else {
-		if n.in != nil {
-			g.Go(func() error { return n.in.Run(gctx) })
-		}
-		if n.inpod != nil {
-			g.Go(func() error { return n.inpod.Run(gctx) })
-		}
-		if n.authz != nil {
-			g.Go(func() error { return n.authz.Run(gctx) })
-		}
-		serve(lns.socks, n.out.ServeSOCKS5)
-		serve(lns.outbound, n.out.ServeTransparent)
-		if lns.dnsTCP != nil && lns.dnsUDP != nil {
-			if err := n.serveNodeDNS(gctx, g, lns); err != nil {
-				cancel()
-				_ = g.Wait()
-				return err
-			}
-		}
+		return nil
 	}
-	n.log.Info("ztunnel started", "identity", n.id.String(), "xds", n.cfg.XDSAddress, "ca", n.cfg.CAAddress)
-
-	g.Go(func() error {
-		<-gctx.Done()
-		n.log.Info("ztunnel stopping")
-		sctx, scancel := context.WithTimeout(context.WithoutCancel(ctx), n.cfg.ShutdownTimeout)
-		defer scancel()
-		var errs []error
-		for _, srv := range servers {
-			if err := srv.Shutdown(sctx); err != nil {
-				n.log.Warn("http server did not drain in time; closing it", "err", err)
-				errs = append(errs, srv.Close())
-			}
-		}
-		if n.out != nil {
-			errs = append(errs, n.out.Close())
-		}
-		if n.gw != nil {
-			errs = append(errs, n.gw.Close())
-		}
-		if n.pods != nil {
-			// The pods keep their rules: their traffic fails closed until
-			// a ztunnel serves them again.
-			errs = append(errs, n.pods.Close())
-		}
-		lns.close()
-		return errors.Join(errs...)
-	})
-	err = g.Wait()
 	if n.in != nil {
-		n.in.Close()
+		g.Go(func() error { return n.in.Run(ctx) })
 	}
-	n.log.Info("ztunnel stopped", "err", err)
-	return err
+	if n.inpod != nil {
+		g.Go(func() error { return n.inpod.Run(ctx) })
+	}
+	if n.authz != nil {
+		g.Go(func() error { return n.authz.Run(ctx) })
+	}
+	serve(lns.socks, n.out.ServeSOCKS5)
+	serve(lns.outbound, n.out.ServeTransparent)
+	if lns.dnsTCP != nil && lns.dnsUDP != nil {
+		return n.serveNodeDNS(ctx, g, lns)
+	}
+	return nil
+}
+
+// stop drains the HTTP servers within ShutdownTimeout and closes the
+// proxies and listeners.
+func (n *Node) stop(ctx context.Context, servers []*http.Server, lns *listeners) error {
+	n.log.Info("ztunnel stopping")
+	sctx, scancel := context.WithTimeout(context.WithoutCancel(ctx), n.cfg.ShutdownTimeout)
+	defer scancel()
+	var errs []error
+	for _, srv := range servers {
+		if err := srv.Shutdown(sctx); err != nil {
+			n.log.Warn("http server did not drain in time; closing it", "err", err)
+			errs = append(errs, srv.Close())
+		}
+	}
+	if n.out != nil {
+		errs = append(errs, n.out.Close())
+	}
+	if n.gw != nil {
+		errs = append(errs, n.gw.Close())
+	}
+	if n.pods != nil {
+		// The pods keep their rules: their traffic fails closed until
+		// a ztunnel serves them again.
+		errs = append(errs, n.pods.Close())
+	}
+	lns.close()
+	return errors.Join(errs...)
 }
 
 func ignoreClosed(err error) error {

@@ -122,14 +122,11 @@ func (cv converter) workload(p *workloadv1.Workload) (*state.Workload, error) {
 		}
 		w.Addresses = append(w.Addresses, a)
 	}
-	switch p.GetTunnelProtocol() {
-	case workloadv1.TunnelProtocol_NONE:
-		w.Protocol = state.TunnelNone
-	case workloadv1.TunnelProtocol_HBONE:
-		w.Protocol = state.TunnelHBONE
-	default:
-		return nil, fmt.Errorf("unknown tunnel protocol %d", p.GetTunnelProtocol())
+	proto, err := tunnelProtocol(p.GetTunnelProtocol())
+	if err != nil {
+		return nil, err
 	}
+	w.Protocol = proto
 	switch p.GetStatus() {
 	case workloadv1.WorkloadStatus_HEALTHY:
 		w.Status = state.StatusReady
@@ -151,33 +148,50 @@ func (cv converter) workload(p *workloadv1.Workload) (*state.Workload, error) {
 	if len(w.Addresses) > 0 && len(w.Gateways) > 0 {
 		return nil, errors.New("both addresses and network gateways")
 	}
-	ids, err := identities(p.GetIdentities())
-	if err != nil {
+	if w.Identities, err = identities(p.GetIdentities()); err != nil {
 		return nil, err
 	}
-	w.Identities = ids
 	if len(w.Gateways) > 0 && len(w.Identities) == 0 {
 		return nil, errors.New("a workload behind gateways names no identity to verify end to end")
 	}
-	if len(p.GetServices()) > 0 {
-		w.Services = make(map[string]state.PortMap, len(p.GetServices()))
-		for key, pl := range p.GetServices() {
-			pm := make(state.PortMap, len(pl.GetPorts()))
-			for _, port := range pl.GetPorts() {
-				sp, err := port16(port.GetServicePort())
-				if err != nil || sp == 0 {
-					return nil, fmt.Errorf("service %q: bad service port %d", key, port.GetServicePort())
-				}
-				tp, err := port16(port.GetTargetPort())
-				if err != nil {
-					return nil, fmt.Errorf("service %q: bad target port %d", key, port.GetTargetPort())
-				}
-				pm[sp] = tp
-			}
-			w.Services[key] = pm
-		}
+	if w.Services, err = services(p.GetServices()); err != nil {
+		return nil, err
 	}
 	return w, nil
+}
+
+func tunnelProtocol(p workloadv1.TunnelProtocol) (state.TunnelProtocol, error) {
+	switch p {
+	case workloadv1.TunnelProtocol_NONE:
+		return state.TunnelNone, nil
+	case workloadv1.TunnelProtocol_HBONE:
+		return state.TunnelHBONE, nil
+	}
+	return state.TunnelNone, fmt.Errorf("unknown tunnel protocol %d", p)
+}
+
+// services converts a workload's service port maps (nil when none).
+func services(in map[string]*workloadv1.PortList) (map[string]state.PortMap, error) {
+	if len(in) == 0 {
+		return nil, nil
+	}
+	out := make(map[string]state.PortMap, len(in))
+	for key, pl := range in {
+		pm := make(state.PortMap, len(pl.GetPorts()))
+		for _, port := range pl.GetPorts() {
+			sp, err := port16(port.GetServicePort())
+			if err != nil || sp == 0 {
+				return nil, fmt.Errorf("service %q: bad service port %d", key, port.GetServicePort())
+			}
+			tp, err := port16(port.GetTargetPort())
+			if err != nil {
+				return nil, fmt.Errorf("service %q: bad target port %d", key, port.GetTargetPort())
+			}
+			pm[sp] = tp
+		}
+		out[key] = pm
+	}
+	return out, nil
 }
 
 // identities parses SPIFFE URIs.
