@@ -71,6 +71,9 @@ type fanServer struct {
 // changed resource, byte-identical across clients, with the endpoint's new
 // health status. ISTHMUS_BENCH_FANOUT_N overrides the sizes ("100,500"),
 // ISTHMUS_BENCH_FANOUT_PROTO runs one protocol only (sotw or delta).
+// ISTHMUS_BENCH_FANOUT_BASELINE names a git revision of this repository
+// (e.g. the commit before a change): pilot built from it runs side by side
+// as server "pilot-base", measured in the same run.
 func BenchmarkXDSFanout(b *testing.B) {
 	set, err := framework.Start(framework.Options{Names: []string{clusterName(0)}})
 	require.NoError(b, err)
@@ -78,7 +81,10 @@ func BenchmarkXDSFanout(b *testing.B) {
 	c0 := set.Cluster(clusterName(0))
 	populateFanout(b, c0)
 
-	servers := []*fanServer{pilotFanServer(b, c0)}
+	servers := []*fanServer{pilotFanServer(b, c0, "pilot", "127.0.61.1", "")}
+	if rev := os.Getenv("ISTHMUS_BENCH_FANOUT_BASELINE"); rev != "" {
+		servers = append([]*fanServer{pilotFanServer(b, c0, "pilot-base", "127.0.61.2", checkout(b, rev))}, servers...)
+	}
 	if bin := os.Getenv("ISTHMUS_BENCH_ISTIOD"); bin != "" {
 		servers = append(servers, istiodFanServer(b, c0, bin))
 	}
@@ -143,12 +149,29 @@ func populateFanout(b *testing.B, c *framework.Cluster) {
 	}
 }
 
-func pilotFanServer(b *testing.B, c0 *framework.Cluster) *fanServer {
+// checkout writes the tree of git revision rev of this repository into a
+// temporary folder and returns it.
+func checkout(b *testing.B, rev string) string {
+	b.Helper()
+	dir := b.TempDir()
+	archive := exec.Command("git", "archive", "--format=tar", rev)
+	untar := exec.Command("tar", "-x", "-C", dir)
+	pipe, err := archive.StdoutPipe()
+	require.NoError(b, err)
+	untar.Stdin = pipe
+	require.NoError(b, archive.Start())
+	require.NoError(b, untar.Run())
+	require.NoError(b, archive.Wait(), "git archive %s", rev)
+	return dir
+}
+
+// pilotFanServer runs pilot built from src (this module when empty) on ip.
+func pilotFanServer(b *testing.B, c0 *framework.Cluster, name, ip, src string) *fanServer {
 	const ns = "isthmus-system"
 	require.NoError(b, c0.EnsureNamespace(context.Background(), ns, nil))
-	p := startPilotProcess(b, c0, ns)
+	p := startPilotProcessAt(b, c0, ns, ip, src)
 	return &fanServer{
-		name: "pilot", xdsAddr: p.xdsAddr, pid: p.cmd.Process.Pid, debugAddr: p.debugAddr,
+		name: name, xdsAddr: p.xdsAddr, pid: p.cmd.Process.Pid, debugAddr: p.debugAddr,
 		node: func(i int) *corev3.Node {
 			return &corev3.Node{Id: fmt.Sprintf("envoy-%d", i), Metadata: &structpb.Struct{Fields: map[string]*structpb.Value{
 				xds.MetadataNetwork: structpb.NewStringValue("network-0"), xds.MetadataClusterID: structpb.NewStringValue(clusterName(0)),
