@@ -26,8 +26,8 @@ import (
 // subscribes to; a push tells each parked client the changed names it
 // subscribes to. CDS and LDS responses carry every resource subscribed to
 // (they are full state in SotW), EDS and RDS only the changed ones; as in
-// go-control-plane's LinearCache, a request without a version (or with
-// another server's) is always answered. Responses hand go-control-plane no
+// go-control-plane's LinearCache, a request without a version is always
+// answered, and one with another server's version is sent everything. Responses hand go-control-plane no
 // per-resource versions, where a LinearCache keeps a name -> version map per
 // stream and clones it for every response.
 
@@ -68,37 +68,22 @@ func (w *typeCache) CreateWatch(req *cache.Request, sub cache.Subscription, ch c
 	if returned == nil {
 		return nil, status.Error(codes.Internal, "SotW subscription without a returned-resources map")
 	}
-	// A request without a version of this server's has no state from it:
-	// it is answered even when nothing changed.
-	evenIfEmpty := req.GetVersionInfo() == "" || !strings.HasPrefix(req.GetVersionInfo(), w.prefix)
+	// A request without a version is answered even when nothing changed
+	// (Envoy waits for it). One with another server's version holds no
+	// state of this one: it is sent everything.
+	evenIfEmpty := req.GetVersionInfo() == ""
+	foreign := !evenIfEmpty && !strings.HasPrefix(req.GetVersionInfo(), w.prefix)
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	c := w.sotw[key]
-	all, unsubscribed := c == nil, false
 	var candidates []string
-	if c == nil {
+	all, unsubscribed := true, false
+	switch {
+	case c == nil:
 		c = &sotwClient{returned: returned}
 		w.sotw[key] = c
-	} else if names, ok := w.namesSince(c.seq); !ok || c.wildcard != sub.IsWildcard() {
-		// Out of the change log's reach, or in or out of wildcard: the
-		// whole subscription is sent again (harmless in SotW).
-		all = true
-	} else {
-		candidates = names
-		if !sub.IsWildcard() {
-			cur := sub.SubscribedResources()
-			for n := range cur {
-				if _, held := c.subscribed[n]; !held {
-					candidates = append(candidates, n)
-				}
-			}
-			for n := range c.subscribed {
-				if _, still := cur[n]; !still {
-					unsubscribed = true
-					break
-				}
-			}
-		}
+	case !foreign:
+		candidates, all, unsubscribed = w.sotwChanges(c, sub)
 	}
 	c.seq, c.subscribed, c.wildcard, c.orphaned = w.seq, sub.SubscribedResources(), sub.IsWildcard(), time.Time{}
 	if resp := w.sotwResponse(c, req, sub, candidates, all, unsubscribed, evenIfEmpty); resp != nil {
@@ -108,6 +93,35 @@ func (w *typeCache) CreateWatch(req *cache.Request, sub cache.Subscription, ch c
 		c.parked = &sotwWatch{req: req, sub: sub, ch: ch}
 	}
 	return w.sotwCanceller(key, ch), nil
+}
+
+// sotwChanges returns the names that may have changed for client c since
+// its last request, now that it subscribes to sub (or all, when it must be
+// sent everything), and whether it unsubscribed a name. The caller holds
+// mu.
+func (w *typeCache) sotwChanges(c *sotwClient, sub cache.Subscription) (candidates []string, all, unsubscribed bool) {
+	names, ok := w.namesSince(c.seq)
+	if !ok || c.wildcard != sub.IsWildcard() {
+		// Out of the change log's reach, or in or out of wildcard: the
+		// whole subscription is sent again (harmless in SotW).
+		return nil, true, false
+	}
+	if sub.IsWildcard() {
+		return names, false, false
+	}
+	cur := sub.SubscribedResources()
+	for n := range cur {
+		if _, held := c.subscribed[n]; !held {
+			names = append(names, n)
+		}
+	}
+	for n := range c.subscribed {
+		if _, still := cur[n]; !still {
+			unsubscribed = true
+			break
+		}
+	}
+	return names, false, unsubscribed
 }
 
 // pushSotw tells every parked SotW client the changed names it subscribes
