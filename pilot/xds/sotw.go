@@ -35,8 +35,10 @@ import (
 type sotwClient struct {
 	// seq is the batch the client is in sync with.
 	seq uint64
-	// subscribed and wildcard are its subscription as of seq.
+	// subscribed and wildcard are its subscription as of seq, names the
+	// resource names of the request that made it (shared with the request).
 	subscribed map[string]struct{}
+	names      []string
 	wildcard   bool
 	// parked is the open watch, nil between a response and the next request.
 	parked *sotwWatch
@@ -83,9 +85,9 @@ func (w *typeCache) CreateWatch(req *cache.Request, sub cache.Subscription, ch c
 		c = &sotwClient{returned: returned}
 		w.sotw[key] = c
 	case !foreign:
-		candidates, all, unsubscribed = w.sotwChanges(c, sub)
+		candidates, all, unsubscribed = w.sotwChanges(c, req, sub)
 	}
-	c.seq, c.subscribed, c.wildcard, c.orphaned = w.seq, sub.SubscribedResources(), sub.IsWildcard(), time.Time{}
+	c.seq, c.subscribed, c.names, c.wildcard, c.orphaned = w.seq, sub.SubscribedResources(), req.GetResourceNames(), sub.IsWildcard(), time.Time{}
 	if resp := w.sotwResponse(c, req, sub, candidates, all, unsubscribed, evenIfEmpty); resp != nil {
 		c.parked = nil
 		ch <- resp
@@ -99,14 +101,16 @@ func (w *typeCache) CreateWatch(req *cache.Request, sub cache.Subscription, ch c
 // its last request, now that it subscribes to sub (or all, when it must be
 // sent everything), and whether it unsubscribed a name. The caller holds
 // mu.
-func (w *typeCache) sotwChanges(c *sotwClient, sub cache.Subscription) (candidates []string, all, unsubscribed bool) {
+func (w *typeCache) sotwChanges(c *sotwClient, req *cache.Request, sub cache.Subscription) (candidates []string, all, unsubscribed bool) {
 	names, ok := w.namesSince(c.seq)
 	if !ok || c.wildcard != sub.IsWildcard() {
 		// Out of the change log's reach, or in or out of wildcard: the
 		// whole subscription is sent again (harmless in SotW).
 		return nil, true, false
 	}
-	if sub.IsWildcard() {
+	if sub.IsWildcard() || slices.Equal(req.GetResourceNames(), c.names) {
+		// The same subscription (an ACK): comparing the names as sent is
+		// cheaper than looking each up in the other's map.
 		return names, false, false
 	}
 	cur := sub.SubscribedResources()

@@ -53,8 +53,9 @@ type fanServer struct {
 	debugAddr string
 	// node returns the node of client i.
 	node func(i int) *corev3.Node
-	// heapInuse reads the process's Go heap in use (bytes).
-	heapInuse func(b *testing.B) float64
+	// goMetric reads one of the process's Go runtime metrics
+	// (go_memstats_*).
+	goMetric func(b *testing.B, name string) float64
 	// gc makes the process collect garbage (through its pprof handler).
 	gc func(b *testing.B)
 }
@@ -180,7 +181,7 @@ func pilotFanServer(b *testing.B, c0 *framework.Cluster, name, ip, src string) *
 				xds.MetadataNetwork: structpb.NewStringValue("network-0"), xds.MetadataClusterID: structpb.NewStringValue(clusterName(0)),
 			}}}
 		},
-		heapInuse: func(b *testing.B) float64 { return p.metric(b, "go_memstats_heap_inuse_bytes") },
+		goMetric: p.metric,
 		gc:        func(b *testing.B) { gcTwice(b, p.debugAddr) },
 	}
 }
@@ -227,11 +228,18 @@ func httpGet(b *testing.B, url string) {
 	resp.Body.Close()
 }
 
+// The Go runtime's heap and goroutine stacks in use, as both servers
+// export them.
+const (
+	heapInuse  = "go_memstats_heap_inuse_bytes"
+	stackInuse = "go_memstats_stack_inuse_bytes"
+)
+
 // runFanout connects n clients to srv, measures the server's memory per
 // idle client, then times fanSamples isolated endpoint changes.
 func runFanout(b *testing.B, c0 *framework.Cluster, srv *fanServer, n int, delta bool) {
 	srv.gc(b)
-	rss0, heap0 := settledRSS(b, srv.pid), srv.heapInuse(b)
+	rss0, heap0, stack0 := settledRSS(b, srv.pid), srv.goMetric(b, heapInuse), srv.goMetric(b, stackInuse)
 	var sample atomic.Pointer[fanSample]
 	ctx, cancel := context.WithCancel(context.Background())
 	clients := make([]*fanClient, 0, n)
@@ -254,7 +262,7 @@ func runFanout(b *testing.B, c0 *framework.Cluster, srv *fanServer, n int, delta
 	}
 	b.Logf("%s: %d clients hold all %d endpoints after %v", srv.name, n, fanServices*fanPerSlice, time.Since(t0).Round(time.Millisecond))
 	srv.gc(b)
-	rss1, heap1 := settledRSS(b, srv.pid), srv.heapInuse(b)
+	rss1, heap1, stack1 := settledRSS(b, srv.pid), srv.goMetric(b, heapInuse), srv.goMetric(b, stackInuse)
 	stopProfile := profileFanout(b, srv, n, delta)
 	defer stopProfile()
 
@@ -279,6 +287,7 @@ func runFanout(b *testing.B, c0 *framework.Cluster, srv *fanServer, n int, delta
 	b.ReportMetric(ms(percentile(spread, 0.5))/float64(n), "spread-per-client-ms")
 	b.ReportMetric((float64(rss1)-float64(rss0))/float64(n)/1024, "RSS-KB/client")
 	b.ReportMetric((heap1-heap0)/float64(n)/1024, "heap-KB/client")
+	b.ReportMetric((stack1-stack0)/float64(n)/1024, "stack-KB/client")
 	b.ReportMetric(float64(rss1)/(1<<20), "RSS-MiB")
 	b.ReportMetric(loadAverage(), "load1")
 }
@@ -432,7 +441,7 @@ func istiodFanServer(b *testing.B, c0 *framework.Cluster, bin string) *fanServer
 					"ISTIO_VERSION": structpb.NewStringValue("1.29.0"),
 				}}}
 		},
-		heapInuse: func(b *testing.B) float64 { return mon.metric(b, "go_memstats_heap_inuse_bytes") },
+		goMetric: mon.metric,
 		gc:        func(b *testing.B) { gcTwice(b, ip+":8080") },
 	}
 }
