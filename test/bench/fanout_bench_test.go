@@ -14,7 +14,6 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
@@ -64,10 +63,9 @@ type fanServer struct {
 // of N Envoy-style ADS clients (SotW and delta; CDS wildcard, then EDS for
 // every cluster), N = 100, 500 and 1,000, 10,000 endpoints over 100 services
 // in a real cluster. The server runs as its own process (cmd/pilot, default
-// settings; and istiod when ISTHMUS_BENCH_ISTIOD names its binary, built by
-// hack/build-istiod.sh), the clients in the benchmark's. Per N: the first,
-// median and last client's latency (p50 and p99 over the samples), the
-// first-to-last spread per client, and the server's RSS and Go heap per
+// settings), the clients in the benchmark's. Per N: the first, median and
+// last client's latency (p50 and p99 over the samples), the first-to-last
+// spread per client, and the server's RSS, Go heap and goroutine stacks per
 // connected idle client. Every sample asserts that every client got the
 // changed resource, byte-identical across clients, with the endpoint's new
 // health status. ISTHMUS_BENCH_FANOUT_N overrides the sizes ("100,500"),
@@ -85,9 +83,6 @@ func BenchmarkXDSFanout(b *testing.B) {
 	servers := []*fanServer{pilotFanServer(b, c0, "pilot", "127.0.61.1", "")}
 	if rev := os.Getenv("ISTHMUS_BENCH_FANOUT_BASELINE"); rev != "" {
 		servers = append([]*fanServer{pilotFanServer(b, c0, "pilot-base", "127.0.61.2", checkout(b, rev))}, servers...)
-	}
-	if bin := os.Getenv("ISTHMUS_BENCH_ISTIOD"); bin != "" {
-		servers = append(servers, istiodFanServer(b, c0, bin))
 	}
 	sizes := []int{100, 500, 1000}
 	if v := os.Getenv("ISTHMUS_BENCH_FANOUT_N"); v != "" {
@@ -182,7 +177,7 @@ func pilotFanServer(b *testing.B, c0 *framework.Cluster, name, ip, src string) *
 			}}}
 		},
 		goMetric: p.metric,
-		gc:        func(b *testing.B) { gcTwice(b, p.debugAddr) },
+		gc:       func(b *testing.B) { gcTwice(b, p.debugAddr) },
 	}
 }
 
@@ -385,63 +380,4 @@ func loadAverage() float64 {
 	}
 	f, _ := strconv.ParseFloat(strings.Fields(string(data))[0], 64)
 	return f
-}
-
-// istiodFanServer runs istiod (bin, from hack/build-istiod.sh) on c0 as
-// its own process with plaintext xDS on 127.0.62.1:15010.
-func istiodFanServer(b *testing.B, c0 *framework.Cluster, bin string) *fanServer {
-	b.Helper()
-	const ip = "127.0.62.1"
-	ctx := context.Background()
-	require.NoError(b, c0.EnsureNamespace(ctx, "istio-system", nil))
-	dir := b.TempDir()
-	kc := filepath.Join(dir, "kubeconfig")
-	require.NoError(b, c0.WriteAdminKubeconfig(kc))
-	mesh := filepath.Join(dir, "mesh.yaml")
-	require.NoError(b, os.WriteFile(mesh, []byte("defaultConfig:\n  discoveryAddress: "+ip+":15010\n"), 0o644))
-	logPath := filepath.Join(dir, "istiod.log")
-	logf, err := os.Create(logPath)
-	require.NoError(b, err)
-	cmd := exec.Command(bin, "discovery", "--kubeconfig", kc, "--meshConfig", mesh,
-		"--httpAddr", ip+":8080", "--grpcAddr", ip+":15010", "--secureGRPCAddr", "", "--monitoringAddr", ip+":15014",
-		"--clusterID", clusterName(0), "--domain", "cluster.local", "--log_output_level", "default:warn")
-	cmd.Dir = dir
-	cmd.Env = append(os.Environ(), "POD_NAMESPACE=istio-system", "POD_NAME=istiod-bench", "REVISION=default",
-		"INJECTION_WEBHOOK_CONFIG_NAME=", "VALIDATION_WEBHOOK_CONFIG_NAME=", "PILOT_ENABLE_ANALYSIS=false",
-		"ENABLE_CA_SERVER=false", "KUBECONFIG="+kc)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	require.NoError(b, cmd.Start())
-	b.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		done := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(15 * time.Second):
-			_ = cmd.Process.Kill()
-			<-done
-		}
-		logf.Close()
-	})
-	require.Eventually(b, func() bool {
-		resp, err := http.Get("http://" + ip + ":8080/ready")
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return resp.StatusCode == http.StatusOK
-	}, 3*time.Minute, 200*time.Millisecond, "istiod not ready; log: %s", func() string { d, _ := os.ReadFile(logPath); return string(d) }())
-	mon := &pilotProcess{monitoringAddr: ip + ":15014"}
-	return &fanServer{
-		name: "istiod", xdsAddr: ip + ":15010", pid: cmd.Process.Pid, debugAddr: ip + ":8080",
-		node: func(i int) *corev3.Node {
-			return &corev3.Node{Id: fmt.Sprintf("sidecar~10.1.%d.%d~envoy-%d.%s~%s.svc.cluster.local", i>>8, i&255, i, fanNamespace, fanNamespace),
-				Metadata: &structpb.Struct{Fields: map[string]*structpb.Value{
-					"NAMESPACE": structpb.NewStringValue(fanNamespace), "CLUSTER_ID": structpb.NewStringValue(clusterName(0)),
-					"ISTIO_VERSION": structpb.NewStringValue("1.29.0"),
-				}}}
-		},
-		goMetric: mon.metric,
-		gc:        func(b *testing.B) { gcTwice(b, ip+":8080") },
-	}
 }
