@@ -262,6 +262,7 @@ func runFanout(b *testing.B, c0 *framework.Cluster, srv *fanServer, n int, delta
 	defer stopProfile()
 
 	var first, median, last, spread []time.Duration
+	cpu0 := processCPU(b, srv.pid)
 	for i := range fanSamples {
 		s := fanChange(b, c0, clients, &sample, i)
 		arr := slices.Clone(s.arrived)
@@ -284,6 +285,10 @@ func runFanout(b *testing.B, c0 *framework.Cluster, srv *fanServer, n int, delta
 	b.ReportMetric((heap1-heap0)/float64(n)/1024, "heap-KB/client")
 	b.ReportMetric((stack1-stack0)/float64(n)/1024, "stack-KB/client")
 	b.ReportMetric(float64(rss1)/(1<<20), "RSS-MiB")
+	// The server's CPU time per change and client: what the spread would
+	// be on an idle core, whatever else the machine runs.
+	cpu := processCPU(b, srv.pid) - cpu0
+	b.ReportMetric(float64(cpu.Microseconds())/fanSamples/float64(n), "server-CPU-us/client/change")
 	b.ReportMetric(loadAverage(), "load1")
 }
 
@@ -371,6 +376,21 @@ func settledRSS(b *testing.B, pid int) int64 {
 		prev = cur
 	}
 	return prev
+}
+
+// processCPU returns the user and system CPU time process pid has used
+// (/proc/<pid>/stat, in clock ticks of 10 ms).
+func processCPU(b *testing.B, pid int) time.Duration {
+	b.Helper()
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	require.NoError(b, err)
+	// Fields after the command (which may hold spaces), from field 3.
+	f := strings.Fields(string(data[strings.LastIndexByte(string(data), ')')+1:]))
+	utime, err := strconv.ParseInt(f[11], 10, 64)
+	require.NoError(b, err)
+	stime, err := strconv.ParseInt(f[12], 10, 64)
+	require.NoError(b, err)
+	return time.Duration(utime+stime) * 10 * time.Millisecond
 }
 
 func loadAverage() float64 {
