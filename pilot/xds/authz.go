@@ -65,7 +65,7 @@ func keyOf(w *model.Workload) nodeKey { return nodeKey{cluster: w.Cluster, node:
 // a binding and the policies it names are updated in one batch, so they
 // reach the ztunnel in one response.
 //
-// Each node has its own deltaCache (policy encodings are shared between
+// Each node has its own typeCache (policy encodings are shared between
 // them), made when its ztunnel first asks. Nothing is answered before the
 // policies have synced: a ztunnel that asked earlier waits, and refuses
 // connections to workloads whose policies it does not know (fail closed).
@@ -84,7 +84,7 @@ type authzServer struct {
 	indexed bool
 	nodeOf  map[string]nodeKey
 	locals  map[nodeKey]map[string]struct{}
-	nodes   map[nodeKey]*deltaCache
+	nodes   map[nodeKey]*typeCache
 	pending map[*pendingWatch]struct{}
 }
 
@@ -104,7 +104,7 @@ func newAuthzServer(src Policies, reg Registry, prefix string, logger slogAdapte
 	}
 	return &authzServer{src: src, reg: reg, prefix: prefix, logger: logger,
 		nodeOf: map[string]nodeKey{}, locals: map[nodeKey]map[string]struct{}{},
-		nodes: map[nodeKey]*deltaCache{}, pending: map[*pendingWatch]struct{}{}}
+		nodes: map[nodeKey]*typeCache{}, pending: map[*pendingWatch]struct{}{}}
 }
 
 // nodeKeyOf returns the node a stream's verified metadata names.
@@ -148,12 +148,12 @@ func (a *authzServer) createDeltaWatch(req *cache.DeltaRequest, sub cache.Subscr
 
 // nodeCache returns the cache of key, made and built on first use. The
 // caller holds mu.
-func (a *authzServer) nodeCache(key nodeKey) (*deltaCache, error) {
+func (a *authzServer) nodeCache(key nodeKey) (*typeCache, error) {
 	if c := a.nodes[key]; c != nil {
 		return c, nil
 	}
 	a.index()
-	c := newDeltaCache(AuthorizationType, a.prefix, a.logger)
+	c := newTypeCache(AuthorizationType, a.prefix, a.logger)
 	a.nodes[key] = c
 	if err := a.build(a.src.Snapshot(), key, c); err != nil {
 		delete(a.nodes, key)
@@ -279,7 +279,7 @@ func (a *authzServer) openPending() {
 
 // build puts in c exactly the resources of node key under snap. The
 // caller holds mu.
-func (a *authzServer) build(snap *policy.Snapshot, key nodeKey, c *deltaCache) error {
+func (a *authzServer) build(snap *policy.Snapshot, key nodeKey, c *typeCache) error {
 	locals := make([]*model.Workload, 0, len(a.locals[key]))
 	for uid := range a.locals[key] {
 		if w := a.reg.Workload(uid); policy.Enforced(w) && keyOf(w) == key {
@@ -340,7 +340,7 @@ func (a *authzServer) nodeResources(key nodeKey) ([]string, bool) {
 
 // connected reports whether a client of the cache is connected (not
 // orphaned).
-func (w *deltaCache) connected() bool {
+func (w *typeCache) connected() bool {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	for _, c := range w.clients {

@@ -7,11 +7,12 @@
 // authorized against the client certificate's identity (see auth.go): the
 // registry must run a workload of that identity in the claimed cluster (on the
 // claimed node, for a ztunnel), on the claimed network. Each class has one
-// go-control-plane LinearCache per type URL, created when the first client of
-// the class connects. A batch of registry changes rebuilds only the resources
-// owned by the changed keys and hands them to every class's caches with
-// UpdateResources(updated, deleted); the caches push to each subscriber only
-// what it does not have yet.
+// cache per type URL (typeCache, serving delta and SotW streams), created when
+// the first client of the class connects. A batch of registry changes rebuilds
+// only the resources owned by the changed keys and hands them to every class's
+// caches with UpdateResources(updated, deleted); the caches push to each
+// subscriber only what it does not have yet, each response encoded once and
+// its bytes shared by every stream it goes to.
 package xds
 
 import "github.com/isthmus-mesh/isthmus/pilot/model"

@@ -403,7 +403,7 @@ func (s *Server) view(c class) *view {
 
 // routerCache is the cache.Cache given to go-control-plane's server: it
 // routes each watch to the view of the requesting node's class, whose
-// MuxCache routes it by type URL to a LinearCache.
+// MuxCache routes it by type URL to a typeCache.
 type routerCache struct{ s *Server }
 
 var _ cache.Cache = routerCache{}

@@ -285,7 +285,7 @@ func (t *tracker) OnStreamRequest(id int64, req *discovery.DiscoveryRequest) err
 
 // OnStreamResponse records a SotW response.
 func (t *tracker) OnStreamResponse(_ context.Context, id int64, req *discovery.DiscoveryRequest, resp *discovery.DiscoveryResponse) {
-	t.response(sotwKey(id), req.GetTypeUrl(), resp.GetVersionInfo(), resp.GetNonce(), len(resp.GetResources()), proto.Size(resp))
+	t.response(sotwKey(id), req.GetTypeUrl(), resp.GetVersionInfo(), resp.GetNonce(), bodyResources(resp, len(resp.GetResources())), proto.Size(resp))
 }
 
 // OnStreamDeltaRequest records the ACK or NACK of a delta request.
@@ -296,7 +296,7 @@ func (t *tracker) OnStreamDeltaRequest(id int64, req *discovery.DeltaDiscoveryRe
 
 // OnStreamDeltaResponse records a delta response.
 func (t *tracker) OnStreamDeltaResponse(id int64, req *discovery.DeltaDiscoveryRequest, resp *discovery.DeltaDiscoveryResponse) {
-	t.response(deltaKey(id), req.GetTypeUrl(), resp.GetSystemVersionInfo(), resp.GetNonce(), len(resp.GetResources())+len(resp.GetRemovedResources()), proto.Size(resp))
+	t.response(deltaKey(id), req.GetTypeUrl(), resp.GetSystemVersionInfo(), resp.GetNonce(), bodyResources(resp, len(resp.GetResources()))+len(resp.GetRemovedResources()), proto.Size(resp))
 }
 
 // OnFetchRequest accepts REST fetches (the cache refuses them).

@@ -19,9 +19,8 @@ import (
 // allTypes are the type URLs every view serves.
 var allTypes = append([]string{WorkloadType}, envoyTypes...)
 
-// view holds what one class of clients sees: the workload type in a
-// deltaCache, each Envoy type in a LinearCache, combined by a MuxCache
-// keyed by type URL.
+// view holds what one class of clients sees: each type in a typeCache,
+// combined by a MuxCache keyed by type URL.
 //
 // A view builds only the resources its clients ask for: the workload type
 // once a client of the class asks for it (ztunnels), the four Envoy types
@@ -34,8 +33,8 @@ var allTypes = append([]string{WorkloadType}, envoyTypes...)
 // written under buildMu and read anywhere.
 type view struct {
 	class class
-	// caches are the Envoy types' LinearCaches.
-	caches map[string]*cache.LinearCache
+	// caches are the Envoy types' caches.
+	caches map[string]*typeCache
 	// building is set per group of types (workloadGroup, envoyGroup) once a
 	// client asked for one of them: the builder keeps that group up to date.
 	building [2]bool
@@ -43,7 +42,7 @@ type view struct {
 	// watches may be opened on them.
 	ready [2]atomic.Bool
 	// workloads serves the workload type.
-	workloads *deltaCache
+	workloads *typeCache
 	mux       *cache.MuxCache
 
 	// current are the Envoy types' resources in the caches (raw, see
@@ -92,7 +91,7 @@ func (v *view) isReady(t string) bool { return v.ready[groupOf(t)].Load() }
 func newView(c class, versionPrefix string, logger slogAdapter) *view {
 	v := &view{
 		class:   c,
-		caches:  make(map[string]*cache.LinearCache, len(allTypes)),
+		caches:  make(map[string]*typeCache, len(allTypes)),
 		current: make(map[string]map[string]types.Resource, len(allTypes)),
 		owned:   make(map[string]map[string][]string),
 		visible: make(map[string]string),
@@ -103,11 +102,11 @@ func newView(c class, versionPrefix string, logger slogAdapter) *view {
 			continue
 		}
 		v.current[t] = make(map[string]types.Resource)
-		lc := cache.NewLinearCache(t, cache.WithVersionPrefix(versionPrefix), cache.WithLogger(logger))
-		v.caches[t] = lc
-		muxed[t] = lc
+		tc := newTypeCache(t, versionPrefix, logger)
+		v.caches[t] = tc
+		muxed[t] = tc
 	}
-	v.workloads = newDeltaCache(WorkloadType, versionPrefix, logger)
+	v.workloads = newTypeCache(WorkloadType, versionPrefix, logger)
 	muxed[WorkloadType] = v.workloads
 	byType := func(t string) string { return t }
 	v.mux = &cache.MuxCache{

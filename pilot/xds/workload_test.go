@@ -305,10 +305,9 @@ func TestDeltaLateAck(t *testing.T) {
 	c.quiet(200 * time.Millisecond)
 }
 
-// TestSotwWorkloads proves the workload type is also served over SotW (from
-// a LinearCache made on the first such request): the whole state, then what
-// changed (go-control-plane treats a type it does not know as not
-// full-state).
+// TestSotwWorkloads proves the workload type is also served over SotW: the
+// whole state, then what changed (go-control-plane treats a type it does not
+// know as not full-state).
 func TestSotwWorkloads(t *testing.T) {
 	reg := xdstest.New()
 	svc, ws := xdstest.Backing("echo", ns, tcp80, nil,

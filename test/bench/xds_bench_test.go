@@ -237,18 +237,25 @@ type pilotProcess struct {
 }
 
 // startPilotProcess builds cmd/pilot and runs it with default settings on
-// config cluster c (plaintext xDS for the benchmark client); it stops when
-// the benchmark ends.
+// config cluster c (plaintext xDS for the benchmark client) on 127.0.61.1;
+// it stops when the benchmark ends.
 func startPilotProcess(b *testing.B, c *framework.Cluster, ns string) *pilotProcess {
+	return startPilotProcessAt(b, c, ns, "127.0.61.1", "")
+}
+
+// startPilotProcessAt is startPilotProcess on ip, with cmd/pilot built from
+// the module in src (this one when empty).
+func startPilotProcessAt(b *testing.B, c *framework.Cluster, ns, ip, src string) *pilotProcess {
 	b.Helper()
 	dir := b.TempDir()
 	bin := filepath.Join(dir, "pilot")
-	if out, err := exec.Command("go", "build", "-o", bin, "github.com/isthmus-mesh/isthmus/cmd/pilot").CombinedOutput(); err != nil {
+	build := exec.Command("go", "build", "-o", bin, "github.com/isthmus-mesh/isthmus/cmd/pilot")
+	build.Dir = src
+	if out, err := build.CombinedOutput(); err != nil {
 		b.Fatalf("build pilot: %v\n%s", err, out)
 	}
 	kc := filepath.Join(dir, "kubeconfig")
 	require.NoError(b, c.WriteAdminKubeconfig(kc))
-	const ip = "127.0.61.1"
 	p := &pilotProcess{logPath: filepath.Join(dir, "pilot.log"), xdsAddr: ip + ":15010", monitoringAddr: ip + ":15014", debugAddr: ip + ":8080"}
 	logf, err := os.Create(p.logPath)
 	require.NoError(b, err)

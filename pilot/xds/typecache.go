@@ -1,27 +1,28 @@
 package xds
 
 import (
-	"context"
 	"crypto/sha256"
 	"encoding/base64"
+	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
+	"unsafe"
 
-	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/types/known/anypb"
 )
 
-// deltaCache serves every delta subscription of one type URL (the workload
-// type: ztunnels subscribe wildcard, and by name on demand) from one map of
-// wire-form resources and their versions.
+// typeCache serves every subscription of one type URL in one class, delta
+// and SotW, from one map of wire-form resources and their versions. Every
+// response is encoded once and its bytes shared by all the streams that get
+// it (see wire.go): a push to N clients encodes the changed resources once.
 //
-// A client is tracked by one number: the update batch it is in sync with.
-// Its first request is diffed against the versions it says it holds
+// A delta client is tracked by one number: the update batch it is in sync
+// with. Its first request is diffed against the versions it says it holds
 // (initial_resource_versions, so a reconnect is sent nothing unchanged);
 // from then on it is told the names changed since its batch (from a log of
 // the last changeLogSize batches), the names it newly subscribes to, and
@@ -34,8 +35,8 @@ import (
 // Aborted; it reconnects with its versions and is diffed again. A
 // LinearCache would also diff every client against the whole cache, and
 // clone its version map, on every ACK and push, under one exclusive lock,
-// and keep ~500 bytes of its own per resource: one is made only if a SotW
-// client asks for the type.
+// and keep ~500 bytes of its own per resource. SotW clients are tracked
+// the same way (sotw.go).
 //
 // Versions are a hash of the encoding (resourceVersion): stable across
 // pilot restarts, so a ztunnel reconnecting to a new pilot with its
@@ -44,7 +45,7 @@ import (
 // Concurrency: all methods are safe for concurrent use; mu serialises updates
 // and watch creation, so a client can never miss an update between the diff
 // that put it in sync and the parking of its watch.
-type deltaCache struct {
+type typeCache struct {
 	typeURL string
 	prefix  string
 	logger  slogAdapter
@@ -62,10 +63,17 @@ type deltaCache struct {
 	// clients are the delta clients, by response channel (one per stream),
 	// with the batch each is in sync with.
 	clients map[chan cache.DeltaResponse]*syncedClient
+	// sotw are the SotW clients, by stream (see streamOf), with what each
+	// is in sync with.
+	sotw map[unsafe.Pointer]*sotwClient
+	// fullState is whether SotW responses carry every resource subscribed
+	// to, changed or not (CDS and LDS).
+	fullState bool
+	// deltaBodies and sotwBodies keep the bodies built for the current
+	// batch, for the other streams that get the same response.
+	deltaBodies, sotwBodies bodyMemo
 	// lastSweep is when orphaned clients were last dropped.
 	lastSweep time.Time
-	// sotw serves SotW watches of the type; nil until the first one.
-	sotw *cache.LinearCache
 }
 
 // changeLogSize bounds the batches kept to bring a client that ACKs late up
@@ -103,21 +111,23 @@ type parkedWatch struct {
 	sub cache.Subscription
 }
 
-var _ cache.Cache = (*deltaCache)(nil)
+var _ cache.Cache = (*typeCache)(nil)
 
-func newDeltaCache(typeURL, prefix string, logger slogAdapter) *deltaCache {
-	return &deltaCache{
+func newTypeCache(typeURL, prefix string, logger slogAdapter) *typeCache {
+	return &typeCache{
 		typeURL:   typeURL,
 		prefix:    prefix,
 		logger:    logger,
 		resources: map[string]encoded{},
 		clients:   map[chan cache.DeltaResponse]*syncedClient{},
+		sotw:      map[unsafe.Pointer]*sotwClient{},
+		fullState: cache.ResourceRequiresFullStateInSotw(typeURL),
 	}
 }
 
 // UpdateResources applies a batch and pushes the changed names to every
-// parked client.
-func (w *deltaCache) UpdateResources(updated map[string]types.Resource, deleted []string) error {
+// parked client, delta and SotW.
+func (w *typeCache) UpdateResources(updated map[string]types.Resource, deleted []string) error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	names := make([]string, 0, len(updated)+len(deleted))
@@ -130,11 +140,6 @@ func (w *deltaCache) UpdateResources(updated map[string]types.Resource, deleted 
 	for _, name := range deleted {
 		delete(w.resources, name)
 		names = append(names, name)
-	}
-	if w.sotw != nil {
-		if err := w.sotw.UpdateResources(updated, deleted); err != nil {
-			return err
-		}
 	}
 	w.seq++
 	w.changes = append(w.changes, changeBatch{seq: w.seq, names: names})
@@ -155,13 +160,14 @@ func (w *deltaCache) UpdateResources(updated map[string]types.Resource, deleted 
 		}
 		c.seq = w.seq
 	}
+	w.pushSotw(names)
 	w.sweep()
 	return nil
 }
 
 // sweep drops clients orphaned for longer than orphanAfter, at most every
 // orphanAfter. The caller holds mu.
-func (w *deltaCache) sweep() {
+func (w *typeCache) sweep() {
 	now := time.Now()
 	if now.Sub(w.lastSweep) < orphanAfter {
 		return
@@ -172,11 +178,17 @@ func (w *deltaCache) sweep() {
 			delete(w.clients, ch)
 		}
 	}
+	for key, c := range w.sotw {
+		if !c.orphaned.IsZero() && now.Sub(c.orphaned) > orphanAfter {
+			delete(w.sotw, key)
+		}
+	}
 }
 
-// reply collects what one response tells a client.
+// reply collects what one delta response tells a client.
 type reply struct {
-	out     []*discovery.Resource
+	// names are the resources sent, all present in resources.
+	names   []string
 	removed []string
 }
 
@@ -192,44 +204,62 @@ func visible(sub cache.Subscription, name string) bool {
 
 // tell adds name, if sub receives it: the resource when it exists, else its
 // removal when the client may hold it. The caller holds mu.
-func (r *reply) tell(w *deltaCache, sub cache.Subscription, name string, mayHold bool) {
+func (r *reply) tell(w *typeCache, sub cache.Subscription, name string, mayHold bool) {
 	if !visible(sub, name) {
 		return
 	}
-	if e, ok := w.resources[name]; ok {
-		r.add(w, name, e)
+	if _, ok := w.resources[name]; ok {
+		r.names = append(r.names, name)
 	} else if mayHold {
 		r.removed = append(r.removed, name)
 	}
 }
 
-func (r *reply) add(w *deltaCache, name string, e encoded) {
-	r.out = append(r.out, &discovery.Resource{Name: name, Version: e.version, Resource: &anypb.Any{TypeUrl: w.typeURL, Value: e.raw}})
-}
-
 // response wraps the reply, or returns nil when it says nothing (unless
 // evenIfEmpty). The caller holds mu.
-func (r *reply) response(w *deltaCache, req *cache.DeltaRequest, evenIfEmpty bool) cache.DeltaResponse {
-	if len(r.out) == 0 && len(r.removed) == 0 && !evenIfEmpty {
+func (r *reply) response(w *typeCache, req *cache.DeltaRequest, evenIfEmpty bool) cache.DeltaResponse {
+	if len(r.names) == 0 && len(r.removed) == 0 && !evenIfEmpty {
 		return nil
 	}
 	return &cache.DeltaPassthroughResponse{
 		DeltaRequest: req,
 		// go-control-plane keeps this as the stream's known versions: the
 		// client is tracked by its batch here instead.
-		NextVersionMap: map[string]string{},
-		DeltaDiscoveryResponse: &discovery.DeltaDiscoveryResponse{
-			Resources:         r.out,
-			RemovedResources:  r.removed,
-			TypeUrl:           w.typeURL,
-			SystemVersionInfo: w.prefix + strconv.FormatUint(w.seq, 10),
-		},
+		NextVersionMap:         map[string]string{},
+		DeltaDiscoveryResponse: deltaEnvelope(w.typeURL, w.version(), w.deltaBody(r.names), r.removed),
 	}
+}
+
+// version is the version of the current batch. The caller holds mu.
+func (w *typeCache) version() string { return w.prefix + strconv.FormatUint(w.seq, 10) }
+
+// deltaBody returns the encoded resources names (all present), shared
+// with every stream of the batch that is sent the same. The caller holds
+// mu.
+func (w *typeCache) deltaBody(names []string) []byte {
+	build := func() []byte {
+		size := 0
+		for _, n := range names {
+			e := w.resources[n]
+			size += deltaResourceSize(w.typeURL, n, e.version, e.raw)
+		}
+		b := make([]byte, 0, size)
+		for _, n := range names {
+			e := w.resources[n]
+			b = appendDeltaResource(b, w.typeURL, n, e.version, e.raw)
+		}
+		return b
+	}
+	if len(names) > memoMaxNames {
+		return build()
+	}
+	slices.Sort(names)
+	return w.deltaBodies.get(w.seq, strings.Join(names, "\x00"), build)
 }
 
 // namesSince returns the names changed after seq, and false when the change
 // log no longer reaches back that far.
-func (w *deltaCache) namesSince(seq uint64) ([]string, bool) {
+func (w *typeCache) namesSince(seq uint64) ([]string, bool) {
 	if seq == w.seq {
 		return nil, true
 	}
@@ -254,7 +284,7 @@ func (w *deltaCache) namesSince(seq uint64) ([]string, bool) {
 
 // CreateDeltaWatch answers req with what the client is missing, or parks
 // the watch until an update concerns it.
-func (w *deltaCache) CreateDeltaWatch(req *cache.DeltaRequest, sub cache.Subscription, ch chan cache.DeltaResponse) (func(), error) {
+func (w *typeCache) CreateDeltaWatch(req *cache.DeltaRequest, sub cache.Subscription, ch chan cache.DeltaResponse) (func(), error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	known := sub.ReturnedResources()
@@ -269,13 +299,13 @@ func (w *deltaCache) CreateDeltaWatch(req *cache.DeltaRequest, sub cache.Subscri
 		if sub.IsWildcard() {
 			for name, e := range w.resources {
 				if known[name] != e.version {
-					r.add(w, name, e)
+					r.names = append(r.names, name)
 				}
 			}
 		} else {
 			for name := range sub.SubscribedResources() {
 				if e, ok := w.resources[name]; ok && known[name] != e.version {
-					r.add(w, name, e)
+					r.names = append(r.names, name)
 				}
 			}
 		}
@@ -326,9 +356,9 @@ func (w *deltaCache) CreateDeltaWatch(req *cache.DeltaRequest, sub cache.Subscri
 		case !c.wildcard && sub.IsWildcard():
 			// Joining wildcard (rare): everything, the few resources it
 			// held by name included.
-			for name, e := range w.resources {
+			for name := range w.resources {
 				if _, dup := told[name]; !dup {
-					r.add(w, name, e)
+					r.names = append(r.names, name)
 				}
 			}
 		}
@@ -347,7 +377,7 @@ func (w *deltaCache) CreateDeltaWatch(req *cache.DeltaRequest, sub cache.Subscri
 
 // canceller returns the cancel func of ch's watch: the server calls it
 // before the stream's next request, or when the stream ends.
-func (w *deltaCache) canceller(ch chan cache.DeltaResponse) func() {
+func (w *typeCache) canceller(ch chan cache.DeltaResponse) func() {
 	return func() {
 		w.mu.Lock()
 		defer w.mu.Unlock()
@@ -358,35 +388,14 @@ func (w *deltaCache) canceller(ch chan cache.DeltaResponse) func() {
 	}
 }
 
-// CreateWatch serves a SotW watch from a LinearCache, made on first use
-// from the current resources.
-func (w *deltaCache) CreateWatch(req *cache.Request, sub cache.Subscription, ch chan cache.Response) (func(), error) {
-	return w.sotwCache().CreateWatch(req, sub, ch)
-}
-
-// Fetch delegates to the SotW LinearCache.
-func (w *deltaCache) Fetch(ctx context.Context, req *cache.Request) (cache.Response, error) {
-	return w.sotwCache().Fetch(ctx, req)
-}
-
-func (w *deltaCache) sotwCache() *cache.LinearCache {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.sotw == nil {
-		w.sotw = cache.NewLinearCache(w.typeURL, cache.WithVersionPrefix(w.prefix), cache.WithLogger(w.logger),
-			cache.WithInitialResources(w.snapshotLocked()))
-	}
-	return w.sotw
-}
-
 // GetResources returns the current resources (raw, sharing their bytes).
-func (w *deltaCache) GetResources() map[string]types.Resource {
+func (w *typeCache) GetResources() map[string]types.Resource {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.snapshotLocked()
 }
 
-func (w *deltaCache) snapshotLocked() map[string]types.Resource {
+func (w *typeCache) snapshotLocked() map[string]types.Resource {
 	out := make(map[string]types.Resource, len(w.resources))
 	for name, r := range w.resources {
 		out[name] = rawOf(r.raw)

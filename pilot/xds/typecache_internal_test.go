@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 )
 
@@ -31,11 +32,23 @@ func recv(t *testing.T, ch chan cache.DeltaResponse) *discovery.DeltaDiscoveryRe
 		out, err := resp.GetDeltaDiscoveryResponse()
 		require.NoError(t, err)
 		assert.Empty(t, resp.GetNextVersionMap(), "no per-resource versions are kept per client")
-		return out
+		return wireDecoded(t, out)
 	default:
 		t.Fatal("no response")
 		return nil
 	}
+}
+
+// wireDecoded returns m as a client decodes it off the wire (the cache
+// keeps resources in encoded bodies).
+func wireDecoded[M proto.Message](t *testing.T, m M) M {
+	t.Helper()
+	b, err := proto.Marshal(m)
+	require.NoError(t, err)
+	out := m.ProtoReflect().New().Interface().(M)
+	require.NoError(t, proto.Unmarshal(b, out))
+	require.Empty(t, out.ProtoReflect().GetUnknown(), "unknown fields on the wire")
+	return out
 }
 
 func names(r *discovery.DeltaDiscoveryResponse) []string {
@@ -51,7 +64,7 @@ func names(r *discovery.DeltaDiscoveryResponse) []string {
 // falls out of the change log has its stream ended with Aborted, and its
 // reconnect with the versions it holds is sent only what changed.
 func TestDeltaCacheTracksClientsByBatch(t *testing.T) {
-	w := newDeltaCache(WorkloadType, "v-", slogAdapter{})
+	w := newTypeCache(WorkloadType, "v-", slogAdapter{})
 	require.NoError(t, w.UpdateResources(map[string]types.Resource{"a": rawString(t, "a1"), "b": rawString(t, "b1")}, nil))
 
 	ch := make(chan cache.DeltaResponse, 1)
@@ -110,7 +123,7 @@ func TestDeltaCacheTracksClientsByBatch(t *testing.T) {
 // TestDeltaCacheJoiningWildcard: a client subscribed by name that adds the
 // wildcard gets everything.
 func TestDeltaCacheJoiningWildcard(t *testing.T) {
-	w := newDeltaCache(WorkloadType, "v-", slogAdapter{})
+	w := newTypeCache(WorkloadType, "v-", slogAdapter{})
 	require.NoError(t, w.UpdateResources(map[string]types.Resource{"a": rawString(t, "a1"), "b": rawString(t, "b1"), "c": rawString(t, "c1")}, nil))
 	ch := make(chan cache.DeltaResponse, 1)
 	sub := stream.NewDeltaSubscription([]string{"a"}, nil, nil, true)
@@ -135,7 +148,7 @@ func TestDeltaCacheJoiningWildcard(t *testing.T) {
 // keeps it: what it holds, its subscription, its open watch.
 type simClient struct {
 	t      *testing.T
-	w      *deltaCache
+	w      *typeCache
 	sub    stream.Subscription
 	ch     chan cache.DeltaResponse
 	cancel func()
@@ -143,7 +156,7 @@ type simClient struct {
 	nonce  int
 }
 
-func newSimClient(t *testing.T, w *deltaCache, subscribe []string, held map[string]string) *simClient {
+func newSimClient(t *testing.T, w *typeCache, subscribe []string, held map[string]string) *simClient {
 	c := &simClient{t: t, w: w, ch: make(chan cache.DeltaResponse, 1), held: held}
 	c.sub = stream.NewDeltaSubscription(subscribe, nil, maps.Clone(held), true)
 	c.request(&discovery.DeltaDiscoveryRequest{TypeUrl: WorkloadType, ResourceNamesSubscribe: subscribe, InitialResourceVersions: held})
@@ -168,6 +181,7 @@ func (c *simClient) drain() {
 	case resp := <-c.ch:
 		r, err := resp.GetDeltaDiscoveryResponse()
 		require.NoError(c.t, err)
+		r = wireDecoded(c.t, r)
 		for _, res := range r.GetResources() {
 			c.held[res.GetName()] = res.GetVersion()
 		}
@@ -221,7 +235,7 @@ func TestDeltaCacheRandomized(t *testing.T) {
 
 func randomDeltaRun(t *testing.T, seed uint64) {
 	rng := rand.New(rand.NewPCG(seed, 2))
-	w := newDeltaCache(WorkloadType, "v-", slogAdapter{})
+	w := newTypeCache(WorkloadType, "v-", slogAdapter{})
 	name := func() string { return fmt.Sprint("r", rng.IntN(40)) }
 	clients := []*simClient{
 		newSimClient(t, w, nil, map[string]string{}),
