@@ -28,7 +28,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/watch"
 
-	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/pilot/xds"
 	"github.com/isthmus-mesh/isthmus/test/framework"
 )
@@ -260,7 +259,9 @@ func startPilotProcessAt(b *testing.B, c *framework.Cluster, ns, ip, src string)
 	logf, err := os.Create(p.logPath)
 	require.NoError(b, err)
 	p.cmd = exec.Command(bin, "--kubeconfig", kc, "--namespace", ns, "--cluster-id", clusterName(0), "--network", "network-0",
-		"--xds-addr", defaults.Disabled, "--xds-plaintext-addr", p.xdsAddr, "--monitoring-addr", p.monitoringAddr, "--debug-addr", p.debugAddr,
+		// A real TLS address rather than a disabled one: a baseline pilot built
+		// from an older revision spells "disabled" differently.
+		"--xds-addr", ip+":15012", "--xds-plaintext-addr", p.xdsAddr, "--monitoring-addr", p.monitoringAddr, "--debug-addr", p.debugAddr,
 		"--no-leader-election", "--log-level", "warn")
 	p.cmd.Stdout, p.cmd.Stderr = logf, logf
 	// ISTHMUS_BENCH_PILOT_ENV adds "NAME=value" settings (space-separated)
