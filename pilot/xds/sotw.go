@@ -21,7 +21,8 @@ import (
 // request's map (empty, made by go-control-plane for the stream) is handed
 // back in every response, so every later request of the stream carries it
 // again, and it stays empty (go-control-plane only deletes from it; the
-// node cannot name the stream: Envoy sends it with every request). A
+// node cannot name the stream: Envoy sends it with every request;
+// TestContractSotwStreamKeepsItsReturnedMap pins this library behaviour). A
 // request is answered with what changed since, and with the names it newly
 // subscribes to; a push tells each parked client the changed names it
 // subscribes to. CDS and LDS responses carry every resource subscribed to

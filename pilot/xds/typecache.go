@@ -26,7 +26,9 @@ import (
 // (initial_resource_versions, so a reconnect is sent nothing unchanged);
 // from then on it is told the names changed since its batch (from a log of
 // the last changeLogSize batches), the names it newly subscribes to, and
-// the names go-control-plane marks for a fresh answer. No per-resource
+// the names go-control-plane marks for a fresh answer (how it marks them,
+// and that it keeps the empty map handed back, is pinned by contract_test.go:
+// a library upgrade that changes either fails there). No per-resource
 // version map is kept per client: responses hand go-control-plane an empty
 // one, where a LinearCache (and go-control-plane's subscription with it)
 // keeps a name -> version entry per resource per stream (~50 B: 2.5 GB for
@@ -282,6 +284,31 @@ func (w *typeCache) namesSince(seq uint64) ([]string, bool) {
 	return names, true
 }
 
+// firstReply diffs a stream's first request against the versions the
+// client holds (known). The caller holds mu.
+func (w *typeCache) firstReply(sub cache.Subscription, known map[string]string) reply {
+	var r reply
+	if sub.IsWildcard() {
+		for name, e := range w.resources {
+			if known[name] != e.version {
+				r.names = append(r.names, name)
+			}
+		}
+	} else {
+		for name := range sub.SubscribedResources() {
+			if e, ok := w.resources[name]; ok && known[name] != e.version {
+				r.names = append(r.names, name)
+			}
+		}
+	}
+	for name := range known {
+		if _, ok := w.resources[name]; !ok || !visible(sub, name) {
+			r.removed = append(r.removed, name)
+		}
+	}
+	return r
+}
+
 // CreateDeltaWatch answers req with what the client is missing, or parks
 // the watch until an update concerns it.
 func (w *typeCache) CreateDeltaWatch(req *cache.DeltaRequest, sub cache.Subscription, ch chan cache.DeltaResponse) (func(), error) {
@@ -296,24 +323,7 @@ func (w *typeCache) CreateDeltaWatch(req *cache.DeltaRequest, sub cache.Subscrip
 		// holds. A wildcard client is always answered: its initial state is
 		// complete (ztunnel and Envoy wait for it), even when it has
 		// everything already.
-		if sub.IsWildcard() {
-			for name, e := range w.resources {
-				if known[name] != e.version {
-					r.names = append(r.names, name)
-				}
-			}
-		} else {
-			for name := range sub.SubscribedResources() {
-				if e, ok := w.resources[name]; ok && known[name] != e.version {
-					r.names = append(r.names, name)
-				}
-			}
-		}
-		for name := range known {
-			if _, ok := w.resources[name]; !ok || !visible(sub, name) {
-				r.removed = append(r.removed, name)
-			}
-		}
+		r = w.firstReply(sub, known)
 		evenIfEmpty = sub.IsWildcard()
 		c = &syncedClient{}
 		w.clients[ch] = c
@@ -337,7 +347,7 @@ func (w *typeCache) CreateDeltaWatch(req *cache.DeltaRequest, sub cache.Subscrip
 		}
 		// Names go-control-plane marked for a fresh answer (a wildcard
 		// client unsubscribing a name explicitly must be told whether it
-		// exists).
+		// exists); TestContractDeltaMarksFreshAnswers pins how it marks them.
 		for name := range known {
 			if _, dup := told[name]; !dup {
 				told[name] = struct{}{}
