@@ -109,7 +109,7 @@ func newAgentCommand(stderr io.Writer, run runFunc) *cobra.Command {
 	}
 	f := cmd.Flags()
 	f.StringVar(&cfg.NodeName, "node", os.Getenv("NODE_NAME"), "Kubernetes node this agent runs on (default $NODE_NAME)")
-	f.StringVar(&cfg.SystemNamespace, "system-namespace", envOr("POD_NAMESPACE", d.SystemNamespace), "the control plane's namespace, excluded by default (default $POD_NAMESPACE)")
+	f.StringVar(&cfg.SystemNamespace, "system-namespace", cmdutil.EnvOr("POD_NAMESPACE", d.SystemNamespace), "the control plane's namespace, excluded by default (default $POD_NAMESPACE)")
 	f.StringSliceVar(&excluded, "excluded-namespaces", nil, "namespaces never enrolled (default kube-system and --system-namespace)")
 	f.StringVar(&cfg.CNIBinDir, "cni-bin-dir", d.CNIBinDir, "the node's CNI bin directory as mounted here")
 	f.StringVar(&cfg.CNIConfDir, "cni-conf-dir", d.CNIConfDir, "the node's CNI configuration directory as mounted here")
@@ -130,11 +130,4 @@ func newAgentCommand(stderr io.Writer, run runFunc) *cobra.Command {
 	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, ~/.kube/config, then in-cluster)")
 	lc.AddFlags(f)
 	return cmd
-}
-
-func envOr(key, def string) string {
-	if v := os.Getenv(key); v != "" {
-		return v
-	}
-	return def
 }

@@ -78,11 +78,11 @@ func newCommand(stderr io.Writer, run runFunc) *cobra.Command {
 	f := cmd.Flags()
 	f.StringVar(&mode, "mode", string(d.Mode), "node (node proxy) or gateway (east-west gateway)")
 	f.StringVar(&cfg.NodeName, "node", os.Getenv("NODE_NAME"), "Kubernetes node this ztunnel runs on (default $NODE_NAME)")
-	f.StringSliceVar(&nodeIPs, "node-ip", splitEnv("HOST_IPS"), "the node's addresses, never a source identity or destination (default $HOST_IPS, comma separated)")
+	f.StringSliceVar(&nodeIPs, "node-ip", cmdutil.SplitEnv("HOST_IPS"), "the node's addresses, never a source identity or destination (default $HOST_IPS, comma separated)")
 	f.StringVar(&cfg.ClusterID, "cluster-id", "", "ID of the cluster this ztunnel runs in")
 	f.StringVar(&cfg.Network, "network", "", "network this ztunnel is on")
 	f.StringVar(&cfg.TrustDomain, "trust-domain", d.TrustDomain, "trust domain of this cluster (the ztunnel's own identity)")
-	f.StringVar(&cfg.Namespace, "namespace", envOr("POD_NAMESPACE", d.Namespace), "namespace of the ztunnel's ServiceAccount (default $POD_NAMESPACE)")
+	f.StringVar(&cfg.Namespace, "namespace", cmdutil.EnvOr("POD_NAMESPACE", d.Namespace), "namespace of the ztunnel's ServiceAccount (default $POD_NAMESPACE)")
 	f.StringVar(&cfg.ServiceAccount, "service-account", d.ServiceAccount, "the ztunnel's ServiceAccount")
 	f.StringVar(&cfg.NodeID, "xds-node-id", "", "xDS node id (default ztunnel~<node>.<namespace>)")
 	f.StringVar(&cfg.XDSAddress, "xds-address", "", "pilot's xDS address, host:port")
@@ -111,18 +111,4 @@ func newCommand(stderr io.Writer, run runFunc) *cobra.Command {
 	f.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", d.ShutdownTimeout, "time allowed for a graceful stop")
 	lc.AddFlags(f)
 	return cmd
-}
-
-func envOr(key, def string) string {
-	if v := os.Getenv(key); v != "" {
-		return v
-	}
-	return def
-}
-
-func splitEnv(key string) []string {
-	if v := os.Getenv(key); v != "" {
-		return strings.Split(v, ",")
-	}
-	return nil
 }

@@ -1,12 +1,14 @@
 // Package cmdutil is the set-up every Isthmus binary shares: the log flags
 // and the slog logger (client-go's klog routed into it), and the Kubernetes
-// client configuration.
+// client configuration, and flag defaults taken from the environment (the
+// downward API's NODE_NAME, POD_NAMESPACE, HOST_IPS).
 package cmdutil
 
 import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
 	"strings"
 
 	"github.com/spf13/pflag"
@@ -66,4 +68,22 @@ func RestConfig(path, kubeContext string) (*rest.Config, error) {
 		return nil, fmt.Errorf("kubeconfig %s (context %q): %w", path, kubeContext, err)
 	}
 	return cfg, nil
+}
+
+// EnvOr returns the environment variable key, or def when it is unset or
+// empty: a flag's default in a pod.
+func EnvOr(key, def string) string {
+	if v := os.Getenv(key); v != "" {
+		return v
+	}
+	return def
+}
+
+// SplitEnv returns the comma-separated list in the environment variable
+// key (nil when unset or empty).
+func SplitEnv(key string) []string {
+	if v := os.Getenv(key); v != "" {
+		return strings.Split(v, ",")
+	}
+	return nil
 }

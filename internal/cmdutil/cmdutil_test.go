@@ -66,3 +66,13 @@ current-context: a
 	_, err = cmdutil.RestConfig(filepath.Join(t.TempDir(), "missing"), "")
 	require.ErrorContains(t, err, "missing")
 }
+
+func TestFlagDefaultsFromTheEnvironment(t *testing.T) {
+	t.Setenv("ISTHMUS_TEST_SET", "a")
+	t.Setenv("ISTHMUS_TEST_EMPTY", "")
+	require.Equal(t, "a", cmdutil.EnvOr("ISTHMUS_TEST_SET", "d"))
+	require.Equal(t, "d", cmdutil.EnvOr("ISTHMUS_TEST_EMPTY", "d"))
+	t.Setenv("ISTHMUS_TEST_LIST", "10.0.0.1,fd00::1")
+	require.Equal(t, []string{"10.0.0.1", "fd00::1"}, cmdutil.SplitEnv("ISTHMUS_TEST_LIST"))
+	require.Nil(t, cmdutil.SplitEnv("ISTHMUS_TEST_EMPTY"))
+}

@@ -15,6 +15,8 @@ import (
 	"math/big"
 	"net/url"
 	"time"
+
+	"github.com/isthmus-mesh/isthmus/internal/spiffe"
 )
 
 // Keys of the CA Secrets (Istio's plug-in CA layout, used for the self-signed Secret too).
@@ -46,7 +48,7 @@ type bundle struct {
 // chain from the issuer upwards (roots and the issuer itself may appear in it and are dropped),
 // and the trusted roots (one or more).
 func parseBundle(caCertPEM, caKeyPEM, certChainPEM, rootCertPEM []byte, now time.Time) (*bundle, error) {
-	issuers, err := parseCerts(caCertPEM)
+	issuers, err := spiffe.ParseCertificatesPEM(caCertPEM)
 	if err != nil || len(issuers) == 0 {
 		return nil, errors.Join(fmt.Errorf("%s: no certificate", caCertKey), err)
 	}
@@ -61,11 +63,11 @@ func parseBundle(caCertPEM, caKeyPEM, certChainPEM, rootCertPEM []byte, now time
 	if !publicKeysEqual(signer.Public(), issuer.PublicKey) {
 		return nil, fmt.Errorf("%s does not match the key of %s", caKeyKey, caCertKey)
 	}
-	roots, err := parseCerts(rootCertPEM)
+	roots, err := spiffe.ParseCertificatesPEM(rootCertPEM)
 	if err != nil || len(roots) == 0 {
 		return nil, errors.Join(fmt.Errorf("%s: no certificate", RootCertKey), err)
 	}
-	chainCerts, err := parseCerts(certChainPEM)
+	chainCerts, err := spiffe.ParseCertificatesPEM(certChainPEM)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", certChainKey, err)
 	}
@@ -266,25 +268,6 @@ func checkCSRIdentity(csr *x509.CertificateRequest, want string) error {
 		return fmt.Errorf("CSR asks for DNS, IP or email SANs; caller may only have %q", want)
 	}
 	return nil
-}
-
-func parseCerts(data []byte) ([]*x509.Certificate, error) {
-	var out []*x509.Certificate
-	for {
-		var block *pem.Block
-		block, data = pem.Decode(data)
-		if block == nil {
-			return out, nil
-		}
-		if block.Type != "CERTIFICATE" {
-			continue
-		}
-		c, err := x509.ParseCertificate(block.Bytes)
-		if err != nil {
-			return nil, fmt.Errorf("parse certificate: %w", err)
-		}
-		out = append(out, c)
-	}
 }
 
 func parsePrivateKey(data []byte) (crypto.Signer, error) {

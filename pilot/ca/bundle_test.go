@@ -55,7 +55,7 @@ func verifyChain(t *testing.T, chain []string, roots []byte, at time.Time) *x509
 	require.GreaterOrEqual(t, len(chain), 2)
 	var certs []*x509.Certificate
 	for _, p := range chain {
-		cs, err := parseCerts([]byte(p))
+		cs, err := spiffe.ParseCertificatesPEM([]byte(p))
 		require.NoError(t, err)
 		require.Len(t, cs, 1, "one certificate per chain element")
 		certs = append(certs, cs[0])

@@ -125,7 +125,7 @@ func (c *CA) parseDomainSecret(s *corev1.Secret) (*domain, error) {
 	}
 	d := &domain{name: name, secret: s.Namespace + "/" + s.Name}
 	if _, ok := s.Data[caKeyKey]; !ok {
-		roots, err := parseCerts(s.Data[RootCertKey])
+		roots, err := spiffe.ParseCertificatesPEM(s.Data[RootCertKey])
 		if err != nil || len(roots) == 0 {
 			return nil, errors.Join(fmt.Errorf("%s: no certificate", RootCertKey), err)
 		}

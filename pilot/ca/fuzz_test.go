@@ -116,7 +116,7 @@ func checkCertRefusal(t *testing.T, err error, impersonate, own string, nodeAcco
 func checkLeaf(t *testing.T, c *CA, resp *pb.IstioCertificateResponse, csrPEM, want string) {
 	var certs []*x509.Certificate
 	for _, p := range resp.GetCertChain() {
-		cs, err := parseCerts([]byte(p))
+		cs, err := spiffe.ParseCertificatesPEM([]byte(p))
 		if err != nil || len(cs) != 1 {
 			t.Fatalf("chain element %q: %v", p, err)
 		}
