@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"helm.sh/helm/v3/pkg/action"
 	"helm.sh/helm/v3/pkg/chart/loader"
@@ -435,9 +436,15 @@ func TestCNIAgentRBAC(t *testing.T) {
 			Groups:             []string{"system:serviceaccounts", "system:serviceaccounts:" + ns, "system:authenticated"},
 			ResourceAttributes: &authorizationv1.ResourceAttributes{Namespace: "app", Resource: resource, Verb: verb}}}
 		res, err := c.Client.AuthorizationV1().SubjectAccessReviews().Create(ctx, sar, metav1.CreateOptions{})
-		require.NoError(t, err)
+		if err != nil {
+			t.Errorf("SubjectAccessReview %s %s: %v", verb, resource, err) // goroutine-safe, unlike require
+			return false
+		}
 		return res.Status.Allowed
 	}
+	// The API server's RBAC authorizer learns the new binding from its
+	// informer: wait for the first grant before checking the others.
+	require.Eventually(t, func() bool { return allowed("pods", "get") }, 30*time.Second, 50*time.Millisecond, "get pods")
 	for _, r := range []string{"pods", "namespaces"} {
 		for _, v := range []string{"get", "list", "watch"} {
 			require.True(t, allowed(r, v), "%s %s", v, r)
@@ -488,20 +495,30 @@ func TestPilotRBACCoversReaderRules(t *testing.T) {
 	want = append(want, access{"", "events", "", "create"}, access{"events.k8s.io", "events", "", "create"})
 
 	user := "system:serviceaccount:" + ns + ":isthmusd"
-	var denied []string
-	for _, w := range want {
-		sar := &authorizationv1.SubjectAccessReview{Spec: authorizationv1.SubjectAccessReviewSpec{
-			User: user, Groups: []string{"system:serviceaccounts", "system:serviceaccounts:" + ns, "system:authenticated"},
-			ResourceAttributes: &authorizationv1.ResourceAttributes{Namespace: ns, Group: w.group, Resource: w.resource,
-				Subresource: w.subresource, Verb: w.verb},
-		}}
-		res, err := c.Client.AuthorizationV1().SubjectAccessReviews().Create(ctx, sar, metav1.CreateOptions{})
-		require.NoError(t, err)
-		if !res.Status.Allowed {
-			denied = append(denied, fmt.Sprintf("%s %s.%s/%s", w.verb, w.resource, w.group, w.subresource))
+	deniedNow := func() []string {
+		var denied []string
+		for _, w := range want {
+			sar := &authorizationv1.SubjectAccessReview{Spec: authorizationv1.SubjectAccessReviewSpec{
+				User: user, Groups: []string{"system:serviceaccounts", "system:serviceaccounts:" + ns, "system:authenticated"},
+				ResourceAttributes: &authorizationv1.ResourceAttributes{Namespace: ns, Group: w.group, Resource: w.resource,
+					Subresource: w.subresource, Verb: w.verb},
+			}}
+			res, err := c.Client.AuthorizationV1().SubjectAccessReviews().Create(ctx, sar, metav1.CreateOptions{})
+			if err != nil {
+				denied = append(denied, "review failed: "+err.Error())
+				continue
+			}
+			if !res.Status.Allowed {
+				denied = append(denied, fmt.Sprintf("%s %s.%s/%s", w.verb, w.resource, w.group, w.subresource))
+			}
 		}
+		return denied
 	}
-	require.Empty(t, denied, "pilot's chart must grant these in the config cluster")
+	// The API server's RBAC authorizer learns new bindings from its
+	// informer: what is still denied after it caught up is missing.
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		assert.Empty(ct, deniedNow(), "pilot's chart must grant these in the config cluster")
+	}, 30*time.Second, 100*time.Millisecond)
 
 	// Secrets are readable in pilot's namespace only.
 	sar := &authorizationv1.SubjectAccessReview{Spec: authorizationv1.SubjectAccessReviewSpec{User: user,
