@@ -32,6 +32,7 @@ import (
 	"github.com/isthmus-mesh/isthmus/internal/version"
 	"github.com/isthmus-mesh/isthmus/multicluster"
 	"github.com/isthmus-mesh/isthmus/pilot/ca"
+	"github.com/isthmus-mesh/isthmus/pilot/eastwest"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 	"github.com/isthmus-mesh/isthmus/pilot/policy"
 	"github.com/isthmus-mesh/isthmus/pilot/registry"
@@ -79,6 +80,13 @@ type Config struct {
 	LeaderElection LeaderElection
 	// GRPCLimits bound what a client of the TLS gRPC port may cost.
 	GRPCLimits GRPCLimits
+	// Gateways configures the GatewayClass controller (east-west gateways
+	// declared as Gateway API Gateways); the namespace, gateway namespaces,
+	// trust domain and logger are copied in.
+	Gateways eastwest.Config
+	// NoGatewayClass turns the GatewayClass controller off: no GatewayClass
+	// is written and Gateways are not served.
+	NoGatewayClass bool
 	// VIP configures the allocation of virtual addresses to services with
 	// none on a client's network (its table lives in a ConfigMap of
 	// Namespace, which is copied in).
@@ -128,6 +136,11 @@ func (c *Config) defaults() {
 	}
 	c.CA.ClusterID, c.CA.Namespace = string(c.ClusterID), c.Namespace
 	c.VIP.Namespace = c.Namespace
+	c.Gateways.Namespace, c.Gateways.Logger = c.Namespace, c.Logger.With("component", "eastwest-gateways")
+	c.Gateways.GatewayNamespaces, c.Gateways.GatewayNamespaceSelector = c.Discovery.GatewayNamespaces, c.Discovery.GatewayNamespaceSelector
+	if c.Gateways.TrustDomain == "" {
+		c.Gateways.TrustDomain = c.CA.TrustDomain
+	}
 	c.XDS.TrustDomain, c.XDS.DefaultNetwork = c.CA.TrustDomain, c.Network
 	c.XDS.AllowPlaintext = c.XDSPlaintextAddr != "-"
 	if len(c.XDS.NodeAccounts) == 0 {
@@ -227,6 +240,16 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 	mc.AddComponent("ca-root-publisher", func(ctx context.Context, c *multicluster.Cluster) (multicluster.Component, error) {
 		return authority.PublishRoots(ctx, string(c.ID), c.Client.Kube)
 	})
+	if !cfg.NoGatewayClass {
+		gws, err := eastwest.New(cfg.Gateways, eastwest.Deps{Leading: lead.leading.Load, Roots: authority.Roots})
+		if err != nil {
+			return nil, err
+		}
+		// A new root bundle, or this replica becoming the leader
+		// (Republish), makes every cluster's controller look again.
+		authority.OnRootsChange(gws.Resync)
+		mc.AddComponent("eastwest-gateways", gws.Build)
+	}
 	s := &Server{cfg: cfg, log: cfg.Logger, Metrics: reg, Multicluster: mc, Registry: r, CA: authority, XDS: xs, VIP: alloc, Policies: pol, local: local,
 		ready: make(chan struct{}), handshakeFailures: newHandshakeFailures(reg), vipHooks: vipHooks, lead: lead}
 	if s.leader, err = s.leaderTasks(cfg.Logger); err != nil {
@@ -414,7 +437,7 @@ func (s *Server) leading(ctx context.Context, fn func(context.Context) error) er
 			ReleaseOnCancel: true, Name: "isthmus-pilot",
 			Callbacks: leaderelection.LeaderCallbacks{
 				OnStartedLeading: func(ctx context.Context) {
-					s.log.Info("leading: writing shared state (published roots, ServiceImports, ServiceExport status, Events)", "identity", s.cfg.Identity)
+					s.log.Info("leading: writing shared state (published roots, GatewayClasses and Gateways, ServiceImports, ServiceExport status, Events)", "identity", s.cfg.Identity)
 					s.lead.leading.Store(true)
 					s.CA.Republish()
 					if err := fn(ctx); err != nil {
