@@ -32,14 +32,23 @@ type ClientConfig struct {
 	DialTimeout time.Duration
 	// MaxFrameSize is the largest HTTP/2 frame the client reads.
 	MaxFrameSize uint32
+	// HealthCheckInterval: a pooled connection that received nothing for
+	// this long is pinged, and closed if the ping is not answered within
+	// HealthCheckTimeout. A peer that vanished without closing (its node or
+	// network namespace gone) then stops taking new streams, each of which
+	// would wait for its dial timeout.
+	HealthCheckInterval time.Duration
+	HealthCheckTimeout  time.Duration
 }
 
 // DefaultClientConfig holds the client defaults.
 var DefaultClientConfig = ClientConfig{
-	MaxStreamsPerConn: 100,
-	IdleTimeout:       90 * time.Second,
-	DialTimeout:       10 * time.Second,
-	MaxFrameSize:      1 << 20,
+	MaxStreamsPerConn:   100,
+	IdleTimeout:         90 * time.Second,
+	DialTimeout:         10 * time.Second,
+	MaxFrameSize:        1 << 20,
+	HealthCheckInterval: 10 * time.Second,
+	HealthCheckTimeout:  5 * time.Second,
 }
 
 func (c ClientConfig) withDefaults() ClientConfig {
@@ -55,6 +64,12 @@ func (c ClientConfig) withDefaults() ClientConfig {
 	}
 	if c.MaxFrameSize == 0 {
 		c.MaxFrameSize = d.MaxFrameSize
+	}
+	if c.HealthCheckInterval <= 0 {
+		c.HealthCheckInterval = d.HealthCheckInterval
+	}
+	if c.HealthCheckTimeout <= 0 {
+		c.HealthCheckTimeout = d.HealthCheckTimeout
 	}
 	return c
 }
@@ -169,7 +184,8 @@ func NewClient(cfg ClientConfig, deps ClientDeps) (*Client, error) {
 	cfg = cfg.withDefaults()
 	c := &Client{
 		cfg: cfg, certs: deps.Certs, dialer: deps.Dialer, log: deps.Log,
-		t:     &http2.Transport{MaxReadFrameSize: cfg.MaxFrameSize},
+		t: &http2.Transport{MaxReadFrameSize: cfg.MaxFrameSize,
+			ReadIdleTimeout: cfg.HealthCheckInterval, PingTimeout: cfg.HealthCheckTimeout},
 		pools: map[poolKey][]*pooledConn{},
 	}
 	if c.dialer == nil {

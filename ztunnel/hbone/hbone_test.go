@@ -217,3 +217,105 @@ func TestIdentityParse(t *testing.T) {
 		require.Error(t, err, bad)
 	}
 }
+
+// freezingDialer dials TCP and can freeze every connection it made so far:
+// their writes vanish and their reads wait until closed, as when the peer's
+// node or network namespace disappears without a FIN or RST.
+type freezingDialer struct {
+	mu    sync.Mutex
+	conns []*freezableConn
+}
+
+type freezableConn struct {
+	net.Conn
+	frozen atomic.Bool
+	closed chan struct{}
+	once   sync.Once
+}
+
+func (c *freezableConn) Read(b []byte) (int, error) {
+	if c.frozen.Load() {
+		<-c.closed
+		return 0, net.ErrClosed
+	}
+	return c.Conn.Read(b)
+}
+
+func (c *freezableConn) Write(b []byte) (int, error) {
+	if c.frozen.Load() {
+		return len(b), nil
+	}
+	return c.Conn.Write(b)
+}
+
+func (c *freezableConn) Close() error {
+	c.once.Do(func() { close(c.closed) })
+	return c.Conn.Close()
+}
+
+func (d *freezingDialer) DialContext(ctx context.Context, network, addr string) (net.Conn, error) {
+	var nd net.Dialer
+	c, err := nd.DialContext(ctx, network, addr)
+	if err != nil {
+		return nil, err
+	}
+	fc := &freezableConn{Conn: c, closed: make(chan struct{})}
+	d.mu.Lock()
+	d.conns = append(d.conns, fc)
+	d.mu.Unlock()
+	return fc, nil
+}
+
+func (d *freezingDialer) freeze() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, c := range d.conns {
+		c.frozen.Store(true)
+	}
+}
+
+// TestSilentPeerConnectionIsDropped: the pooled connection's peer goes
+// silent. The health check's unanswered ping closes it, so a new stream
+// gets a fresh connection instead of waiting on the dead one until its
+// deadline, again and again.
+func TestSilentPeerConnectionIsDropped(t *testing.T) {
+	d := &freezingDialer{}
+	e := newEnv(t, ClientConfig{HealthCheckInterval: 100 * time.Millisecond, HealthCheckTimeout: 100 * time.Millisecond})
+	e.client.dialer = d
+	s := e.dial(t)
+	roundTrip(t, s, "before")
+	require.NoError(t, s.Close())
+	d.freeze()
+
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		ctx, cancel := context.WithTimeout(t.Context(), time.Second)
+		defer cancel()
+		s, err := e.client.Dial(ctx, DialRequest{Source: clientID, Peers: []identity.Identity{serverID}, Addr: e.addr, Authority: e.echo.String()})
+		require.NoError(c, err)
+		defer s.Close()
+		_, err = s.Write([]byte("after"))
+		require.NoError(c, err)
+		b := make([]byte, 5)
+		_, err = io.ReadFull(s, b)
+		require.NoError(c, err)
+	}, 10*time.Second, 50*time.Millisecond)
+	require.Equal(t, int64(2), e.ln.accepted.Load(), "a second connection replaced the silent one")
+}
+
+// TestSilentClientConnectionIsClosed: a client goes silent with a stream
+// open (its node vanished). The server's unanswered ping closes the
+// connection instead of holding it, and the stream, until the idle timeout.
+func TestSilentClientConnectionIsClosed(t *testing.T) {
+	d := &freezingDialer{}
+	e := newEnvConfig(t, ServerConfig{HealthCheckInterval: 100 * time.Millisecond, HealthCheckTimeout: 100 * time.Millisecond},
+		ClientConfig{HealthCheckInterval: time.Hour})
+	e.client.dialer = d
+	s := e.dial(t)
+	defer s.Close()
+	roundTrip(t, s, "before")
+	require.Equal(t, int64(1), e.ln.open.Load())
+	d.freeze()
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		require.Equal(c, int64(0), e.ln.open.Load())
+	}, 10*time.Second, 20*time.Millisecond)
+}

@@ -131,6 +131,12 @@ type ServerConfig struct {
 	// sends; each byte received restarts it. The client sees the end of the
 	// response when it half-closes its own side or when this expires.
 	HalfCloseTimeout time.Duration
+	// HealthCheckInterval: a connection that received nothing for this long
+	// is pinged, and closed with its streams if the ping is not answered
+	// within HealthCheckTimeout (a client whose node vanished holds no
+	// upstream connections open).
+	HealthCheckInterval time.Duration
+	HealthCheckTimeout  time.Duration
 }
 
 // DefaultServerConfig holds the server defaults.
@@ -146,6 +152,8 @@ var DefaultServerConfig = ServerConfig{
 	MaxConns:             16384,
 	MaxConnsPerPeer:      1024,
 	HalfCloseTimeout:     5 * time.Second,
+	HealthCheckInterval:  30 * time.Second,
+	HealthCheckTimeout:   10 * time.Second,
 }
 
 func (c ServerConfig) withDefaults() ServerConfig {
@@ -176,6 +184,12 @@ func (c ServerConfig) withDefaults() ServerConfig {
 	}
 	if c.HalfCloseTimeout <= 0 {
 		c.HalfCloseTimeout = d.HalfCloseTimeout
+	}
+	if c.HealthCheckInterval <= 0 {
+		c.HealthCheckInterval = d.HealthCheckInterval
+	}
+	if c.HealthCheckTimeout <= 0 {
+		c.HealthCheckTimeout = d.HealthCheckTimeout
 	}
 	if c.MaxConns <= 0 {
 		c.MaxConns = d.MaxConns
@@ -235,6 +249,8 @@ func NewServer(cfg ServerConfig, deps ServerDeps) (*Server, error) {
 			MaxUploadBufferPerStream:     cfg.StreamWindow,
 			MaxUploadBufferPerConnection: cfg.ConnWindow,
 			IdleTimeout:                  cfg.IdleTimeout,
+			ReadIdleTimeout:              cfg.HealthCheckInterval,
+			PingTimeout:                  cfg.HealthCheckTimeout,
 		},
 		// The HTTP/2 layer enforces a hard cap well above MaxHeaderBytes;
 		// the handler enforces MaxHeaderBytes itself so refusals are counted.

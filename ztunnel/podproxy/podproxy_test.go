@@ -4,6 +4,7 @@ package podproxy
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"fmt"
 	"io"
@@ -11,6 +12,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -29,6 +31,7 @@ import (
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/isthmus-mesh/isthmus/ztunnel/inpod"
 	"github.com/isthmus-mesh/isthmus/ztunnel/internal/testca"
+	"github.com/isthmus-mesh/isthmus/ztunnel/internal/testnet"
 	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
 	"github.com/isthmus-mesh/isthmus/ztunnel/netns"
 	"github.com/isthmus-mesh/isthmus/ztunnel/netns/netnstest"
@@ -67,7 +70,10 @@ type env struct {
 	m          *metrics.Metrics
 	dnsM       *dns.Metrics
 	permissive atomic.Bool
-	seen       chan netip.AddrPort // remote address of each connection B's app saw
+	// upstream is the pods' DNS upstream (host:port); nothing answers by
+	// default.
+	upstream string
+	seen     chan netip.AddrPort // remote address of each connection B's app saw
 }
 
 func newEnv(t testing.TB) *env {
@@ -146,7 +152,7 @@ func dup(t testing.TB, f *os.File) *os.File {
 func (e *env) start(t testing.TB) *Manager {
 	t.Helper()
 	m, err := New(Config{Proxy: proxy.Config{Node: "node-1", TrustDomain: td}, Cluster: "c1", Network: "n1",
-		Mark: redirect.Mark, DNS: dns.Config{Upstreams: []string{"127.0.0.1:1"}}},
+		Mark: redirect.Mark, DNS: dns.Config{Upstreams: []string{cmp.Or(e.upstream, "127.0.0.1:1")}}},
 		Deps{Store: e.store, Certs: e.certs, Metrics: e.m, DNSMetrics: e.dnsM, Log: testLog(t),
 			Plaintext: func(*state.Workload, netip.AddrPort, netip.AddrPort) bool { return e.permissive.Load() }})
 	require.NoError(t, err)
@@ -306,6 +312,15 @@ func TestZtunnelRestartFailsClosed(t *testing.T) {
 // and TCP; an unknown name in the mesh domain gets NXDOMAIN at once.
 func TestPodDNS(t *testing.T) {
 	e := newEnv(t)
+	e.store.Update(func(tx *state.Tx) {
+		// Known to the mesh without any address (an ExternalName Service).
+		tx.UpsertService(&state.Service{Name: "ext", Namespace: "app", Ports: []uint16{svcPort}})
+	})
+	upstream, asked := startUpstream(t, map[string]netip.Addr{
+		"example.org.":               netip.MustParseAddr("192.0.2.7"),
+		"ext.app.svc.cluster.local.": netip.MustParseAddr("192.0.2.8"),
+	})
+	e.upstream = upstream
 	e.start(t)
 	for _, proto := range []string{"udp", "tcp"} {
 		c := &mdns.Client{Net: proto, Timeout: 5 * time.Second, Dialer: &net.Dialer{}}
@@ -320,24 +335,76 @@ func TestPodDNS(t *testing.T) {
 			conn, err = dialFrom(e.a, netip.AddrPortFrom(dnsVIP, 53))
 		}
 		require.NoError(t, err, proto)
-		q := new(mdns.Msg)
-		q.SetQuestion("b.app.svc.cluster.local.", mdns.TypeA)
-		r, _, err := c.ExchangeWithConn(q, &mdns.Conn{Conn: conn})
-		require.NoError(t, err, proto)
-		require.Len(t, r.Answer, 1, proto)
-		require.Equal(t, vip.String(), r.Answer[0].(*mdns.A).A.String())
-		q.SetQuestion("b.", mdns.TypeA) // a short name, in the pod's namespace app
-		r, _, err = c.ExchangeWithConn(q, &mdns.Conn{Conn: conn})
-		require.NoError(t, err)
-		require.Len(t, r.Answer, 1, proto)
-		require.Equal(t, vip.String(), r.Answer[0].(*mdns.A).A.String())
-		q.SetQuestion("nope.app.svc.cluster.local.", mdns.TypeA)
-		r, _, err = c.ExchangeWithConn(q, &mdns.Conn{Conn: conn})
-		require.NoError(t, err)
-		require.Equal(t, mdns.RcodeNameError, r.Rcode)
+		ask := func(name string) *mdns.Msg {
+			q := new(mdns.Msg)
+			q.SetQuestion(name, mdns.TypeA)
+			r, _, err := c.ExchangeWithConn(q, &mdns.Conn{Conn: conn})
+			require.NoError(t, err, proto+" "+name)
+			return r
+		}
+		answer := func(r *mdns.Msg) string {
+			require.Len(t, r.Answer, 1, proto)
+			return r.Answer[0].(*mdns.A).A.String()
+		}
+		require.Equal(t, vip.String(), answer(ask("b.app.svc.cluster.local.")))
+		require.Equal(t, vip.String(), answer(ask("b."))) // a short name, in the pod's namespace app
+		require.Equal(t, mdns.RcodeNameError, ask("nope.app.svc.cluster.local.").Rcode)
+		// Names outside the mesh, and mesh services without an address, are
+		// the upstream's to answer.
+		require.Equal(t, "192.0.2.7", answer(ask("example.org.")))
+		require.Equal(t, "192.0.2.8", answer(ask("ext.app.svc.cluster.local.")))
 		conn.Close()
 	}
-	require.GreaterOrEqual(t, counter(t, e.reg, "isthmus_dns_queries_total", map[string]string{"kind": "mesh"}), 2.0)
+	require.GreaterOrEqual(t, counter(t, e.reg, "isthmus_dns_queries_total", map[string]string{"kind": "mesh"}), 4.0)
+	require.Equal(t, []string{"example.org.", "ext.app.svc.cluster.local.", "example.org.", "ext.app.svc.cluster.local."}, asked(),
+		"only the names the mesh does not answer reached the upstream, over UDP and TCP")
+}
+
+// startUpstream serves DNS on a fresh loopback address (UDP and TCP) in the
+// test's namespace, where the pods' DNS proxies forward: it answers the
+// A records in names, NXDOMAIN otherwise. asked lists the names queried.
+func startUpstream(t *testing.T, names map[string]netip.Addr) (addr string, asked func() []string) {
+	t.Helper()
+	var mu sync.Mutex
+	var got []string
+	h := mdns.HandlerFunc(func(w mdns.ResponseWriter, r *mdns.Msg) {
+		m := new(mdns.Msg)
+		m.SetReply(r)
+		q := r.Question[0]
+		mu.Lock()
+		got = append(got, q.Name)
+		mu.Unlock()
+		if a, ok := names[q.Name]; ok {
+			m.Answer = append(m.Answer, &mdns.A{Hdr: mdns.RR_Header{Name: q.Name, Rrtype: mdns.TypeA, Class: mdns.ClassINET, Ttl: 60}, A: a.AsSlice()})
+		} else {
+			m.Rcode = mdns.RcodeNameError
+		}
+		_ = w.WriteMsg(m)
+	})
+	ip := testnet.NextAddr()
+	pc, err := net.ListenPacket("udp", netip.AddrPortFrom(ip, 0).String())
+	require.NoError(t, err)
+	ln, err := net.Listen("tcp", pc.LocalAddr().String())
+	require.NoError(t, err)
+	servers := []*mdns.Server{{PacketConn: pc, Handler: h}, {Listener: ln, Handler: h}}
+	var wg sync.WaitGroup
+	for _, s := range servers {
+		started := make(chan struct{})
+		s.NotifyStartedFunc = func() { close(started) }
+		wg.Go(func() { _ = s.ActivateAndServe() })
+		<-started
+	}
+	t.Cleanup(func() {
+		for _, s := range servers {
+			_ = s.Shutdown()
+		}
+		wg.Wait()
+	})
+	return pc.LocalAddr().String(), func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(got)
+	}
 }
 
 // TestUnknownPodIsRefused: a pod whose workload xDS does not (yet) know

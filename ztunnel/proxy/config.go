@@ -42,6 +42,10 @@ type Config struct {
 	HBONEPort uint16
 	// DialTimeout bounds plain TCP dials to workloads and endpoints.
 	DialTimeout time.Duration
+	// EjectionTime is how long an endpoint that failed to connect is tried
+	// last by new connections (it is still tried when every better one
+	// fails; a success ends it).
+	EjectionTime time.Duration
 	// SOCKSHandshakeTimeout bounds the SOCKS5 negotiation.
 	SOCKSHandshakeTimeout time.Duration
 	// NodeIPs are this node's addresses (those hostNetwork workloads and
@@ -64,6 +68,7 @@ var DefaultConfig = Config{
 	TrustDomain:             "cluster.local",
 	HBONEPort:               15008,
 	DialTimeout:             5 * time.Second,
+	EjectionTime:            30 * time.Second,
 	SOCKSHandshakeTimeout:   10 * time.Second,
 	MaxClientConns:          16384,
 	MaxClientConnsPerSource: 4096,
@@ -79,6 +84,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.DialTimeout <= 0 {
 		c.DialTimeout = d.DialTimeout
+	}
+	if c.EjectionTime <= 0 {
+		c.EjectionTime = d.EjectionTime
 	}
 	if c.SOCKSHandshakeTimeout <= 0 {
 		c.SOCKSHandshakeTimeout = d.SOCKSHandshakeTimeout

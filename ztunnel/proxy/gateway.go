@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"net"
 	"net/http"
 	"net/netip"
@@ -46,6 +47,7 @@ type Gateway struct {
 	deps Deps
 	srv  *hbone.Server
 	sel  state.Selector
+	ej   *ejections
 }
 
 // NewGateway returns a Gateway.
@@ -58,7 +60,7 @@ func NewGateway(cfg GatewayConfig, deps Deps, sel state.Selector) (*Gateway, err
 	if cfg.Identity.IsZero() || cfg.Network == "" {
 		return nil, errors.New("gateway: Identity and Network are required")
 	}
-	g := &Gateway{cfg: cfg, deps: deps, sel: sel}
+	g := &Gateway{cfg: cfg, deps: deps, sel: sel, ej: newEjections(cfg.EjectionTime, deps.Now)}
 	scfg := cfg.Server
 	scfg.Reporter = metrics.ReporterGateway
 	g.srv, err = hbone.NewServer(scfg, hbone.ServerDeps{
@@ -103,7 +105,7 @@ func (g *Gateway) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstre
 		return w.Network == g.cfg.Network && len(w.Addresses) > 0 && w.Protocol == state.TunnelHBONE
 	}
 	src := state.Source{Network: g.cfg.Network, Cluster: g.cfg.Cluster}
-	ep, err := g.sel.SelectWhere(snap, svc, uint16(port), src, func(w *state.Workload) bool {
+	cands, err := g.sel.Rank(snap, svc, uint16(port), src, func(w *state.Workload) bool {
 		return local(w) && svc.ReachableFromOtherClusters(w.Cluster)
 	})
 	if err != nil {
@@ -113,14 +115,11 @@ func (g *Gateway) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstre
 		// Never bounce a tunnel to another network.
 		return hbone.Upstream{}, hbone.Refuse(http.StatusServiceUnavailable, ReasonNoLocalEndpoint, "service %s: no ready endpoint on %s", host, g.cfg.Network)
 	}
-	w := ep.Workload
-	addr := netip.AddrPortFrom(w.Addresses[0], g.cfg.HBONEPort)
-	dctx, cancel := context.WithTimeout(ctx, g.cfg.DialTimeout)
-	defer cancel()
-	c, err := g.deps.Dialer.DialContext(dctx, "tcp", addr.String())
+	c, ep, err := g.dial(ctx, cands)
 	if err != nil {
-		return hbone.Upstream{}, hbone.Refuse(http.StatusServiceUnavailable, ReasonUpstreamConnect, "dial %s: %v", addr, err)
+		return hbone.Upstream{}, hbone.Refuse(http.StatusServiceUnavailable, ReasonUpstreamConnect, "%v", err)
 	}
+	w := ep.Workload
 	srcCluster, srcNetwork := sourcePlace(snap, req.Header)
 	return hbone.Upstream{
 		Conn:   c,
@@ -135,4 +134,29 @@ func (g *Gateway) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstre
 			DestinationNetwork:   w.Network,
 		},
 	}, nil
+}
+
+// dial connects to the first of cands (best first) whose HBONE port
+// answers, trying at most maxAttempts, each for DialTimeout; endpoints
+// that recently failed are tried last.
+func (g *Gateway) dial(ctx context.Context, cands []state.Endpoint) (net.Conn, state.Endpoint, error) {
+	cands = g.ej.demote(cands)
+	var errs []error
+	for _, ep := range cands[:min(len(cands), maxAttempts)] {
+		addr := netip.AddrPortFrom(ep.Workload.Addresses[0], g.cfg.HBONEPort)
+		dctx, cancel := context.WithTimeout(ctx, g.cfg.DialTimeout)
+		c, err := g.deps.Dialer.DialContext(dctx, "tcp", addr.String())
+		cancel()
+		if err == nil {
+			g.ej.succeed(ep.Workload.UID)
+			return c, ep, nil
+		}
+		errs = append(errs, fmt.Errorf("dial %s: %w", addr, err))
+		if ctx.Err() != nil {
+			break
+		}
+		g.ej.fail(ep.Workload.UID)
+		g.deps.Log.Debug("gateway endpoint failed, trying the next", "endpoint", ep.Workload.UID, "err", err)
+	}
+	return nil, state.Endpoint{}, errors.Join(errs...)
 }

@@ -140,14 +140,17 @@ func workloadID(sa string) identity.Identity {
 // Each network has its own view (store): n1 sees c1 as a synthetic workload
 // behind G.
 type mesh struct {
-	t             testing.TB
-	ca            *testca.CA
-	certs         *identity.Cache
-	n1, n2        *state.Store
-	a1, b1, c1    netip.Addr
-	vip, gwAddr   netip.Addr
-	socksAddr     netip.AddrPort
-	dialer        *recordingDialer
+	t           testing.TB
+	ca          *testca.CA
+	certs       *identity.Cache
+	n1, n2      *state.Store
+	a1, b1, c1  netip.Addr
+	vip, gwAddr netip.Addr
+	socksAddr   netip.AddrPort
+	dialer      *recordingDialer
+	gwDialer    *recordingDialer
+	// now, if set before the proxies start (tweak), is their clock.
+	now           func() time.Time
 	out           *Outbound
 	inB, inC      *Inbound
 	gw            *Gateway
@@ -200,8 +203,8 @@ func newMesh(t testing.TB, tweak func(*mesh)) *mesh {
 	m := &mesh{
 		t: t, ca: ca, certs: identity.NewCache(ca), n1: state.NewStore(), n2: state.NewStore(),
 		a1: nextAddr(), b1: nextAddr(), c1: nextAddr(), vip: nextAddr(), gwAddr: nextAddr(),
-		dialer: &recordingDialer{},
-		mOut:   newMetrics(t), mB: newMetrics(t), mC: newMetrics(t), mGW: newMetrics(t),
+		dialer: &recordingDialer{}, gwDialer: &recordingDialer{},
+		mOut: newMetrics(t), mB: newMetrics(t), mC: newMetrics(t), mGW: newMetrics(t),
 		serverConfig: hbone.ServerConfig{HandshakeTimeout: 2 * time.Second}, // long enough under load; slow-loris tests wait it out
 	}
 	m.socksAddr = netip.AddrPortFrom(nextAddr(), 15080)
@@ -252,12 +255,12 @@ func newMesh(t testing.TB, tweak func(*mesh)) *mesh {
 		wg.Go(func() { _ = in.Run(ctx) })
 	}
 	m.gw, err = NewGateway(GatewayConfig{Config: cfg("node-g"), Network: "n2", Cluster: "c2", Identity: gwID},
-		Deps{Store: m.n2, Certs: m.certs, Metrics: m.mGW, Log: testLog(t)}, state.Selector{})
+		Deps{Store: m.n2, Certs: m.certs, Metrics: m.mGW, Dialer: m.gwDialer, Now: m.now, Log: testLog(t)}, state.Selector{})
 	require.NoError(t, err)
 	gln, err := net.Listen("tcp", gw.AddrPort().String())
 	require.NoError(t, err)
 	wg.Go(func() { _ = m.gw.Serve(gln) })
-	m.out, err = NewOutbound(cfg("node-a"), Deps{Store: m.n1, Certs: m.certs, Metrics: m.mOut, Dialer: m.dialer, Resolver: m.resolver, Log: testLog(t)}, state.Selector{})
+	m.out, err = NewOutbound(cfg("node-a"), Deps{Store: m.n1, Certs: m.certs, Metrics: m.mOut, Dialer: m.dialer, Resolver: m.resolver, Now: m.now, Log: testLog(t)}, state.Selector{})
 	require.NoError(t, err)
 	sln, err := net.Listen("tcp", m.socksAddr.String())
 	require.NoError(t, err)

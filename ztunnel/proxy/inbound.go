@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"time"
 
 	"github.com/isthmus-mesh/isthmus/ztunnel/hbone"
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
@@ -48,6 +49,8 @@ type Deps struct {
 	// Authorizer admits Inbound's connections (see authz.go); nil admits
 	// every verified peer.
 	Authorizer Authorizer
+	// Now is the clock (endpoint ejections); time.Now by default.
+	Now func() time.Time
 }
 
 // Resolver looks up the addresses of a DNS name.
@@ -70,6 +73,9 @@ func (d Deps) withDefaults() (Deps, error) {
 	}
 	if d.Resolver == nil {
 		d.Resolver = net.DefaultResolver
+	}
+	if d.Now == nil {
+		d.Now = time.Now
 	}
 	return d, nil
 }

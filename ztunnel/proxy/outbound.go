@@ -80,6 +80,7 @@ type Outbound struct {
 	client *hbone.Client
 	sel    state.Selector
 	t      *conntrack.Tracker
+	ej     *ejections
 
 	selfMu sync.RWMutex
 	self   map[netip.AddrPort]bool // ztunnel's own listeners
@@ -98,7 +99,8 @@ func NewOutbound(cfg Config, deps Deps, sel state.Selector) (*Outbound, error) {
 		return nil, err
 	}
 	return &Outbound{cfg: cfg, deps: deps, client: client, sel: sel, self: map[netip.AddrPort]bool{},
-		t: conntrack.New(conntrack.Limits{MaxConns: cfg.MaxClientConns, MaxPerPeer: cfg.MaxClientConnsPerSource})}, nil
+		ej: newEjections(cfg.EjectionTime, deps.Now),
+		t:  conntrack.New(conntrack.Limits{MaxConns: cfg.MaxClientConns, MaxPerPeer: cfg.MaxClientConnsPerSource})}, nil
 }
 
 // AddSelf records the address of one of ztunnel's own listeners: Outbound
@@ -214,6 +216,7 @@ func (o *Outbound) resolve(snap *state.Snapshot, src *state.Workload, t Target) 
 		if err != nil {
 			return route{}, err
 		}
+		cands = o.ej.demote(cands)
 		return route{svc: svc, cands: cands[:min(len(cands), maxAttempts)]}, nil
 	}
 	w, ok := snap.WorkloadByAddr(t.Addr)
@@ -227,7 +230,7 @@ func (o *Outbound) resolve(snap *state.Snapshot, src *state.Workload, t Target) 
 // service's endpoints are tried in preference order: when one cannot be
 // reached (refused, unreachable, timed out after DialTimeout, or presenting
 // the wrong identity) the next is tried, within this one client connection
-// (at most maxAttempts). Every HBONE hop verifies its peer against the
+// (at most maxAttempts), and new connections try it last for EjectionTime. Every HBONE hop verifies its peer against the
 // identities xDS says may answer: a workload's own identity on the same
 // network; through a gateway, one of the gateway's identities for the outer
 // tunnel and one of the remote endpoints' identities end to end.
@@ -244,10 +247,19 @@ func (o *Outbound) Dial(ctx context.Context, src *state.Workload, t Target) (net
 		c, labels, err = o.dialEndpoint(actx, src, t, r.svc, ep)
 		cancel()
 		if err == nil {
+			if r.svc != nil {
+				o.ej.succeed(ep.Workload.UID)
+			}
 			return c, labels, nil
 		}
 		errs = append(errs, err)
-		if ctx.Err() != nil || i == len(r.cands)-1 {
+		if ctx.Err() != nil {
+			break
+		}
+		if r.svc != nil && endpointFailed(err) {
+			o.ej.fail(ep.Workload.UID)
+		}
+		if i == len(r.cands)-1 {
 			break
 		}
 		// Counted here, as the connection goes on to the next endpoint; a
@@ -451,6 +463,18 @@ func (o *Outbound) handle(ctx context.Context, c net.Conn, src *state.Workload, 
 }
 
 // dialReason is the refusal reason of a failed Dial.
+// endpointFailed reports whether err says the endpoint (or, for one behind
+// a gateway, its network's gateway) could not serve the connection, as
+// opposed to a refusal by policy or a bad request, which another attempt
+// would meet too.
+func endpointFailed(err error) bool {
+	var se *hbone.StatusError
+	if errors.As(err, &se) {
+		return se.Code >= 500
+	}
+	return !errors.Is(err, ErrNoRoute) && !errors.Is(err, ErrSelfDestination) && !errors.Is(err, ErrNoPeerIdentity)
+}
+
 func dialReason(err error) string {
 	switch {
 	case errors.Is(err, ErrNoRoute), errors.Is(err, state.ErrNoEndpoint):

@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/isthmus-mesh/isthmus/ztunnel/hbone"
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
@@ -413,9 +414,11 @@ func TestConnectionCaps(t *testing.T) {
 // TestConnectFailureFailover: the preferred endpoint (same cluster) is
 // still marked ready but refuses connections (its node is gone); within
 // the one client connection, ztunnel tries the next endpoint in preference
-// order, and counts the failed attempt.
+// order, and counts the failed attempt. New connections then try it last
+// until its ejection ends, and first again after.
 func TestConnectFailureFailover(t *testing.T) {
-	m := newMesh(t, nil)
+	clock := clocktesting.NewFakeClock(time.Now())
+	m := newMesh(t, func(m *mesh) { m.now = clock.Now })
 	dead := nextAddr() // nothing listens there, not even an inbound
 	m.n1.Update(func(tx *state.Tx) {
 		w := pod("b0", dead, "node-gone", "n1", "c1", "echo")
@@ -425,8 +428,24 @@ func TestConnectFailureFailover(t *testing.T) {
 		b1 := pod("b1", m.b1, "node-b", "n1", "c9", "echo")
 		tx.UpsertWorkload(b1)
 	})
+	deadDials := func() int {
+		n := 0
+		for _, a := range m.dialer.dialed() {
+			if ap, err := netip.ParseAddrPort(a); err == nil && ap.Addr() == dead {
+				n++
+			}
+		}
+		return n
+	}
 	for range 3 {
 		m.echoVia(t, echoHost)
 	}
-	require.Equal(t, 3.0, m.mOut.RefusedCount(metrics.ReporterSource, ReasonUpstreamUnavailble), "each connection tried b0 first")
+	require.Equal(t, 1, deadDials(), "only the first connection tried b0: it is ejected after failing")
+	require.Equal(t, 1.0, m.mOut.RefusedCount(metrics.ReporterSource, ReasonUpstreamUnavailble))
+
+	clock.Step(DefaultConfig.EjectionTime + time.Second)
+	m.echoVia(t, echoHost)
+	require.Equal(t, 2, deadDials(), "once its ejection ended, b0 is preferred again")
+	m.echoVia(t, echoHost)
+	require.Equal(t, 2, deadDials(), "and ejected again by that failure")
 }
