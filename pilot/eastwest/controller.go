@@ -280,7 +280,9 @@ func (cc *clusterController) watch(ctx context.Context, ctl controller.TypedCont
 		source.Kind[client.Object](ca, &corev1.Namespace{}, handler.EnqueueRequestsFromMapFunc(
 			func(_ context.Context, o client.Object) []reconcile.Request { return inNamespace(o.GetName()) })),
 		source.TypedChannel(cc.events, handler.TypedFuncs[reconcile.Request, reconcile.Request]{
-			GenericFunc: func(_ context.Context, e event.TypedGenericEvent[reconcile.Request], q reconcileQueue) { q.Add(e.Object) },
+			GenericFunc: func(_ context.Context, e event.TypedGenericEvent[reconcile.Request], q reconcileQueue) {
+				q.Add(e.Object)
+			},
 		}),
 	}
 	for _, s := range sources {
