@@ -83,6 +83,13 @@ func newCommand() *cobra.Command {
 		"namespaces whose Services may be east-west gateways (default: --namespace); a Service labelled with a network elsewhere is ignored and reported")
 	f.StringVar(&o.gatewaySelector, "gateway-namespace-selector", "",
 		"label selector of further namespaces whose Services may be east-west gateways (e.g. isthmus.io/gateways=trusted)")
+	f.BoolVar(&o.cfg.NoGatewayClass, "no-gateway-class", false,
+		"do not write the GatewayClass isthmus-east-west nor deploy east-west gateways from Gateways of that class")
+	f.StringVar(&o.cfg.Gateways.Image, "gateway-image", "", "image of the east-west gateways deployed from Gateways (default docker.io/isthmus/ztunnel:<pilot's version>)")
+	f.StringVar(&o.cfg.Gateways.XDSAddress, "gateway-xds-address", "",
+		"pilot's CA and xDS address as the east-west gateways deployed from Gateways dial it, in every cluster (default isthmusd.<namespace>.svc:15012)")
+	f.StringVar(&o.cfg.Gateways.XDSServerName, "gateway-xds-server-name", "",
+		"name pilot's certificate is verified against by those gateways (default isthmusd.<namespace>.svc)")
 	f.StringVar(&o.cfg.CA.TrustDomain, "trust-domain", "cluster.local", "SPIFFE trust domain")
 	f.StringSliceVar(&o.cfg.CA.ServingSANs, "serving-san", nil, "DNS names or IPs of pilot's serving certificate (default isthmusd.<namespace>.svc)")
 	f.BoolVar(&o.cfg.NoLeaderElection, "no-leader-election", false, "write cluster status without a leader Lease (single replica only)")
