@@ -13,11 +13,13 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/go-logr/logr"
 	"github.com/spf13/cobra"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
+	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 
 	"github.com/isthmus-mesh/isthmus/internal/version"
 	"github.com/isthmus-mesh/isthmus/multicluster"
@@ -105,6 +107,9 @@ func (o *options) run(ctx context.Context) error {
 		return err
 	}
 	klog.SetSlogLogger(logger.With("source", "client-go"))
+	// controller-runtime's caches (pilot/eastwest) log through its own
+	// process-wide logger.
+	ctrllog.SetLogger(logr.FromSlogHandler(logger.With("source", "controller-runtime").Handler()))
 	if o.cfg.Multicluster.Exec.Allowlist, err = execAllowlist(o.execAllowlistFile, o.execAllow); err != nil {
 		return err
 	}

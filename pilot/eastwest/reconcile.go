@@ -67,7 +67,7 @@ func (r *reconciler) reconcileClass(ctx context.Context) error {
 		gc = gwv1.GatewayClass{
 			ObjectMeta: metav1.ObjectMeta{Name: ClassName, Labels: map[string]string{managedByLabel: managedBy}},
 			Spec: gwv1.GatewayClassSpec{ControllerName: ControllerName,
-				Description: new("East-west gateways of Isthmus networks: ztunnel in gateway mode serving HBONE on 15008, deployed by pilot.")},
+				Description: new("Isthmus east-west gateways: HBONE on 15008, deployed by pilot")},
 		}
 		if err := r.client.Create(ctx, &gc); err != nil {
 			return fmt.Errorf("create GatewayClass: %w", err)
