@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"slices"
 	"sync/atomic"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -45,12 +46,25 @@ func (r *reconciler) Reconcile(ctx context.Context, req reconcile.Request) (reco
 		if err == nil {
 			r.synced.Store(true)
 		}
-		return reconcile.Result{}, err
+		return retryConflict(err)
 	}
 	if !r.deps.Leading() {
 		return reconcile.Result{}, nil
 	}
-	return reconcile.Result{}, r.reconcileGateway(ctx, req.NamespacedName)
+	return retryConflict(r.reconcileGateway(ctx, req.NamespacedName))
+}
+
+// conflictRetry is how soon an item whose write met a newer version (the
+// cache had not yet seen this controller's previous write) is retried.
+const conflictRetry = 100 * time.Millisecond
+
+// retryConflict turns a write conflict into a quiet retry: it is expected
+// right after this controller's own writes, and is not an error.
+func retryConflict(err error) (reconcile.Result, error) {
+	if apierrors.IsConflict(err) {
+		return reconcile.Result{RequeueAfter: conflictRetry}, nil
+	}
+	return reconcile.Result{}, err
 }
 
 // reconcileClass makes the GatewayClass exist with this controller's name

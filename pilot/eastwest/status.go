@@ -159,8 +159,8 @@ func setCondition(conds *[]metav1.Condition, c metav1.Condition) bool {
 
 // syncRoots keeps the root bundle in namespace ns for its served Gateways
 // when ns is not the control-plane namespace (where the CA publishes it): a
-// ConfigMap owned by every Gateway of the class there, deleted when none is
-// left. Without Deps.Roots nothing is copied.
+// ConfigMap owned by every served Gateway of the class there, deleted when
+// none is left. Without Deps.Roots nothing is copied.
 func (r *reconciler) syncRoots(ctx context.Context, ns string) error {
 	if ns == r.cfg.Namespace || r.deps.Roots == nil {
 		return nil
@@ -169,10 +169,14 @@ func (r *reconciler) syncRoots(ctx context.Context, ns string) error {
 	if err := r.client.List(ctx, &l, client.InNamespace(ns)); err != nil {
 		return err
 	}
+	trusted, err := r.trustedNamespace(ctx, ns)
+	if err != nil {
+		return err
+	}
 	var owners []*metav1ac.OwnerReferenceApplyConfiguration
 	for i := range l.Items {
 		gw := &l.Items[i]
-		if string(gw.Spec.GatewayClassName) == ClassName && gw.DeletionTimestamp == nil {
+		if string(gw.Spec.GatewayClassName) == ClassName && gw.DeletionTimestamp == nil && validate(gw, trusted).accepted {
 			owners = append(owners, metav1ac.OwnerReference().WithAPIVersion(gwv1.GroupVersion.String()).WithKind("Gateway").
 				WithName(gw.Name).WithUID(gw.UID))
 		}
