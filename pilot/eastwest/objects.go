@@ -7,6 +7,7 @@ import (
 	"maps"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	appsv1ac "k8s.io/client-go/applyconfigurations/apps/v1"
@@ -125,6 +126,8 @@ func podSpec(cfg Config, cluster model.ClusterID, ns, sa, network string) *corev
 			corev1ac.ContainerPort().WithName("http-metrics").WithContainerPort(metricsPort).WithProtocol(corev1.ProtocolTCP)).
 		WithReadinessProbe(corev1ac.Probe().WithHTTPGet(corev1ac.HTTPGetAction().WithPath("/healthz/ready").
 			WithPort(intstr.FromInt32(readinessPort))).WithPeriodSeconds(3).WithTimeoutSeconds(3).WithFailureThreshold(3)).
+		WithResources(corev1ac.ResourceRequirements().WithRequests(corev1.ResourceList{
+			corev1.ResourceCPU: resource.MustParse("200m"), corev1.ResourceMemory: resource.MustParse("256Mi")})).
 		WithSecurityContext(corev1ac.SecurityContext().WithAllowPrivilegeEscalation(false).WithReadOnlyRootFilesystem(true).
 			WithRunAsNonRoot(true).WithRunAsUser(1337).WithRunAsGroup(1337).
 			WithCapabilities(corev1ac.Capabilities().WithDrop("ALL"))).
