@@ -199,6 +199,24 @@ func TestPilotGatewayNamespaces(t *testing.T) {
 	require.Contains(t, got, "--gateway-namespace-selector=isthmus.io/gateways=trusted")
 }
 
+// TestPilotGatewayClass: the GatewayClass controller is on by default with
+// pilot's own defaults (no flag), off with gatewayClass.enabled=false, and
+// its image and xDS address are rendered as flags.
+func TestPilotGatewayClass(t *testing.T) {
+	args := func(values map[string]any) []string {
+		objs := render(t, "pilot", namespace, values)
+		return convert[appsv1.Deployment](t, find(t, objs, "Deployment", "isthmusd")).Spec.Template.Spec.Containers[0].Args
+	}
+	for _, a := range args(nil) {
+		require.False(t, strings.HasPrefix(a, "--gateway-") || a == "--no-gateway-class", "no GatewayClass flag by default: %s", a)
+	}
+	require.Contains(t, args(map[string]any{"gatewayClass": map[string]any{"enabled": false}}), "--no-gateway-class")
+	got := args(map[string]any{"gatewayClass": map[string]any{"image": "r.example/ztunnel:1", "xdsAddress": "pilot.example:15012", "xdsServerName": "pilot.example"}})
+	require.Contains(t, got, "--gateway-image=r.example/ztunnel:1")
+	require.Contains(t, got, "--gateway-xds-address=pilot.example:15012")
+	require.Contains(t, got, "--gateway-xds-server-name=pilot.example")
+}
+
 // TestPilotExecAllowlist: execAllowlist becomes a ConfigMap in the file
 // format pilot parses (multicluster.ParseExecAllowlist gives back the same
 // rules), mounted into pilot and passed as --exec-allowlist, with a
