@@ -143,7 +143,7 @@ func (r *reconciler) reconcileGateway(ctx context.Context, key types.NamespacedN
 		if err := r.cleanup(ctx, key, ""); err != nil {
 			return err
 		}
-		return r.writeStatus(ctx, &gw, v, nil)
+		return r.writeStatus(ctx, &gw, v, nil, nil)
 	}
 	objs := build(r.cfg, r.cluster, &gw, v.network)
 	for _, o := range objs.all() {
@@ -158,10 +158,14 @@ func (r *reconciler) reconcileGateway(ctx context.Context, key types.NamespacedN
 		return err
 	}
 	var svc corev1.Service
-	if err := r.client.Get(ctx, client.ObjectKey{Namespace: gw.Namespace, Name: objs.name}, &svc); err != nil && !apierrors.IsNotFound(err) {
-		return err
+	var dep appsv1.Deployment
+	made := client.ObjectKey{Namespace: gw.Namespace, Name: objs.name}
+	for _, o := range []client.Object{&svc, &dep} {
+		if err := r.client.Get(ctx, made, o); err != nil && !apierrors.IsNotFound(err) {
+			return err
+		}
 	}
-	return r.writeStatus(ctx, &gw, v, &svc)
+	return r.writeStatus(ctx, &gw, v, &svc, &dep)
 }
 
 // trustedNamespace reports whether ns is a gateway namespace: listed, or

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	apiequality "k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -82,11 +83,12 @@ func serviceAddresses(svc *corev1.Service) []gwv1.GatewayStatusAddress {
 	return out
 }
 
-// writeStatus writes gw's status from the verdict and its Service (nil
-// when not deployed): Accepted, Programmed (the Service has an address),
+// writeStatus writes gw's status from the verdict, its Service and its
+// Deployment (nil when not deployed): Accepted, Programmed (the Service has
+// an address and the Deployment an available replica),
 // ResolvedRefs, the addresses, and each listener's conditions. Nothing is
 // written when nothing changed.
-func (r *reconciler) writeStatus(ctx context.Context, gw *gwv1.Gateway, v verdict, svc *corev1.Service) error {
+func (r *reconciler) writeStatus(ctx context.Context, gw *gwv1.Gateway, v verdict, svc *corev1.Service, dep *appsv1.Deployment) error {
 	next := gw.DeepCopy()
 	st := &next.Status
 	gen := gw.Generation
@@ -101,14 +103,7 @@ func (r *reconciler) writeStatus(ctx context.Context, gw *gwv1.Gateway, v verdic
 	if svc != nil {
 		st.Addresses = serviceAddresses(svc)
 	}
-	programmed, pReason, pMsg := false, string(gwv1.GatewayReasonInvalid), "not served: "+v.message
-	if v.accepted {
-		programmed = len(st.Addresses) > 0
-		pReason, pMsg = string(gwv1.GatewayReasonProgrammed), "gateway deployed; reachable at its Service's address"
-		if !programmed {
-			pReason, pMsg = string(gwv1.GatewayReasonAddressNotAssigned), "waiting for Service "+ObjectName(gw.Name)+" to get an address"
-		}
-	}
+	programmed, pReason, pMsg := programmedCondition(gw.Name, v, len(st.Addresses) > 0, dep)
 	cond(&st.Conditions, string(gwv1.GatewayConditionAccepted), v.accepted, string(v.reason), v.message)
 	cond(&st.Conditions, string(gwv1.GatewayConditionProgrammed), programmed, pReason, pMsg)
 	listeners := make([]gwv1.ListenerStatus, 0, len(gw.Spec.Listeners))
@@ -145,6 +140,21 @@ func (r *reconciler) writeStatus(ctx context.Context, gw *gwv1.Gateway, v verdic
 		return fmt.Errorf("Gateway %s/%s status: %w", gw.Namespace, gw.Name, err)
 	}
 	return nil
+}
+
+// programmedCondition is the Gateway's Programmed condition: true once its
+// Service has an address and its Deployment an available replica.
+func programmedCondition(gateway string, v verdict, hasAddress bool, dep *appsv1.Deployment) (bool, string, string) {
+	name := ObjectName(gateway)
+	switch {
+	case !v.accepted:
+		return false, string(gwv1.GatewayReasonInvalid), "not served: " + v.message
+	case !hasAddress:
+		return false, string(gwv1.GatewayReasonAddressNotAssigned), "waiting for Service " + name + " to get an address"
+	case dep == nil || dep.Status.AvailableReplicas < 1:
+		return false, string(gwv1.GatewayReasonPending), "waiting for Deployment " + name + " to have an available replica"
+	}
+	return true, string(gwv1.GatewayReasonProgrammed), "gateway running; reachable at its Service's address"
 }
 
 // setCondition sets c in conds, keeping the transition time when the

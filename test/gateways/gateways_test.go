@@ -165,13 +165,20 @@ func TestGatewayAPIEastWest(t *testing.T) {
 		_, err := request(ctx, src, webIP, cartHost, "early")
 		require.Error(t, err, "no path to network-2 before its gateway has an address")
 
-		k := &kubelet{t: t, c: c2, nodeName: "gw-node-2", ip: gwIP, dns: map[string]string{pilotName + ":15012": p.GRPCAddr()}}
-		gwPod = k.start(&dep)
 		// The cloud's load balancer: the Service's address is the pod's.
 		var svc corev1.Service
 		require.NoError(t, cl2.Get(ctx, client.ObjectKey{Namespace: cpNS, Name: name}, &svc))
 		svc.Status.LoadBalancer.Ingress = []corev1.LoadBalancerIngress{{IP: gwIP.String()}}
 		require.NoError(t, cl2.Status().Update(ctx, &svc))
+		require.EventuallyWithT(t, func(c *assert.CollectT) {
+			prog, g := condition(ctx, cl2, key, gwv1.GatewayConditionProgrammed)
+			require.NotNil(c, prog)
+			require.Equal(c, string(gwv1.GatewayReasonPending), prog.Reason)
+			require.Len(c, g.Status.Addresses, 1)
+		}, wait, poll, "an address, but no available replica yet: not Programmed")
+
+		k := &kubelet{t: t, c: c2, nodeName: "gw-node-2", ip: gwIP, dns: map[string]string{pilotName + ":15012": p.GRPCAddr()}}
+		gwPod = k.start(&dep)
 
 		require.EventuallyWithT(t, func(c *assert.CollectT) {
 			prog, g := condition(ctx, cl2, key, gwv1.GatewayConditionProgrammed)
@@ -181,7 +188,7 @@ func TestGatewayAPIEastWest(t *testing.T) {
 			require.Equal(c, gwIP.String(), g.Status.Addresses[0].Value)
 			require.Len(c, g.Status.Listeners, 1)
 			require.True(c, meta.IsStatusConditionTrue(g.Status.Listeners[0].Conditions, string(gwv1.ListenerConditionProgrammed)))
-		}, wait, poll, "Programmed with the Service's address")
+		}, wait, poll, "Programmed: the Service's address, an available replica")
 		require.EventuallyWithT(t, func(c *assert.CollectT) {
 			got, err := request(ctx, src, webIP, cartHost, "hello")
 			require.NoError(c, err)

@@ -47,8 +47,8 @@ type kubelet struct {
 }
 
 // start creates the pod of dep and runs its only container until stop (or
-// the end of the test), then waits until its readiness endpoint answers
-// and marks the pod Ready.
+// the end of the test), then waits until its readiness endpoint answers,
+// marks the pod Ready and the Deployment available.
 func (k *kubelet) start(dep *appsv1.Deployment) *pod {
 	t := k.t
 	t.Helper()
@@ -108,6 +108,12 @@ func (k *kubelet) start(dep *appsv1.Deployment) *pod {
 	require.NotEmpty(t, readiness, "the Deployment passes --readiness-addr")
 	waitReady(t, readiness, obj.Name)
 	obj, err = k.c.SetPodStatus(ctx, obj, k.ip, true)
+	require.NoError(t, err)
+	// The Deployment controller: one ready, available replica.
+	dep, err = k.c.Client.AppsV1().Deployments(dep.Namespace).Get(ctx, dep.Name, metav1.GetOptions{})
+	require.NoError(t, err)
+	dep.Status.Replicas, dep.Status.ReadyReplicas, dep.Status.AvailableReplicas, dep.Status.UpdatedReplicas = 1, 1, 1, 1
+	_, err = k.c.Client.AppsV1().Deployments(dep.Namespace).UpdateStatus(ctx, dep, metav1.UpdateOptions{})
 	require.NoError(t, err)
 	return &pod{obj: obj, ip: k.ip, stop: stop}
 }
