@@ -84,7 +84,7 @@ var ReaderRules = []rbacv1.PolicyRule{
 	{APIGroups: []string{"gateway.networking.k8s.io"}, Resources: []string{"gatewayclasses"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch"}},
 	{APIGroups: []string{"gateway.networking.k8s.io"}, Resources: []string{"gateways"}, Verbs: []string{"get", "list", "watch"}},
 	{APIGroups: []string{"gateway.networking.k8s.io"}, Resources: []string{"gatewayclasses/status", "gateways/status"}, Verbs: []string{"get", "update", "patch"}},
-	{APIGroups: []string{""}, Resources: []string{"serviceaccounts"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch", "delete"}},
+	{APIGroups: []string{""}, Resources: []string{"serviceaccounts"}, Verbs: []string{"get", "create", "update", "patch", "delete"}},
 	{APIGroups: []string{""}, Resources: []string{"services"}, Verbs: []string{"create", "update", "patch", "delete"}},
 	{APIGroups: []string{"apps"}, Resources: []string{"deployments"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch", "delete"}},
 }

@@ -9,7 +9,8 @@
 //
 // It runs as a multicluster component (one per cluster generation) built on
 // controller-runtime: a cache of the Gateways, the GatewayClass, the
-// namespaces and the objects it made (selected by label), and a controller
+// namespaces and the objects it made (selected by label; ServiceAccounts
+// are read one by name, uncached, as pilot may not list them), and a controller
 // whose reconciler is level-based. Only the leader replica writes; the
 // others read (their reconciler returns at once), and Resync makes every
 // cluster's controller look at everything again (a replica that just became

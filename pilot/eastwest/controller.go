@@ -209,17 +209,19 @@ func (cc *clusterController) serve(ctx context.Context) error {
 	ca, err := cache.New(cc.rest, cache.Options{
 		HTTPClient: cc.http, Scheme: cc.parent.scheme, DefaultTransform: cache.TransformStripManagedFields(),
 		ByObject: map[client.Object]cache.ByObject{
-			&corev1.Service{}:        {Label: owned},
-			&corev1.ServiceAccount{}: {Label: owned},
-			&appsv1.Deployment{}:     {Label: owned},
-			&corev1.ConfigMap{}:      {Label: owned},
-			&gwv1.GatewayClass{}:     {Field: fields.OneTermEqualSelector("metadata.name", ClassName)},
+			&corev1.Service{}:    {Label: owned},
+			&appsv1.Deployment{}: {Label: owned},
+			&corev1.ConfigMap{}:  {Label: owned},
+			&gwv1.GatewayClass{}: {Field: fields.OneTermEqualSelector("metadata.name", ClassName)},
 		},
 	})
 	if err != nil {
 		return fmt.Errorf("cache: %w", err)
 	}
-	cl, err := client.New(cc.rest, client.Options{HTTPClient: cc.http, Scheme: cc.parent.scheme, Cache: &client.CacheOptions{Reader: ca}})
+	// ServiceAccounts are read uncached, one by name: pilot may not list
+	// them.
+	cl, err := client.New(cc.rest, client.Options{HTTPClient: cc.http, Scheme: cc.parent.scheme,
+		Cache: &client.CacheOptions{Reader: ca, DisableFor: []client.Object{&corev1.ServiceAccount{}}}})
 	if err != nil {
 		return fmt.Errorf("client: %w", err)
 	}
@@ -237,9 +239,11 @@ func (cc *clusterController) serve(ctx context.Context) error {
 	errs := make(chan error, 2)
 	go func() { errs <- ca.Start(ctx) }()
 	go func() { errs <- ctl.Start(ctx) }()
-	go cc.forwardResyncs(ctx, cl)
+	var wg sync.WaitGroup
+	wg.Go(func() { cc.forwardResyncs(ctx, cl) })
 	cc.resyncNow()
 	err = errors.Join(<-errs, <-errs)
+	wg.Wait()
 	return err
 }
 
@@ -273,7 +277,6 @@ func (cc *clusterController) watch(ctx context.Context, ctl controller.TypedCont
 		source.Kind[client.Object](ca, &gwv1.GatewayClass{}, handler.EnqueueRequestsFromMapFunc(
 			func(context.Context, client.Object) []reconcile.Request { return []reconcile.Request{classRequest} })),
 		source.Kind[client.Object](ca, &corev1.Service{}, byLabel),
-		source.Kind[client.Object](ca, &corev1.ServiceAccount{}, byLabel),
 		source.Kind[client.Object](ca, &appsv1.Deployment{}, byLabel),
 		source.Kind[client.Object](ca, &corev1.ConfigMap{}, handler.EnqueueRequestsFromMapFunc(
 			func(_ context.Context, o client.Object) []reconcile.Request { return inNamespace(o.GetNamespace()) })),

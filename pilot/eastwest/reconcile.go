@@ -191,11 +191,13 @@ func (r *reconciler) trustedNamespace(ctx context.Context, ns string) (bool, err
 func (r *reconciler) cleanup(ctx context.Context, key types.NamespacedName, keep types.UID) error {
 	sel := client.MatchingLabels{managedByLabel: managedBy, gwv1.GatewayClassNameLabelKey: ClassName, gwv1.GatewayNameLabelKey: key.Name}
 	in := client.InNamespace(key.Namespace)
-	var stale []client.Object
-	var sas corev1.ServiceAccountList
+	stale, err := r.staleServiceAccount(ctx, key, keep)
+	if err != nil {
+		return err
+	}
 	var deps appsv1.DeploymentList
 	var svcs corev1.ServiceList
-	for _, l := range []client.ObjectList{&sas, &deps, &svcs} {
+	for _, l := range []client.ObjectList{&deps, &svcs} {
 		if err := r.client.List(ctx, l, in, sel); err != nil {
 			return err
 		}
@@ -220,6 +222,29 @@ func (r *reconciler) cleanup(ctx context.Context, key types.NamespacedName, keep
 		return r.syncRoots(ctx, key.Namespace)
 	}
 	return nil
+}
+
+// staleServiceAccount returns the ServiceAccount made for the Gateway key
+// when it is not owned by the Gateway of UID keep. ServiceAccounts are read
+// one by name, uncached: pilot may not list them (the reader identity in
+// remote clusters has no list or watch on ServiceAccounts).
+func (r *reconciler) staleServiceAccount(ctx context.Context, key types.NamespacedName, keep types.UID) ([]client.Object, error) {
+	var sa corev1.ServiceAccount
+	err := r.client.Get(ctx, client.ObjectKey{Namespace: key.Namespace, Name: ObjectName(key.Name)}, &sa)
+	if apierrors.IsNotFound(err) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	l := sa.Labels
+	if l[managedByLabel] != managedBy || l[gwv1.GatewayClassNameLabelKey] != ClassName || l[gwv1.GatewayNameLabelKey] != key.Name {
+		return nil, nil // not made by this controller
+	}
+	if keep != "" && ownedBy(&sa, keep) {
+		return nil, nil
+	}
+	return []client.Object{&sa}, nil
 }
 
 func ownedBy(o client.Object, uid types.UID) bool {
