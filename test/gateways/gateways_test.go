@@ -177,12 +177,12 @@ func (m *mesh) serveGateway(t *testing.T, gw *gwv1.Gateway) *pod {
 	key, name := client.ObjectKeyFromObject(gw), eastwest.ObjectName(gw.Name)
 	require.NoError(t, m.cl2.Create(ctx, gw))
 	var dep appsv1.Deployment
-	require.EventuallyWithT(t, func(c *assert.CollectT) {
-		require.NoError(c, m.cl2.Get(ctx, client.ObjectKey{Namespace: cpNS, Name: name}, &dep))
-	}, wait, poll, "pilot deploys the gateway")
-	for _, o := range []client.Object{&corev1.ServiceAccount{}, &corev1.Service{}} {
-		require.NoError(t, m.cl2.Get(ctx, client.ObjectKey{Namespace: cpNS, Name: name}, o))
+	for _, o := range []client.Object{&corev1.ServiceAccount{}, &dep, &corev1.Service{}} {
+		require.EventuallyWithT(t, func(c *assert.CollectT) {
+			require.NoError(c, m.cl2.Get(ctx, client.ObjectKey{Namespace: cpNS, Name: name}, o))
+		}, wait, poll, "pilot deploys the gateway: %T", o)
 		require.Equal(t, gwv1.GroupVersion.String(), o.GetOwnerReferences()[0].APIVersion, "%T owned by the Gateway", o)
+		require.Equal(t, gw.UID, o.GetOwnerReferences()[0].UID, "%T owned by the Gateway", o)
 	}
 	m.programmed(t, key, metav1.ConditionFalse, string(gwv1.GatewayReasonAddressNotAssigned), "Accepted, no address yet")
 	_, err := m.request(ctx, "early")
