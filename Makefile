@@ -92,6 +92,7 @@ FUZZ_TARGETS := \
 	./pilot/ca:FuzzParseIdentity \
 	./pilot/ca:FuzzBearerToken \
 	./internal/spiffe:FuzzParse \
+	./internal/spiffe:FuzzParseTrustBundle \
 	./ztunnel/dns:FuzzAnswer
 
 ## fuzz: fuzz each target for FUZZTIME (e.g. `make fuzz FUZZTIME=5m`), one

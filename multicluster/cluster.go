@@ -121,7 +121,7 @@ func (i *instance) start(kubeconfig []byte) error {
 			return err
 		}
 	}
-	i.cluster = &Cluster{ID: i.e.id, Generation: i.gen, Client: client, Network: i.e.network, IsConfig: kubeconfig == nil}
+	i.cluster = &Cluster{ID: i.e.id, Generation: i.gen, Client: client, Network: i.e.network, TrustDomain: i.e.trustDomain, IsConfig: kubeconfig == nil}
 	comps, err := i.c.buildComponents(i.ctx, i.cluster)
 	if err != nil {
 		if kubeconfig != nil {

@@ -142,6 +142,10 @@ type Cluster struct {
 	// Network is the cluster's default network (the Secret's
 	// topology.istio.io/network annotation, or ConfigClusterNetwork).
 	Network model.Network
+	// TrustDomain is the SPIFFE trust domain of the cluster's identities
+	// (the Secret's security.isthmus.io/trust-domain annotation); empty:
+	// the mesh's.
+	TrustDomain string
 	// IsConfig is set for the config cluster pilot runs in.
 	IsConfig bool
 }
@@ -195,9 +199,11 @@ type entry struct {
 	secret  string
 	ref     *corev1.ObjectReference
 	network model.Network
-	hash    [32]byte
-	active  *instance
-	pending *instance
+	// trustDomain is the Secret's trust-domain annotation.
+	trustDomain string
+	hash        [32]byte
+	active      *instance
+	pending     *instance
 }
 
 // New makes a controller. configClient reaches the config cluster (it is
@@ -417,12 +423,14 @@ func (c *Controller) reconcile(ctx context.Context, key string) {
 	}
 	desired := map[model.ClusterID][]byte{}
 	network := model.Network("")
+	trustDomain := ""
 	var ref *corev1.ObjectReference
 	if sec != nil {
 		for k, v := range sec.Data {
 			desired[model.ClusterID(k)] = v
 		}
 		network = model.Network(sec.Annotations[remotesecret.NetworkAnnotation])
+		trustDomain = sec.Annotations[remotesecret.TrustDomainAnnotation]
 		ref = &corev1.ObjectReference{Kind: "Secret", APIVersion: "v1", Namespace: sec.Namespace, Name: sec.Name, UID: sec.UID, ResourceVersion: sec.ResourceVersion}
 	}
 
@@ -460,12 +468,12 @@ func (c *Controller) reconcile(ctx context.Context, key string) {
 		hash := sha256.Sum256(kubeconfig)
 		switch {
 		case !ok:
-			e = &entry{id: id, secret: key, ref: ref, network: network, hash: hash}
+			e = &entry{id: id, secret: key, ref: ref, network: network, trustDomain: trustDomain, hash: hash}
 			c.clusters[id] = e
 			c.log.Info("remote cluster added", "cluster", id, "secret", key)
 			c.startLocked(ctx, e, kubeconfig)
-		case e.hash != hash || e.network != network:
-			e.hash, e.ref, e.network = hash, ref, network
+		case e.hash != hash || e.network != network || e.trustDomain != trustDomain:
+			e.hash, e.ref, e.network, e.trustDomain = hash, ref, network, trustDomain
 			c.log.Info("remote cluster kubeconfig changed; starting a new generation (make-before-break)", "cluster", id, "secret", key)
 			c.startLocked(ctx, e, kubeconfig)
 		default:

@@ -21,6 +21,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	"sigs.k8s.io/yaml"
 
+	"github.com/isthmus-mesh/isthmus/internal/spiffe"
 	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
 )
 
@@ -38,6 +39,9 @@ type createRemoteSecretConfig struct {
 	// Network, when set, annotates the Secret with the cluster's default
 	// network.
 	Network string
+	// TrustDomain, when set, annotates the Secret with the SPIFFE trust
+	// domain of the cluster's identities (docs/trust-domains.md).
+	TrustDomain string
 	// Server overrides the API server URL written into the kubeconfig
 	// (default: the remote kubeconfig's server).
 	Server string
@@ -74,6 +78,7 @@ or updated in the primary cluster. The token appears nowhere else.`,
 	f.StringVar(&cfg.Name, "name", "", "ID of the remote cluster (a DNS-1123 label); required")
 	f.StringVar(&cfg.Namespace, "namespace", "isthmus-system", "control-plane namespace, in the remote and in the primary")
 	f.StringVar(&cfg.Network, "network", "", "default network of the remote cluster's workloads (annotation topology.istio.io/network)")
+	f.StringVar(&cfg.TrustDomain, "trust-domain", "", "trust domain of the remote cluster's identities, when not the mesh's (annotation security.isthmus.io/trust-domain; see docs/trust-domains.md)")
 	f.StringVar(&cfg.Server, "server", "", "API server URL pilot should use (default: the server in --kubeconfig)")
 	f.BoolVar(&cfg.Apply, "apply", false, "create or update the Secret in the primary cluster instead of printing it")
 	f.StringVar(&cfg.PrimaryKubeconfig, "primary-kubeconfig", "", "kubeconfig of the primary cluster, with --apply")
@@ -88,6 +93,11 @@ or updated in the primary cluster. The token appears nowhere else.`,
 func createRemoteSecret(ctx context.Context, cfg createRemoteSecretConfig, out io.Writer, log *slog.Logger) error {
 	if errs := validation.IsDNS1123Label(cfg.Name); len(errs) > 0 {
 		return fmt.Errorf("--name %q is not a valid cluster ID: %s", cfg.Name, strings.Join(errs, "; "))
+	}
+	if cfg.TrustDomain != "" {
+		if err := spiffe.ValidateTrustDomain(cfg.TrustDomain); err != nil {
+			return fmt.Errorf("--trust-domain: %w", err)
+		}
 	}
 	if !cfg.Apply && (cfg.PrimaryKubeconfig != "" || cfg.PrimaryContext != "") {
 		return errors.New("--primary-kubeconfig and --primary-context need --apply")
@@ -136,6 +146,9 @@ func createRemoteSecret(ctx context.Context, cfg createRemoteSecretConfig, out i
 	secret := remotesecret.Secret(cfg.Name, cfg.Namespace, kubeconfig)
 	if cfg.Network != "" {
 		secret.Annotations[remotesecret.NetworkAnnotation] = cfg.Network
+	}
+	if cfg.TrustDomain != "" {
+		secret.Annotations[remotesecret.TrustDomainAnnotation] = cfg.TrustDomain
 	}
 
 	if !cfg.Apply {

@@ -53,7 +53,7 @@ func TestCreateRemoteSecretPrintsSecret(t *testing.T) {
 	kc := writeKubeconfig(t, "remote-admin", remote.Config)
 
 	stdout, stderr, err := runCtl(t, "create-remote-secret", "-v", "--kubeconfig", kc, "--name", "remote-1",
-		"--network", "net-2", "--token-wait", "300ms")
+		"--network", "net-2", "--trust-domain", "network-2.example", "--token-wait", "300ms")
 	require.NoError(t, err, stderr)
 
 	var secret corev1.Secret
@@ -64,6 +64,7 @@ func TestCreateRemoteSecretPrintsSecret(t *testing.T) {
 	require.Equal(t, map[string]string{remotesecret.IstioLabel: "true"}, secret.Labels)
 	require.Equal(t, "remote-1", secret.Annotations[remotesecret.ClusterAnnotation])
 	require.Equal(t, "net-2", secret.Annotations[remotesecret.NetworkAnnotation])
+	require.Equal(t, "network-2.example", secret.Annotations[remotesecret.TrustDomainAnnotation])
 	require.Len(t, secret.Data, 1)
 	raw, ok := secret.Data["remote-1"]
 	require.True(t, ok, "the data key is the cluster ID")
@@ -132,6 +133,7 @@ func TestCreateRemoteSecretRefuses(t *testing.T) {
 	}{
 		{"no name", []string{"--kubeconfig", remoteKC}, `required flag(s) "name" not set`},
 		{"bad cluster ID", []string{"--kubeconfig", remoteKC, "--name", "Bad_ID"}, `--name "Bad_ID" is not a valid cluster ID`},
+		{"bad trust domain", []string{"--kubeconfig", remoteKC, "--name", "c", "--trust-domain", "Not/A.Domain"}, `--trust-domain:`},
 		{"primary without apply", []string{"--kubeconfig", remoteKC, "--name", "c", "--primary-kubeconfig", primaryKC}, "need --apply"},
 		{"apply without primary", []string{"--kubeconfig", remoteKC, "--name", "c", "--apply"}, "--apply needs --primary-kubeconfig"},
 		{"missing kubeconfig", []string{"--kubeconfig", "/nonexistent/kubeconfig", "--name", "c"}, "remote cluster: load kubeconfig"},

@@ -92,7 +92,10 @@ func newCommand() *cobra.Command {
 		"pilot's CA and xDS address as the east-west gateways deployed from Gateways dial it, in every cluster (default isthmusd.<namespace>.svc:15012)")
 	f.StringVar(&o.cfg.Gateways.XDSServerName, "gateway-xds-server-name", "",
 		"name pilot's certificate is verified against by those gateways (default isthmusd.<namespace>.svc)")
-	f.StringVar(&o.cfg.CA.TrustDomain, "trust-domain", "cluster.local", "SPIFFE trust domain")
+	f.StringVar(&o.cfg.CA.TrustDomain, "trust-domain", "cluster.local",
+		"the mesh's SPIFFE trust domain (a remote cluster may have its own: the remote Secret's security.isthmus.io/trust-domain annotation)")
+	f.StringSliceVar(&o.cfg.TrustDomainAliases, "trust-domain-alias", nil,
+		"trust domains whose identities count as the mesh's in AuthorizationPolicy principals (Istio's meshConfig trustDomainAliases; repeatable or comma separated)")
 	f.StringSliceVar(&o.cfg.CA.ServingSANs, "serving-san", nil, "DNS names or IPs of pilot's serving certificate (default isthmusd.<namespace>.svc)")
 	f.BoolVar(&o.cfg.NoLeaderElection, "no-leader-election", false, "write cluster status without a leader Lease (single replica only)")
 	f.DurationVar(&o.cfg.ShutdownTimeout, "shutdown-timeout", 10*time.Second, "bound of the graceful shutdown")

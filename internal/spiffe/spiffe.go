@@ -3,6 +3,12 @@
 // one parser, built on github.com/spiffe/go-spiffe/v2. Pilot (CA, xDS
 // authorization, resources) and ztunnel (peer verification) share it, so an
 // identity that one accepts the other reads the same way.
+//
+// It also holds the one trust bundle type (TrustBundle: each trusted trust
+// domain with its own roots, serialized as a SPIFFE trust bundle map) and
+// the one certificate verification against it (TrustBundle.Verify, on
+// go-spiffe's x509svid.Verify): pilot publishes the bundle, ztunnel and
+// pilot's xDS server verify peers with it.
 package spiffe
 
 import (

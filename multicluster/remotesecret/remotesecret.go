@@ -35,6 +35,11 @@ const (
 	// NetworkAnnotation gives the default network of the registered
 	// cluster(s); optional.
 	NetworkAnnotation = "topology.istio.io/network"
+	// TrustDomainAnnotation gives the SPIFFE trust domain of the
+	// registered cluster(s)' identities; optional (default: the mesh's,
+	// the config cluster's). Pilot's CA issues their certificates there,
+	// signed by that domain's own CA (an Isthmus extension).
+	TrustDomainAnnotation = "security.isthmus.io/trust-domain"
 )
 
 // ReaderOptions configures the reader identity created in a remote cluster.

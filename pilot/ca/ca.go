@@ -31,8 +31,11 @@ type CA struct {
 	now     func() time.Time
 	trusted map[string]bool // "namespace/serviceaccount" of node accounts
 
-	current  atomic.Pointer[bundle]
-	reloadMu sync.Mutex // one Reload at a time
+	current  atomic.Pointer[bundle]     // the mesh trust domain's material
+	domains  atomic.Pointer[domainSet]  // other trust domains' (trust-domain Secrets)
+	trust    atomic.Pointer[trustState] // every trusted domain's roots
+	clusters clusterDomains             // cluster -> trust domain
+	reloadMu sync.Mutex                 // one Reload at a time
 
 	mu     sync.Mutex // guards subs and nextID
 	subs   map[int]func()
@@ -94,11 +97,14 @@ func New(cfg Config, deps Deps) (*CA, error) {
 // neither Secret exists. It is safe to call again; see Reload and Run.
 func (c *CA) Init(ctx context.Context) error { return c.Reload(ctx) }
 
-// Reload re-reads the CA Secrets and swaps the signing material atomically; requests in flight
-// finish with the material they started with. When the root bundle changed, every root
-// publisher rewrites its ConfigMap. A CA that runs on the operator's plug-in Secret never falls
-// back to a self-signed root: if that Secret disappears, Reload fails and the current material
-// stays.
+// Reload re-reads the CA Secrets and the trust-domain Secrets and swaps the
+// signing material atomically; requests in flight finish with the material
+// they started with. When the mesh's roots or the trust bundle changed,
+// every root publisher rewrites its ConfigMap. A CA that runs on the
+// operator's plug-in Secret never falls back to a self-signed root: if that
+// Secret disappears, Reload fails and the current material stays. A
+// trust-domain Secret that does not parse is logged and its previous
+// material, if any, stays; the others are applied.
 func (c *CA) Reload(ctx context.Context) error {
 	c.reloadMu.Lock()
 	defer c.reloadMu.Unlock()
@@ -108,23 +114,40 @@ func (c *CA) Reload(ctx context.Context) error {
 		return err
 	}
 	b.source = source
-	old := c.current.Swap(b)
-	if old != nil && old.issuer.Equal(b.issuer) && string(old.rootsPEM) == string(b.rootsPEM) {
-		return nil
+	domains, problems, err := c.loadDomains(ctx, c.domains.Load())
+	if err != nil {
+		return err
 	}
-	c.log.Info("CA signing material loaded", "source", source, "root_not_after", b.root.NotAfter,
-		"issuer", b.issuer.Subject.String(), "trusted_roots", len(b.roots))
-	if old == nil || string(old.rootsPEM) != string(b.rootsPEM) {
+	trust, err := newTrustState(c.cfg.TrustDomain, b, domains)
+	if err != nil {
+		return fmt.Errorf("trust bundle: %w", err)
+	}
+	old := c.current.Swap(b)
+	c.domains.Store(domains)
+	oldTrust := c.trust.Swap(trust)
+	if old == nil || !old.issuer.Equal(b.issuer) || string(old.rootsPEM) != string(b.rootsPEM) {
+		c.log.Info("CA signing material loaded", "source", source, "root_not_after", b.root.NotAfter,
+			"issuer", b.issuer.Subject.String(), "trusted_roots", len(b.roots))
+	}
+	trustChanged := oldTrust == nil || string(oldTrust.json) != string(trust.json)
+	if trustChanged {
+		c.log.Info("trust bundle", "domains", trust.bundle.String(), "issuing_for", c.TrustDomains())
+	}
+	if old == nil || string(old.rootsPEM) != string(b.rootsPEM) || trustChanged {
 		c.notify()
+	}
+	for _, p := range problems {
+		c.log.Warn("trust-domain secret not applied", "err", p)
 	}
 	return nil
 }
 
 func (c *CA) pluginSource() string { return "secret/" + c.cfg.PluginSecret }
 
-// Run reloads the signing material whenever one of the CA Secrets changes in the config cluster,
-// until ctx ends; a failed reload is logged and the current material kept. Init must have
-// succeeded first. It returns nil when ctx ends, after its watches have stopped.
+// Run reloads the signing material whenever one of the CA Secrets or trust-domain Secrets
+// changes in the config cluster, until ctx ends; a failed reload is logged and the current
+// material kept. Init must have succeeded first. It returns nil when ctx ends, after its
+// watches have stopped.
 func (c *CA) Run(ctx context.Context) error {
 	if c.current.Load() == nil {
 		return errors.New("ca: Run before Init")
@@ -137,18 +160,21 @@ func (c *CA) Run(ctx context.Context) error {
 		}
 	}
 	var factories []informers.SharedInformerFactory
-	for _, name := range []string{c.cfg.PluginSecret, c.cfg.SelfSignedSecret} {
+	byName := func(name string) func(*metav1.ListOptions) {
+		return func(o *metav1.ListOptions) {
+			o.FieldSelector = fields.OneTermEqualSelector("metadata.name", name).String()
+		}
+	}
+	domainSecrets := func(o *metav1.ListOptions) { o.LabelSelector = TrustDomainSecretLabel + "=true" }
+	for _, tweak := range []func(*metav1.ListOptions){byName(c.cfg.PluginSecret), byName(c.cfg.SelfSignedSecret), domainSecrets} {
 		f := informers.NewSharedInformerFactoryWithOptions(c.deps.ConfigClient, 0,
-			informers.WithNamespace(c.cfg.Namespace),
-			informers.WithTweakListOptions(func(o *metav1.ListOptions) {
-				o.FieldSelector = fields.OneTermEqualSelector("metadata.name", name).String()
-			}))
+			informers.WithNamespace(c.cfg.Namespace), informers.WithTweakListOptions(tweak))
 		if _, err := f.Core().V1().Secrets().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
 			AddFunc:    func(any) { poke() },
 			UpdateFunc: func(any, any) { poke() },
 			DeleteFunc: func(any) { poke() },
 		}); err != nil {
-			return fmt.Errorf("watch CA secret %s: %w", name, err)
+			return fmt.Errorf("watch CA secrets: %w", err)
 		}
 		factories = append(factories, f)
 	}
@@ -166,7 +192,7 @@ func (c *CA) Run(ctx context.Context) error {
 			return nil
 		case <-kick:
 			if err := c.Reload(ctx); err != nil && ctx.Err() == nil {
-				c.log.Warn("reloading CA secret failed; keeping the current material", "err", err)
+				c.log.Warn("reloading CA secrets: kept the current material of what failed", "err", err)
 			}
 		}
 	}
@@ -231,7 +257,8 @@ func (c *CA) parseSecret(s *corev1.Secret) (*bundle, error) {
 	return b, nil
 }
 
-// Roots returns the PEM bundle of trusted roots (several during a rotation), or nil before Init.
+// Roots returns the PEM bundle of the mesh trust domain's roots (several during a rotation), or
+// nil before Init: the control plane's serving certificate chains to them.
 func (c *CA) Roots() []byte {
 	b := c.current.Load()
 	if b == nil {
@@ -240,7 +267,7 @@ func (c *CA) Roots() []byte {
 	return append([]byte(nil), b.rootsPEM...)
 }
 
-// RootPool returns the trusted roots as a pool, or nil before Init.
+// RootPool returns the mesh trust domain's roots as a pool, or nil before Init.
 func (c *CA) RootPool() *x509.CertPool {
 	b := c.current.Load()
 	if b == nil {

@@ -33,6 +33,11 @@ const (
 // RootCertKey is the key of the root bundle in the published ConfigMap and in the CA Secrets.
 const RootCertKey = "root-cert.pem"
 
+// TrustBundleKey is the key of the root ConfigMap holding the trust bundle:
+// every trusted trust domain with its own roots, as a SPIFFE trust bundle
+// map (JSON). ztunnel verifies peers against it (--trust-bundle).
+const TrustBundleKey = "trust-bundle.json"
+
 // Config holds the CA's settings. The zero value of every field means "use the default".
 type Config struct {
 	// ClusterID is the config cluster: where the CA Secrets live, and the cluster a request

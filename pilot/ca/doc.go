@@ -24,6 +24,18 @@
 // "ImpersonatedIdentity" to the SPIFFE ID of a ServiceAccount that has a pod on the caller's own node
 // in the caller's cluster. The response chain is [leaf, intermediates..., root].
 //
+// # Trust domains
+//
+// Config.TrustDomain is the mesh's domain, whose material is the Secret above. A cluster may be in
+// a domain of its own (AssignTrustDomain, from its remote Secret's annotation
+// security.isthmus.io/trust-domain): its callers are issued identities there, signed by that
+// domain's CA, which a trust-domain Secret (label security.isthmus.io/trust-domain-ca=true,
+// annotation security.isthmus.io/trust-domain, Istio's plug-in keys) gives; a trust-domain Secret
+// with root-cert.pem only makes its domain trusted without issuing in it. TrustBundle is every
+// trusted domain with its own roots; the publishers write it as a SPIFFE trust bundle map (key
+// trust-bundle.json) and ServerTLSConfig verifies client certificates against it, each against
+// its own domain's roots. See docs/trust-domains.md.
+//
 // # Rotation
 //
 // Leaves live Config.DefaultTTL (24 h) unless the request asks otherwise, capped by Config.MaxTTL;
@@ -48,7 +60,8 @@
 //
 // # Permissions
 //
-// In the config cluster: get, list, watch and create Secrets in the control-plane namespace. In every
+// In the config cluster: get, list, watch and create Secrets in the control-plane namespace (the
+// CA Secrets and the trust-domain Secrets). In every
 // federated cluster (the remote reader account): create TokenReviews, get Pods (impersonation),
 // and get, list, watch, create and update ConfigMaps in the control-plane namespace (publisher).
 //

@@ -35,7 +35,8 @@ const (
 	ReasonMalformedCSR Reason = "malformed_csr"
 	// ReasonIdentityMismatch: the CSR names an identity other than the one being issued.
 	ReasonIdentityMismatch Reason = "identity_mismatch"
-	// ReasonImpersonationInvalid: ImpersonatedIdentity is not a SPIFFE ID of the trust domain.
+	// ReasonImpersonationInvalid: ImpersonatedIdentity is not a SPIFFE ID of
+	// the trust domain of the caller's cluster.
 	ReasonImpersonationInvalid Reason = "impersonation_invalid"
 	// ReasonImpersonationNotTrusted: the caller is not a trusted node account.
 	ReasonImpersonationNotTrusted Reason = "impersonation_not_trusted"
@@ -44,6 +45,9 @@ const (
 	ReasonImpersonationCallerPod Reason = "impersonation_caller_pod"
 	// ReasonImpersonationNotOnNode: the impersonated ServiceAccount has no pod on the caller's node.
 	ReasonImpersonationNotOnNode Reason = "impersonation_not_on_node"
+	// ReasonTrustDomainUnavailable: the caller's cluster is in a trust
+	// domain this CA holds no signing material for.
+	ReasonTrustDomainUnavailable Reason = "trust_domain_unavailable"
 	// ReasonNotReady: the CA has no signing material yet (Init has not succeeded).
 	ReasonNotReady Reason = "not_ready"
 	// ReasonSigningFailed: signing itself failed.
@@ -65,6 +69,8 @@ func (r Reason) Code() codes.Code {
 		return codes.Unavailable
 	case ReasonReviewRateLimited:
 		return codes.ResourceExhausted
+	case ReasonTrustDomainUnavailable:
+		return codes.FailedPrecondition
 	default:
 		return codes.Internal
 	}

@@ -3,6 +3,7 @@ package ca
 import (
 	"context"
 	"fmt"
+	"maps"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -30,8 +31,10 @@ const (
 )
 
 // PublishRoots starts a root publisher for one cluster: it writes the CA's root bundle to the
-// ConfigMap Config.RootConfigMap (key root-cert.pem) in Config.Namespace of that cluster, and
-// rewrites it whenever it drifts (edited or deleted) or the CA's bundle changes. HasSynced turns
+// ConfigMap Config.RootConfigMap (key root-cert.pem: the mesh trust domain's roots, which the
+// control plane's serving certificate chains to) and the trust bundle (key trust-bundle.json:
+// every trusted trust domain with its own roots) in Config.Namespace of that cluster, and
+// rewrites them whenever they drift (edited or deleted) or the CA's roots change. HasSynced turns
 // true after the first successful write; failures (for example a namespace not yet created) are
 // retried with backoff. Its shape is the multicluster controller's component factory. Init must
 // have succeeded first.
@@ -142,7 +145,7 @@ func (p *publisher) reconcile(ctx context.Context) error {
 	if !p.ca.leading() {
 		return nil
 	}
-	want := string(p.ca.Roots())
+	want := map[string]string{RootCertKey: string(p.ca.Roots()), TrustBundleKey: string(p.ca.TrustBundleJSON())}
 	ns, name := p.ca.cfg.Namespace, p.ca.cfg.RootConfigMap
 	cms := p.client.CoreV1().ConfigMaps(ns)
 	const attempts = 3
@@ -152,7 +155,7 @@ func (p *publisher) reconcile(ctx context.Context) error {
 			_, err = cms.Create(ctx, &corev1.ConfigMap{
 				ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns,
 					Labels: map[string]string{"app.kubernetes.io/managed-by": "isthmus-pilot"}},
-				Data: map[string]string{RootCertKey: want},
+				Data: want,
 			}, metav1.CreateOptions{})
 			if apierrors.IsAlreadyExists(err) {
 				continue
@@ -165,14 +168,14 @@ func (p *publisher) reconcile(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("get: %w", err)
 		}
-		if cur.Data[RootCertKey] == want {
+		if cur.Data[RootCertKey] == want[RootCertKey] && cur.Data[TrustBundleKey] == want[TrustBundleKey] {
 			return nil
 		}
 		next := cur.DeepCopy()
 		if next.Data == nil {
 			next.Data = map[string]string{}
 		}
-		next.Data[RootCertKey] = want
+		maps.Copy(next.Data, want)
 		_, err = cms.Update(ctx, next, metav1.UpdateOptions{})
 		if apierrors.IsConflict(err) {
 			continue

@@ -68,17 +68,23 @@ func (c *CA) CreateCertificate(ctx context.Context, req *pb.IstioCertificateRequ
 }
 
 func (c *CA) createCertificate(ctx context.Context, req *pb.IstioCertificateRequest) (*pb.IstioCertificateResponse, *Caller, string, error) {
-	b := c.current.Load()
-	if b == nil {
+	if c.current.Load() == nil {
 		return nil, nil, "", refuse(ReasonNotReady, "CA has no signing material yet")
 	}
 	caller, err := c.authn.Authenticate(ctx)
 	if err != nil {
 		return nil, nil, "", reasonOf(err, ReasonTokenInvalid)
 	}
-	id := Identity{TrustDomain: c.cfg.TrustDomain, Namespace: caller.Namespace, ServiceAccount: caller.ServiceAccount}.String()
+	// Identities are issued in the trust domain of the caller's cluster,
+	// by that domain's own CA.
+	td := c.TrustDomainOf(caller.Cluster)
+	b, err := c.signerFor(td)
+	if err != nil {
+		return nil, caller, "", err
+	}
+	id := Identity{TrustDomain: td, Namespace: caller.Namespace, ServiceAccount: caller.ServiceAccount}.String()
 	if imp := req.GetMetadata().GetFields()[ImpersonatedIdentityMetadata].GetStringValue(); imp != "" && imp != id {
-		want, err := c.authorizeImpersonation(ctx, caller, imp)
+		want, err := c.authorizeImpersonation(ctx, caller, td, imp)
 		if err != nil {
 			return nil, caller, "", err
 		}
@@ -103,8 +109,9 @@ func (c *CA) createCertificate(ctx context.Context, req *pb.IstioCertificateRequ
 }
 
 // authorizeImpersonation allows a trusted node account to ask for the identity of a
-// ServiceAccount that has a pod on the node of the caller's own pod, in the caller's cluster.
-func (c *CA) authorizeImpersonation(ctx context.Context, caller *Caller, requested string) (Identity, error) {
+// ServiceAccount that has a pod on the node of the caller's own pod, in the caller's cluster and
+// its trust domain td.
+func (c *CA) authorizeImpersonation(ctx context.Context, caller *Caller, td, requested string) (Identity, error) {
 	if !c.trusted[caller.Namespace+"/"+caller.ServiceAccount] {
 		return Identity{}, refuse(ReasonImpersonationNotTrusted, "%s/%s is not a trusted node account", caller.Namespace, caller.ServiceAccount)
 	}
@@ -112,8 +119,8 @@ func (c *CA) authorizeImpersonation(ctx context.Context, caller *Caller, request
 	if err != nil {
 		return Identity{}, &RefusalError{Reason: ReasonImpersonationInvalid, Err: err}
 	}
-	if want.TrustDomain != c.cfg.TrustDomain {
-		return Identity{}, refuse(ReasonImpersonationInvalid, "trust domain %q is not the mesh's %q", want.TrustDomain, c.cfg.TrustDomain)
+	if want.TrustDomain != td {
+		return Identity{}, refuse(ReasonImpersonationInvalid, "trust domain %q is not %q, cluster %q's", want.TrustDomain, td, caller.Cluster)
 	}
 	if caller.PodName == "" || caller.PodUID == "" {
 		return Identity{}, refuse(ReasonImpersonationCallerPod, "caller token is not bound to a pod")
@@ -170,35 +177,45 @@ func (c *CA) ServingCertificate() (*tls.Certificate, error) {
 }
 
 // ServerTLSConfig is a TLS configuration for the 15012 listener: it serves a ServingCertificate
-// renewed at RenewAt (and after Reload), verifies client certificates against the trusted roots
-// when a client sends one (CSR callers have none yet), and offers h2. Safe for concurrent
-// handshakes.
+// renewed at RenewAt (and after Reload), verifies a client certificate, when a client sends one
+// (CSR callers have none yet), against the roots of the trust domain it names (TrustBundle), and
+// offers h2. Safe for concurrent handshakes.
 func (c *CA) ServerTLSConfig() *tls.Config {
 	var (
 		mu     sync.Mutex
 		cur    *tls.Config
 		leaf   *tls.Certificate
 		source *bundle
+		trust  *trustState
 	)
 	base := &tls.Config{MinVersion: tls.VersionTLS12, NextProtos: []string{"h2"}, ClientAuth: tls.VerifyClientCertIfGiven}
 	base.GetConfigForClient = func(*tls.ClientHelloInfo) (*tls.Config, error) {
 		mu.Lock()
 		defer mu.Unlock()
-		b := c.current.Load()
-		if cur != nil && b == source && c.now().Before(RenewAt(leaf.Leaf)) {
+		b, t := c.current.Load(), c.trust.Load()
+		if cur != nil && b == source && t == trust && c.now().Before(RenewAt(leaf.Leaf)) {
 			return cur, nil
 		}
 		next, err := c.ServingCertificate()
 		if err != nil {
 			return nil, err
 		}
-		leaf, source = next, b
+		leaf, source, trust = next, b, t
 		cur = &tls.Config{
-			MinVersion:   tls.VersionTLS12,
-			NextProtos:   []string{"h2"},
-			ClientAuth:   tls.VerifyClientCertIfGiven,
-			ClientCAs:    c.RootPool(),
+			MinVersion: tls.VersionTLS12,
+			NextProtos: []string{"h2"},
+			ClientAuth: tls.VerifyClientCertIfGiven,
+			// The pool lets the TLS stack build the chain; VerifyConnection
+			// then holds it to its own trust domain's roots.
+			ClientCAs:    t.bundle.Pool(),
 			Certificates: []tls.Certificate{*next},
+			VerifyConnection: func(cs tls.ConnectionState) error {
+				if len(cs.PeerCertificates) == 0 {
+					return nil
+				}
+				_, err := t.bundle.Verify(cs.PeerCertificates, c.now())
+				return err
+			},
 		}
 		return cur, nil
 	}

@@ -84,7 +84,8 @@ type Config struct {
 	// GatewayNamespaceSelector also serves the namespaces whose labels it
 	// matches.
 	GatewayNamespaceSelector labels.Selector
-	// TrustDomain of the mesh (default "cluster.local").
+	// TrustDomain of the mesh (default "cluster.local"); a cluster with its
+	// own (multicluster.Cluster.TrustDomain) gets gateways of that one.
 	TrustDomain string
 	// Image is the gateway's image (default docker.io/isthmus/ztunnel:<version>).
 	Image string
@@ -164,4 +165,8 @@ type Deps struct {
 	// namespaces other than Config.Namespace; nil copies none (a gateway
 	// there then waits for an operator's ConfigMap).
 	Roots func() []byte
+	// TrustBundle returns the SPIFFE trust bundle map (JSON) copied with
+	// the roots; nil or empty copies none (the gateway then trusts its own
+	// domain's roots only).
+	TrustBundle func() []byte
 }

@@ -96,7 +96,7 @@ func (c *Controller) Build(ctx context.Context, mc *multicluster.Cluster) (multi
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	cc := &clusterController{
-		parent: c, cluster: mc.ID, network: mc.Network, rest: cfg, http: hc, disc: disc,
+		parent: c, cluster: mc.ID, network: mc.Network, trustDomain: mc.TrustDomain, rest: cfg, http: hc, disc: disc,
 		log: c.log.With("cluster", mc.ID, "generation", mc.Generation), cancel: cancel,
 		resync: make(chan struct{}, 1), events: make(chan event.TypedGenericEvent[reconcile.Request], 64), done: make(chan struct{}),
 	}
@@ -118,16 +118,19 @@ type clusterController struct {
 	parent  *Controller
 	cluster model.ClusterID
 	network model.Network
-	rest    *rest.Config
-	http    *http.Client
-	disc    discovery.DiscoveryInterface
-	log     *slog.Logger
-	cancel  context.CancelFunc
-	resync  chan struct{}
-	events  chan event.TypedGenericEvent[reconcile.Request]
-	done    chan struct{}
-	synced  atomic.Bool
-	once    sync.Once
+	// trustDomain is the cluster's own (its remote Secret's), "" for the
+	// mesh's: the gateways deployed there are identities of it.
+	trustDomain string
+	rest        *rest.Config
+	http        *http.Client
+	disc        discovery.DiscoveryInterface
+	log         *slog.Logger
+	cancel      context.CancelFunc
+	resync      chan struct{}
+	events      chan event.TypedGenericEvent[reconcile.Request]
+	done        chan struct{}
+	synced      atomic.Bool
+	once        sync.Once
 }
 
 // HasSynced implements multicluster.Component: the class has been
@@ -205,6 +208,9 @@ func (cc *clusterController) servesGatewayAPI() (bool, error) {
 // serve runs the cache and the controller until ctx ends.
 func (cc *clusterController) serve(ctx context.Context) error {
 	cfg := cc.parent.cfg
+	if cc.trustDomain != "" {
+		cfg.TrustDomain = cc.trustDomain
+	}
 	owned := labels.SelectorFromSet(labels.Set{managedByLabel: managedBy, gwv1.GatewayClassNameLabelKey: ClassName})
 	ca, err := cache.New(cc.rest, cache.Options{
 		HTTPClient: cc.http, Scheme: cc.parent.scheme, DefaultTransform: cache.TransformStripManagedFields(),

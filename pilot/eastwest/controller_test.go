@@ -74,11 +74,12 @@ func newClient(t *testing.T, c *framework.Cluster) client.Client {
 }
 
 // start builds the controller's component for c until the test ends.
-func start(t *testing.T, cfg eastwest.Config, deps eastwest.Deps, c *framework.Cluster) (*eastwest.Controller, multicluster.Component) {
+// trustDomain is the cluster's own ("": the mesh's).
+func start(t *testing.T, cfg eastwest.Config, deps eastwest.Deps, c *framework.Cluster, trustDomain string) (*eastwest.Controller, multicluster.Component) {
 	t.Helper()
 	ctl, err := eastwest.New(cfg, deps)
 	require.NoError(t, err)
-	comp, err := ctl.Build(t.Context(), &multicluster.Cluster{ID: "c", Client: &multicluster.Client{REST: c.Config}, Network: "n"})
+	comp, err := ctl.Build(t.Context(), &multicluster.Cluster{ID: "c", Client: &multicluster.Client{REST: c.Config}, Network: "n", TrustDomain: trustDomain})
 	require.NoError(t, err)
 	t.Cleanup(comp.Close)
 	return ctl, comp
@@ -115,7 +116,7 @@ func TestGatewayAPILateAndLeadership(t *testing.T) {
 	c := clusters.Cluster("cluster-1")
 	require.NoError(t, c.EnsureNamespace(ctx, ns, nil))
 	var leading atomic.Bool
-	ctl, comp := start(t, eastwest.Config{Namespace: ns, CRDRecheck: 50 * time.Millisecond}, eastwest.Deps{Leading: leading.Load}, c)
+	ctl, comp := start(t, eastwest.Config{Namespace: ns, CRDRecheck: 50 * time.Millisecond}, eastwest.Deps{Leading: leading.Load}, c, "")
 	require.Eventually(t, comp.HasSynced, wait, poll, "a cluster without the Gateway API counts as synced")
 
 	installGatewayAPI(t, c)
@@ -158,8 +159,8 @@ func TestGatewayAPILateAndLeadership(t *testing.T) {
 }
 
 // TestNamespaceSelectorAndRoots serves Gateways in namespaces chosen by
-// GatewayNamespaceSelector: the root bundle is copied there (owned by the
-// Gateway); relabelling the namespace out of the selection refuses the
+// GatewayNamespaceSelector: the roots and trust bundle are copied there
+// (owned by the Gateway); relabelling the namespace out of the selection refuses the
 // Gateway and removes what was deployed and the copy.
 func TestNamespaceSelectorAndRoots(t *testing.T) {
 	ctx := t.Context()
@@ -169,8 +170,9 @@ func TestNamespaceSelectorAndRoots(t *testing.T) {
 	require.NoError(t, c.EnsureNamespace(ctx, ns, nil))
 	require.NoError(t, c.EnsureNamespace(ctx, gwNS, map[string]string{"isthmus.io/gateways": "true"}))
 	roots := []byte("-----BEGIN CERTIFICATE-----\nroots\n-----END CERTIFICATE-----\n")
+	bundle := []byte(`{"trust_domains":{}}`)
 	start(t, eastwest.Config{Namespace: ns, GatewayNamespaceSelector: labels.SelectorFromSet(labels.Set{"isthmus.io/gateways": "true"})},
-		eastwest.Deps{Roots: func() []byte { return roots }}, c)
+		eastwest.Deps{Roots: func() []byte { return roots }, TrustBundle: func() []byte { return bundle }}, c, "edge.example")
 	cl := newClient(t, c)
 	gw := gateway(gwNS, "edge", "net-b")
 	require.NoError(t, cl.Create(ctx, gw))
@@ -180,8 +182,12 @@ func TestNamespaceSelectorAndRoots(t *testing.T) {
 		var cm corev1.ConfigMap
 		require.NoError(co, cl.Get(ctx, root, &cm))
 		require.Equal(co, string(roots), cm.Data["root-cert.pem"])
+		require.Equal(co, string(bundle), cm.Data["trust-bundle.json"])
 		require.Equal(co, "Gateway", cm.OwnerReferences[0].Kind)
 	}, wait, poll, "served in a selected namespace, with the root bundle")
+	var d appsv1.Deployment
+	require.NoError(t, cl.Get(ctx, client.ObjectKey{Namespace: gwNS, Name: eastwest.ObjectName(gw.Name)}, &d))
+	require.Contains(t, d.Spec.Template.Spec.Containers[0].Args, "--trust-domain=edge.example", "a gateway is an identity of its cluster's trust domain")
 
 	var n corev1.Namespace
 	require.NoError(t, cl.Get(ctx, client.ObjectKey{Name: gwNS}, &n))

@@ -18,6 +18,12 @@ import (
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 )
 
+// Keys of the root ConfigMap (ca.RootCertKey, ca.TrustBundleKey).
+const (
+	rootCertKey    = "root-cert.pem"
+	trustBundleKey = "trust-bundle.json"
+)
+
 // Ports of the gateway's container besides HBONE.
 const (
 	readinessPort = 15021
@@ -113,7 +119,8 @@ func podSpec(cfg Config, cluster model.ClusterID, ns, sa, network string) *corev
 		"--trust-domain=" + cfg.TrustDomain, "--namespace=" + ns, "--service-account=" + sa,
 		"--xds-address=" + cfg.XDSAddress, "--ca-address=" + cfg.XDSAddress,
 		"--xds-server-name=" + cfg.XDSServerName, "--ca-server-name=" + cfg.XDSServerName,
-		"--ca-token=/var/run/secrets/tokens/isthmus-token", "--root-cert=/var/run/secrets/isthmus/root-cert.pem",
+		"--ca-token=/var/run/secrets/tokens/isthmus-token", "--root-cert=/var/run/secrets/isthmus/" + rootCertKey,
+		"--trust-bundle=/var/run/secrets/isthmus/" + trustBundleKey,
 		fmt.Sprintf("--hbone-port=%d", HBONEPort), fmt.Sprintf("--readiness-addr=:%d", readinessPort),
 		fmt.Sprintf("--metrics-addr=:%d", metricsPort), "--admin-addr=127.0.0.1:15000",
 	}
@@ -140,5 +147,6 @@ func podSpec(cfg Config, cluster model.ClusterID, ns, sa, network string) *corev
 				WithPath("isthmus-token").WithAudience(cfg.CAAudience).WithExpirationSeconds(43200)))),
 		corev1ac.Volume().WithName("isthmus-root-cert").WithConfigMap(corev1ac.ConfigMapVolumeSource().
 			WithName(cfg.RootConfigMap).WithOptional(true).
-			WithItems(corev1ac.KeyToPath().WithKey("root-cert.pem").WithPath("root-cert.pem"))))
+			WithItems(corev1ac.KeyToPath().WithKey(rootCertKey).WithPath(rootCertKey),
+				corev1ac.KeyToPath().WithKey(trustBundleKey).WithPath(trustBundleKey))))
 }

@@ -207,8 +207,14 @@ func (r *reconciler) syncRoots(ctx context.Context, ns string) error {
 	if len(roots) == 0 {
 		return nil
 	}
+	data := map[string]string{rootCertKey: string(roots)}
+	if r.deps.TrustBundle != nil {
+		if b := r.deps.TrustBundle(); len(b) > 0 {
+			data[trustBundleKey] = string(b)
+		}
+	}
 	cm := corev1ac.ConfigMap(name, ns).WithLabels(map[string]string{managedByLabel: managedBy, gwv1.GatewayClassNameLabelKey: ClassName}).
-		WithOwnerReferences(owners...).WithData(map[string]string{"root-cert.pem": string(roots)})
+		WithOwnerReferences(owners...).WithData(data)
 	if err := r.client.Apply(ctx, cm, client.FieldOwner(fieldOwner), client.ForceOwnership); err != nil {
 		return fmt.Errorf("root ConfigMap %s/%s: %w", ns, name, err)
 	}

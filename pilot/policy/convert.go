@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"maps"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -64,11 +65,54 @@ type Policy struct {
 // Key returns "<namespace>/<name>".
 func (p *Policy) Key() string { return p.Namespace + "/" + p.Name }
 
-// ConvertAuthorizationPolicy converts the L4 part of ap. rootNS is the
-// mesh's root namespace (the control plane's): a policy there without a
-// selector applies to the whole mesh, one with a selector to the matching
-// workloads of every namespace.
+// TrustDomains are the mesh's trust domain and its aliases, as Istio's
+// MeshConfig trustDomain and trustDomainAliases: a principal written with
+// the local trust domain (or cluster.local, or an alias) also matches the
+// same namespace and ServiceAccount in every alias.
+type TrustDomains struct {
+	// Local is the mesh's trust domain; empty: principals are matched as
+	// written.
+	Local string
+	// Aliases are the trust domains whose identities count as the local
+	// domain's in principals.
+	Aliases []string
+}
+
+// expand returns principal (without spiffe://) as written or, when it
+// names the local trust domain, an alias or cluster.local (Istio's name
+// for "the local domain"), once with the local domain and once with each
+// alias: Istio's ReplaceTrustDomainAliases. A principal that does not
+// enforce a trust domain ("*", "*/ns/...") or names another domain is kept
+// as written.
+func (t TrustDomains) expand(principal string) []string {
+	if t.Local == "" || strings.HasPrefix(principal, "*") {
+		return []string{principal}
+	}
+	td, rest, ok := strings.Cut(principal, "/")
+	all := append([]string{t.Local}, t.Aliases...)
+	if !ok || td != "cluster.local" && !slices.Contains(all, td) {
+		return []string{principal}
+	}
+	out := make([]string, 0, len(all))
+	for _, d := range all {
+		if p := d + "/" + rest; !slices.Contains(out, p) {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// ConvertAuthorizationPolicy converts the L4 part of ap, matching
+// principals as written. rootNS is the mesh's root namespace (the control
+// plane's): a policy there without a selector applies to the whole mesh,
+// one with a selector to the matching workloads of every namespace.
 func ConvertAuthorizationPolicy(rootNS string, ap *securityclient.AuthorizationPolicy) *Policy {
+	return ConvertAuthorizationPolicyIn(rootNS, TrustDomains{}, ap)
+}
+
+// ConvertAuthorizationPolicyIn is ConvertAuthorizationPolicy in a mesh of
+// trust domain tds.Local with aliases tds.Aliases (see TrustDomains).
+func ConvertAuthorizationPolicyIn(rootNS string, tds TrustDomains, ap *securityclient.AuthorizationPolicy) *Policy {
 	spec := &ap.Spec
 	out := &Policy{Namespace: ap.Namespace, Name: ap.Name, Generation: ap.Generation}
 	if ml := spec.GetSelector().GetMatchLabels(); len(ml) > 0 {
@@ -97,7 +141,7 @@ func ConvertAuthorizationPolicy(rootNS string, ap *securityclient.AuthorizationP
 	default:
 		p.Scope = securityv1.Scope_NAMESPACE
 	}
-	cv := &converter{deny: action == securityv1.Action_DENY, ns: ap.Namespace}
+	cv := &converter{deny: action == securityv1.Action_DENY, ns: ap.Namespace, tds: tds}
 	for i, r := range spec.GetRules() {
 		if rule := cv.rule(i, r); rule != nil {
 			p.Rules = append(p.Rules, rule)
@@ -116,6 +160,7 @@ func problem(reason, field, effect string) *securityv1.Problem {
 type converter struct {
 	deny     bool
 	ns       string
+	tds      TrustDomains
 	problems []*securityv1.Problem
 	// bad is set while converting a rule that holds something ztunnel
 	// cannot check: an ALLOW rule is then dropped.
@@ -180,8 +225,8 @@ func (cv *converter) source(path string, s *v1beta1.Source) *securityv1.Match {
 		"remoteIpBlocks": s.GetRemoteIpBlocks(), "notRemoteIpBlocks": s.GetNotRemoteIpBlocks(),
 		"trustDomains": s.GetTrustDomains(), "notTrustDomains": s.GetNotTrustDomains(),
 	})
-	m.Principals = principals(s.GetPrincipals())
-	m.NotPrincipals = principals(s.GetNotPrincipals())
+	m.Principals = cv.principals(s.GetPrincipals())
+	m.NotPrincipals = cv.principals(s.GetNotPrincipals())
 	m.Namespaces = strings2(s.GetNamespaces())
 	m.NotNamespaces = strings2(s.GetNotNamespaces())
 	if len(s.GetServiceAccounts())+len(s.GetNotServiceAccounts()) > 0 {
@@ -258,7 +303,7 @@ func (cv *converter) condition(path string, c *v1beta1.Condition) *securityv1.Ma
 	case "source.namespace":
 		m.Namespaces, m.NotNamespaces = strings2(c.GetValues()), strings2(c.GetNotValues())
 	case "source.principal":
-		m.Principals, m.NotPrincipals = principals(c.GetValues()), principals(c.GetNotValues())
+		m.Principals, m.NotPrincipals = cv.principals(c.GetValues()), cv.principals(c.GetNotValues())
 	default:
 		cv.report(ReasonUnsupportedAttribute, field)
 		return nil
@@ -294,11 +339,14 @@ func strings2(in []string) []*securityv1.StringMatch {
 }
 
 // principals parses principal values: Istio's "<td>/ns/<ns>/sa/<sa>", also
-// accepted in the spiffe:// form.
-func principals(in []string) []*securityv1.StringMatch {
+// accepted in the spiffe:// form, each expanded to the trust-domain
+// aliases.
+func (cv *converter) principals(in []string) []*securityv1.StringMatch {
 	var out []*securityv1.StringMatch
 	for _, s := range in {
-		out = append(out, stringMatch(strings.TrimPrefix(s, "spiffe://")))
+		for _, p := range cv.tds.expand(strings.TrimPrefix(s, "spiffe://")) {
+			out = append(out, stringMatch(p))
+		}
 	}
 	return out
 }

@@ -252,3 +252,69 @@ func TestPeerAuthenticationPrecedence(t *testing.T) {
 	p := policy.ConvertPeerAuthentication(root, pa("prod", "ns", 0, nil, strict, map[uint32]v1beta1.PeerAuthentication_MutualTLS_Mode{8080: permissive}))
 	require.Equal(t, policy.ReasonIgnoredField, p.Problems[0].GetReason())
 }
+
+// TestTrustDomainAliases: Istio's meshConfig trustDomainAliases, through
+// conversion, distribution and ztunnel's check. The mesh is
+// network-1.example with alias network-2.example: a principal written with
+// either (or with cluster.local, Istio's name for the local domain) matches
+// the same namespace and ServiceAccount in both; an identity of a domain
+// that is no alias, or a principal naming such a domain, matches only as
+// written; "*" prefixes are left alone.
+func TestTrustDomainAliases(t *testing.T) {
+	tds := policy.TrustDomains{Local: "network-1.example", Aliases: []string{"network-2.example"}}
+	decideIn := func(t *testing.T, tds policy.TrustDomains, peer identity.Identity, spec string) authz.Decision {
+		t.Helper()
+		p := policy.ConvertAuthorizationPolicyIn(root, tds, ap(t, "prod", "allow", spec))
+		snap, err := policy.NewSnapshot(root, []*policy.Policy{p}, nil)
+		require.NoError(t, err)
+		res, err := snap.NodeResources([]*model.Workload{api})
+		require.NoError(t, err)
+		var all []*securityv1.Authorization
+		for _, b := range res {
+			a := &securityv1.Authorization{}
+			require.NoError(t, protoUnmarshal(b, a))
+			all = append(all, a)
+		}
+		zs, err := authz.NewSnapshot(all)
+		require.NoError(t, err)
+		c := conn
+		c.Peer = peer
+		return zs.Evaluate(c)
+	}
+	web := func(td string) identity.Identity {
+		return identity.Identity{TrustDomain: td, Namespace: "front", ServiceAccount: "web"}
+	}
+	allowed := authz.Decision{Allowed: true, Namespace: "prod", Name: "allow"}
+	unmatched := authz.Decision{Reason: authz.ReasonAllowUnmatched}
+	for _, tc := range []struct {
+		name      string
+		principal string
+		peer      identity.Identity
+		want      authz.Decision
+	}{
+		{"local principal, alias peer", "network-1.example/ns/front/sa/web", web("network-2.example"), allowed},
+		{"local principal, local peer", "network-1.example/ns/front/sa/web", web("network-1.example"), allowed},
+		{"alias principal, local peer", "spiffe://network-2.example/ns/front/sa/web", web("network-1.example"), allowed},
+		{"cluster.local principal, alias peer", "cluster.local/ns/front/sa/web", web("network-2.example"), allowed},
+		{"local principal, peer of a domain that is no alias", "network-1.example/ns/front/sa/web", web("network-3.example"), unmatched},
+		{"local principal, alias peer of another account", "network-1.example/ns/front/sa/web",
+			identity.Identity{TrustDomain: "network-2.example", Namespace: "front", ServiceAccount: "other"}, unmatched},
+		{"principal of a domain that is no alias matches only itself", "network-3.example/ns/front/sa/web", web("network-3.example"), allowed},
+		{"principal of a domain that is no alias, alias peer", "network-3.example/ns/front/sa/web", web("network-2.example"), unmatched},
+		{"prefix pattern of the local domain", "network-1.example/ns/front/*", web("network-2.example"), allowed},
+		{"suffix pattern is left alone", "*/ns/front/sa/web", web("network-3.example"), allowed},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			spec := `rules: [{from: [{source: {principals: ["` + tc.principal + `"]}}]}]`
+			require.Equal(t, tc.want, decideIn(t, tds, tc.peer, spec))
+		})
+	}
+	t.Run("without aliases, an alias peer is refused", func(t *testing.T) {
+		spec := `rules: [{from: [{source: {principals: ["network-1.example/ns/front/sa/web"]}}]}]`
+		require.Equal(t, unmatched, decideIn(t, policy.TrustDomains{Local: "network-1.example"}, web("network-2.example"), spec))
+	})
+	t.Run("notPrincipals expand too", func(t *testing.T) {
+		spec := "action: DENY\nrules: [{from: [{source: {notPrincipals: [\"network-1.example/ns/front/sa/web\"]}}]}]"
+		require.Equal(t, authz.Decision{Allowed: true}, decideIn(t, tds, web("network-2.example"), spec), "not denied: the alias peer is the excluded principal")
+	})
+}

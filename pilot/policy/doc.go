@@ -12,7 +12,10 @@
 //     namespace sameness a namespace means that namespace in every cluster.
 //   - Principals are "<trust domain>/ns/<namespace>/sa/<service account>"
 //     (the spiffe:// form is accepted too) and name identities of any
-//     cluster; "*", "prefix*" and "*suffix" are Istio's forms.
+//     cluster; "*", "prefix*" and "*suffix" are Istio's forms. With
+//     Config.TrustDomains, a principal of the mesh's domain, cluster.local
+//     or an alias also matches the same account in every alias (Istio's
+//     trustDomainAliases).
 //   - Fail closed: an ALLOW rule holding anything ztunnel cannot check at L4
 //     (methods, paths, hosts, request principals, headers, JWT claims...)
 //     or a value that does not parse matches nothing; in a DENY rule such a

@@ -28,6 +28,9 @@ type Config struct {
 	// RootNamespace is the mesh's root namespace (the control plane's):
 	// policies there without a selector are mesh-wide. Required.
 	RootNamespace string
+	// TrustDomains are the mesh's trust domain and its aliases, applied
+	// to principals (optional).
+	TrustDomains TrustDomains
 }
 
 // Deps are the Watcher's collaborators; Client is required.
@@ -224,7 +227,7 @@ func (w *Watcher) rebuild() {
 	root := w.cfg.RootNamespace
 	var aps []*Policy
 	for _, o := range w.aps.List() {
-		aps = append(aps, ConvertAuthorizationPolicy(root, o.(*securityclient.AuthorizationPolicy)))
+		aps = append(aps, ConvertAuthorizationPolicyIn(root, w.cfg.TrustDomains, o.(*securityclient.AuthorizationPolicy)))
 	}
 	var pas []*PeerAuth
 	for _, o := range w.pas.List() {

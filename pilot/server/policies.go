@@ -1,12 +1,15 @@
 package server
 
 import (
+	"cmp"
 	"fmt"
 
 	"github.com/prometheus/client_golang/prometheus"
 	istioclient "istio.io/client-go/pkg/clientset/versioned"
 	"k8s.io/client-go/rest"
 
+	"github.com/isthmus-mesh/isthmus/internal/spiffe"
+	"github.com/isthmus-mesh/isthmus/pilot/ca"
 	"github.com/isthmus-mesh/isthmus/pilot/policy"
 )
 
@@ -20,7 +23,13 @@ func newPolicies(cfg Config, configREST *rest.Config, reg prometheus.Registerer)
 	if err != nil {
 		return nil, fmt.Errorf("policy client: %w", err)
 	}
-	return policy.New(policy.Config{RootNamespace: cfg.Namespace}, policy.Deps{
+	for _, td := range cfg.TrustDomainAliases {
+		if err := spiffe.ValidateTrustDomain(td); err != nil {
+			return nil, fmt.Errorf("trust domain alias: %w", err)
+		}
+	}
+	tds := policy.TrustDomains{Local: cmp.Or(cfg.CA.TrustDomain, ca.DefaultTrustDomain), Aliases: cfg.TrustDomainAliases}
+	return policy.New(policy.Config{RootNamespace: cfg.Namespace, TrustDomains: tds}, policy.Deps{
 		Client: client, Registerer: reg, Log: cfg.Logger,
 	})
 }

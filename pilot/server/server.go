@@ -59,6 +59,10 @@ type Config struct {
 	// CA configures the mesh CA (its ClusterID and Namespace are copied
 	// from above).
 	CA ca.Config
+	// TrustDomainAliases are trust domains whose identities count as the
+	// mesh's (CA.TrustDomain's) in AuthorizationPolicy principals, as
+	// Istio's meshConfig trustDomainAliases.
+	TrustDomainAliases []string
 	// GRPCAddr serves the CA (and xDS) over TLS (default ":15012"; "-" disables).
 	GRPCAddr string
 	// XDSPlaintextAddr serves xDS without TLS, for development only
@@ -205,6 +209,18 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 	cfg.Registry.Registerer = reg
 	r := registry.New(cfg.Registry)
 	reg.MustRegister(newGatewayCollector(r))
+	authority, err := ca.New(cfg.CA, ca.Deps{
+		ConfigClient: local.Kube, Clusters: kubeClients{mc}, Nodes: r, Logger: cfg.Logger.With("component", "ca"), Registerer: reg,
+		Leading: lead.leading.Load,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("ca: %w", err)
+	}
+	// A remote Secret's trust-domain annotation: the CA issues that
+	// cluster's identities in it, and xDS names them so.
+	mc.AddComponent("ca-trust-domain", func(_ context.Context, c *multicluster.Cluster) (multicluster.Component, error) {
+		return authority.AssignTrustDomain(string(c.ID), c.Generation, c.TrustDomain)
+	})
 	mc.AddComponent("discovery", controller.NewBuilder(cfg.Discovery, r))
 	mc.Subscribe(func(s multicluster.Status) {
 		switch s.State {
@@ -214,13 +230,6 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 			r.SetReachable(s.ID, true)
 		}
 	})
-	authority, err := ca.New(cfg.CA, ca.Deps{
-		ConfigClient: local.Kube, Clusters: kubeClients{mc}, Nodes: r, Logger: cfg.Logger.With("component", "ca"), Registerer: reg,
-		Leading: lead.leading.Load,
-	})
-	if err != nil {
-		return nil, fmt.Errorf("ca: %w", err)
-	}
 	pol, err := newPolicies(cfg, configREST, reg)
 	if err != nil {
 		return nil, err
@@ -232,16 +241,18 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 		return nil, err
 	}
 	cfg.XDS.Allocations = alloc
+	cfg.XDS.TrustDomainOf = func(c model.ClusterID) string { return authority.TrustDomainOf(string(c)) }
 	xs, err := xds.New(cfg.XDS, r, cfg.Logger.With("component", "xds"))
 	if err != nil {
 		return nil, fmt.Errorf("xds: %w", err)
 	}
+	authority.SubscribeTrustDomains(xs.RefreshTrustDomains)
 	vipHooks.add(func(hosts []string) { xs.Refresh(hosts...) })
 	mc.AddComponent("ca-root-publisher", func(ctx context.Context, c *multicluster.Cluster) (multicluster.Component, error) {
 		return authority.PublishRoots(ctx, string(c.ID), c.Client.Kube)
 	})
 	if !cfg.NoGatewayClass {
-		gws, err := eastwest.New(cfg.Gateways, eastwest.Deps{Leading: lead.leading.Load, Roots: authority.Roots})
+		gws, err := eastwest.New(cfg.Gateways, eastwest.Deps{Leading: lead.leading.Load, Roots: authority.Roots, TrustBundle: authority.TrustBundleJSON})
 		if err != nil {
 			return nil, err
 		}

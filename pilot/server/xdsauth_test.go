@@ -68,12 +68,12 @@ func TestXDSAuthorizationOnRealClusters(t *testing.T) {
 		return p.GRPCAddr() != "" && len(p.Registry.IdentityNetworks("remote", "node-r1", cpNS, "ztunnel")) > 0
 	}, 30*time.Second, 10*time.Millisecond, "remote synced with its ztunnel pod")
 
-	roots, err := caclient.RootsFromPEM(p.CA.Roots())
+	roots, err := caclient.NewStaticRoots("cluster.local", p.CA.Roots(), p.CA.TrustBundleJSON())
 	require.NoError(t, err)
 	certs, err := caclient.New(caclient.Config{
 		Address: p.GRPCAddr(), ServerName: ip, ClusterID: "remote", Node: "node-r1",
 		NodeIdentity: identity.Identity{TrustDomain: "cluster.local", Namespace: cpNS, ServiceAccount: "ztunnel"},
-	}, caclient.Deps{Token: caclient.StaticToken(tr.Status.Token), Roots: caclient.StaticRoots{Pool: roots}})
+	}, caclient.Deps{Token: caclient.StaticToken(tr.Status.Token), Roots: roots})
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, certs.Close()) })
 	cc, err := grpc.NewClient(p.GRPCAddr(), grpc.WithTransportCredentials(credentials.NewTLS(certs.ClientTLS(ip))))

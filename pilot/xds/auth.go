@@ -2,7 +2,6 @@ package xds
 
 import (
 	"context"
-	"crypto/x509"
 	"fmt"
 	"slices"
 	"strings"
@@ -40,18 +39,19 @@ const (
 type peerIdentity struct {
 	// tls is false for a plaintext stream.
 	tls bool
-	// ns and sa are the namespace and ServiceAccount of a verified client
-	// certificate of the trust domain; spiffe is its SPIFFE ID.
-	ns, sa, spiffe string
+	// td, ns and sa are the trust domain, namespace and ServiceAccount of
+	// a verified client certificate; spiffe is its SPIFFE ID.
+	td, ns, sa, spiffe string
 	// err is why a TLS peer has no usable identity.
 	err    error
 	reason string
 }
 
 // peerOf reads the verified client certificate of the stream in ctx. The
-// listener verifies certificates against the CA's roots; only a verified
-// chain counts.
-func peerOf(ctx context.Context, trustDomain string) peerIdentity {
+// listener verifies certificates against the roots of the trust domain
+// they name; only a verified chain counts. Whether that domain is the one
+// of the cluster the client claims is authorize's check.
+func peerOf(ctx context.Context) peerIdentity {
 	p, ok := peer.FromContext(ctx)
 	if !ok || p.AuthInfo == nil {
 		return peerIdentity{}
@@ -63,24 +63,11 @@ func peerOf(ctx context.Context, trustDomain string) peerIdentity {
 	if len(info.State.VerifiedChains) == 0 || len(info.State.PeerCertificates) == 0 {
 		return peerIdentity{tls: true, reason: RefusedNoClientCert, err: fmt.Errorf("no verified client certificate")}
 	}
-	ns, sa, id, err := spiffeOf(info.State.PeerCertificates[0], trustDomain)
+	wid, err := spiffe.FromCertificate(info.State.PeerCertificates[0])
 	if err != nil {
-		return peerIdentity{tls: true, reason: RefusedBadIdentity, err: err}
+		return peerIdentity{tls: true, reason: RefusedBadIdentity, err: fmt.Errorf("client certificate identity: %w", err)}
 	}
-	return peerIdentity{tls: true, ns: ns, sa: sa, spiffe: id}
-}
-
-// spiffeOf returns the workload identity of a leaf certificate (exactly one
-// URI SAN, spiffe://<trustDomain>/ns/<ns>/sa/<sa>).
-func spiffeOf(leaf *x509.Certificate, trustDomain string) (ns, sa, id string, err error) {
-	wid, err := spiffe.FromCertificate(leaf)
-	if err != nil {
-		return "", "", "", fmt.Errorf("client certificate identity: %w", err)
-	}
-	if wid.TrustDomain != trustDomain {
-		return "", "", "", fmt.Errorf("client certificate identity %q is not of trust domain %q", wid, trustDomain)
-	}
-	return wid.Namespace, wid.ServiceAccount, wid.String(), nil
+	return peerIdentity{tls: true, td: wid.TrustDomain, ns: wid.Namespace, sa: wid.ServiceAccount, spiffe: wid.String()}
 }
 
 // refusal is an authorization failure: a gRPC status and a metrics reason.
@@ -100,12 +87,13 @@ func refuse(code codes.Code, reason, format string, args ...any) *refusal {
 // its certificate identity and where the registry places that identity.
 type authorizer struct {
 	reg            Registry
+	trustDomainOf  trustDomains
 	nodeAccounts   map[string]bool
 	allowPlaintext bool
 }
 
-func newAuthorizer(cfg Config, reg Registry) *authorizer {
-	a := &authorizer{reg: reg, nodeAccounts: map[string]bool{}, allowPlaintext: cfg.AllowPlaintext}
+func newAuthorizer(cfg Config, reg Registry, td trustDomains) *authorizer {
+	a := &authorizer{reg: reg, trustDomainOf: td, nodeAccounts: map[string]bool{}, allowPlaintext: cfg.AllowPlaintext}
 	for _, acc := range cfg.NodeAccounts {
 		a.nodeAccounts[acc] = true
 	}
@@ -150,6 +138,9 @@ func (a *authorizer) authorize(p peerIdentity, node *corev3.Node) error {
 	// may carry the verified node name, whatever it sent.
 	delete(f, MetadataVerifiedNode)
 	cluster := f[MetadataClusterID].GetStringValue()
+	if want := a.trustDomainOf(model.ClusterID(cluster)); p.td != want {
+		return refuse(codes.PermissionDenied, RefusedBadIdentity, "%s is not of trust domain %q, cluster %q's", p.spiffe, want, cluster)
+	}
 	claimed := model.Network(f[MetadataNetwork].GetStringValue())
 	nodeName := ""
 	if a.nodeAccounts[p.ns+"/"+p.sa] {

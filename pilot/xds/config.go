@@ -16,6 +16,11 @@ type Config struct {
 	// TrustDomain is the SPIFFE trust domain of workload identities
 	// (default model.DefaultDomain).
 	TrustDomain string
+	// TrustDomainOf gives the trust domain of a cluster's identities when
+	// clusters have their own (nil, or "" for a cluster: TrustDomain). It
+	// must be safe for concurrent use and must not block; call
+	// Server.RefreshTrustDomains when its answers change.
+	TrustDomainOf func(cluster model.ClusterID) string
 	// DefaultNetwork is the network of clients whose node metadata has no
 	// NETWORK (default "", the unnamed network).
 	DefaultNetwork model.Network

@@ -64,6 +64,9 @@ type pendingChanges struct {
 	services, workloads, networks map[string]struct{}
 	// policies is set when the authorization policies changed.
 	policies bool
+	// trustDomains is set when a cluster's trust domain changed: every
+	// identity may read differently.
+	trustDomains bool
 }
 
 func (p *pendingChanges) add(kind model.ChangeKind, key string) {
@@ -113,7 +116,7 @@ func New(cfg Config, reg Registry, logger *slog.Logger) (*Server, error) {
 		kick:   make(chan struct{}, 1),
 	}
 	s.authz = newAuthzServer(cfg.Policies, reg, cfg.VersionPrefix, slogAdapter{logger})
-	s.stats = newTracker(m, logger, s.classOf, newAuthorizer(cfg, reg), cfg.TrustDomain)
+	s.stats = newTracker(m, logger, s.classOf, newAuthorizer(cfg, reg, s.trustDomainOf))
 	s.xds = serverv3.NewServer(ctx, routerCache{s}, s.stats, sotw.WithLogger(slogAdapter{logger}))
 	return s, nil
 }
@@ -199,17 +202,40 @@ func (s *Server) Refresh(hostnames ...string) {
 	s.enqueue(cs)
 }
 
+// RefreshTrustDomains rebuilds every client's resources after the trust
+// domain of a cluster changed (Config.TrustDomainOf).
+func (s *Server) RefreshTrustDomains() {
+	s.pendingMu.Lock()
+	s.pending.trustDomains = true
+	s.pendingMu.Unlock()
+	s.enqueue(model.ChangeSet{})
+}
+
 // builder is what building needs for one batch.
 type builder struct {
-	reg         Registry
-	gws         gatewayIndex
-	envoy       *envoyBuilder
-	trustDomain string
-	alloc       Allocations
+	reg   Registry
+	gws   gatewayIndex
+	envoy *envoyBuilder
+	td    trustDomains
+	alloc Allocations
 }
 
 func (s *Server) newBuilder() *builder {
-	return &builder{reg: s.reg, gws: newGatewayIndex(s.reg.Gateways()), envoy: s.envoy, trustDomain: s.cfg.TrustDomain, alloc: s.cfg.Allocations}
+	return &builder{reg: s.reg, gws: newGatewayIndex(s.reg.Gateways()), envoy: s.envoy, td: s.trustDomainOf, alloc: s.cfg.Allocations}
+}
+
+// trustDomains gives the trust domain of a cluster's identities.
+type trustDomains func(model.ClusterID) string
+
+// trustDomainOf is the trustDomains of the server's builders and
+// authorizer.
+func (s *Server) trustDomainOf(cluster model.ClusterID) string {
+	if s.cfg.TrustDomainOf != nil {
+		if td := s.cfg.TrustDomainOf(cluster); td != "" {
+			return td
+		}
+	}
+	return s.cfg.TrustDomain
 }
 
 func (s *Server) snapshotViews() []*view {
@@ -226,6 +252,11 @@ func (s *Server) applyPending() error {
 	s.pending = pendingChanges{}
 	s.pendingMu.Unlock()
 
+	if p.trustDomains {
+		if err := s.resyncAll(); err != nil {
+			return err
+		}
+	}
 	hosts := p.services
 	if len(p.networks) > 0 {
 		// A gateway change touches every service with endpoints on its network.

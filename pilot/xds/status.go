@@ -117,11 +117,10 @@ type ClientStatus struct {
 // tracker implements go-control-plane's server callbacks: it keeps the state
 // of every stream and the metrics. Callbacks run on stream goroutines.
 type tracker struct {
-	metrics     *metrics
-	log         *slog.Logger
-	classOf     func(*corev3.Node) class
-	auth        *authorizer
-	trustDomain string
+	metrics *metrics
+	log     *slog.Logger
+	classOf func(*corev3.Node) class
+	auth    *authorizer
 
 	mu      sync.Mutex
 	streams map[streamKey]*ClientStatus
@@ -129,8 +128,8 @@ type tracker struct {
 
 var _ serverv3.Callbacks = (*tracker)(nil)
 
-func newTracker(m *metrics, log *slog.Logger, classOf func(*corev3.Node) class, auth *authorizer, trustDomain string) *tracker {
-	return &tracker{metrics: m, log: log, classOf: classOf, auth: auth, trustDomain: trustDomain, streams: map[streamKey]*ClientStatus{}}
+func newTracker(m *metrics, log *slog.Logger, classOf func(*corev3.Node) class, auth *authorizer) *tracker {
+	return &tracker{metrics: m, log: log, classOf: classOf, auth: auth, streams: map[streamKey]*ClientStatus{}}
 }
 
 // open admits a stream whose transport identity is acceptable.
@@ -145,7 +144,7 @@ func sotwKey(id int64) streamKey  { return streamKey{id: id} }
 func deltaKey(id int64) streamKey { return streamKey{delta: true, id: id} }
 
 func (t *tracker) open(ctx context.Context, k streamKey, protocol string) error {
-	p := peerOf(ctx, t.trustDomain)
+	p := peerOf(ctx)
 	if err := t.auth.open(p); err != nil {
 		return t.refused(err, "", p)
 	}

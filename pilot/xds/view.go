@@ -219,7 +219,7 @@ func (b *batch) workload(bd *builder, uid string) {
 	if w != nil && !bd.reg.OwnsAddresses(uid) {
 		w = nil // another workload is served for its address
 	}
-	if a := buildWorkload(b.v.class, w, bd.trustDomain, bd.reg.Service); a != nil {
+	if a := buildWorkload(b.v.class, w, bd.td, bd.reg.Service); a != nil {
 		b.put(WorkloadType, uid, a)
 		return
 	}
@@ -253,7 +253,7 @@ func (b *batch) service(bd *builder, hostname string) error {
 	}
 	s := bd.reg.Service(hostname)
 	if b.v.serves(WorkloadType) {
-		buildServiceAddresses(b.v.class, s, bd.gws, bd.trustDomain, bd.alloc, fresh[WorkloadType])
+		buildServiceAddresses(b.v.class, s, bd.gws, bd.td, bd.alloc, fresh[WorkloadType])
 		// Which clusters' endpoints are visible changed (an export, a
 		// cluster-local setting): the service bindings of its workloads
 		// change with it, though the workloads themselves did not.

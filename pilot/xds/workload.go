@@ -111,7 +111,7 @@ func healthy(ready, terminating bool) bool { return ready && !terminating }
 // split-horizon workloads of its services. w is bound only to the services
 // whose endpoints in w's cluster clients of c may reach (service looks a
 // service up by hostname).
-func buildWorkload(c class, w *model.Workload, trustDomain string, service func(hostname string) *model.Service) *workloadv1.Address {
+func buildWorkload(c class, w *model.Workload, td trustDomains, service func(hostname string) *model.Service) *workloadv1.Address {
 	if w == nil || w.Network != c.Network {
 		return nil
 	}
@@ -122,7 +122,7 @@ func buildWorkload(c class, w *model.Workload, trustDomain string, service func(
 		Network:        string(w.Network),
 		ClusterId:      string(w.Cluster),
 		Node:           w.Node,
-		TrustDomain:    trustDomain,
+		TrustDomain:    td(w.Cluster),
 		ServiceAccount: cmp.Or(w.ServiceAccount, "default"),
 		TunnelProtocol: workloadv1.TunnelProtocol_HBONE,
 		Status:         workloadv1.WorkloadStatus_HEALTHY,
@@ -177,7 +177,7 @@ func clusterNetwork(s *model.Service, cluster model.ClusterID, fallback model.Ne
 // network that has ready endpoints of s and a gateway. A service with no
 // address on c's network is given its allocated addresses there (alloc may
 // be nil).
-func buildServiceAddresses(c class, s *model.Service, gws gatewayIndex, trustDomain string, alloc Allocations, out map[string]types.Resource) {
+func buildServiceAddresses(c class, s *model.Service, gws gatewayIndex, td trustDomains, alloc Allocations, out map[string]types.Resource) {
 	if s == nil || !c.sees(s) {
 		return
 	}
@@ -233,12 +233,12 @@ func buildServiceAddresses(c class, s *model.Service, gws gatewayIndex, trustDom
 	}
 	out[ServiceResourceName(s.Namespace, s.Hostname)] = &workloadv1.Address{Type: &workloadv1.Address_Service{Service: svc}}
 
-	for nw, r := range remoteReady(c, s, trustDomain) {
+	for nw, r := range remoteReady(c, s, td) {
 		gws := gws[nw]
 		if len(gws) == 0 {
 			continue
 		}
-		out[SplitHorizonUID(nw, s.Namespace, s.Hostname)] = splitWorkload(s, nw, gws, r, trustDomain)
+		out[SplitHorizonUID(nw, s.Namespace, s.Hostname)] = splitWorkload(s, nw, gws, r, td)
 	}
 }
 
@@ -247,10 +247,11 @@ func buildServiceAddresses(c class, s *model.Service, gws gatewayIndex, trustDom
 type remoteEndpoints struct {
 	ready      uint32
 	identities map[string]struct{}
+	domains    map[string]struct{} // their trust domains
 }
 
 // remoteReady summarises the ready endpoints of s per network other than c's.
-func remoteReady(c class, s *model.Service, trustDomain string) map[model.Network]*remoteEndpoints {
+func remoteReady(c class, s *model.Service, td trustDomains) map[model.Network]*remoteEndpoints {
 	var out map[model.Network]*remoteEndpoints
 	for cl, shard := range s.Shards {
 		if !c.seesShard(s, cl) {
@@ -266,18 +267,19 @@ func remoteReady(c class, s *model.Service, trustDomain string) map[model.Networ
 			}
 			r := out[e.Network()]
 			if r == nil {
-				r = &remoteEndpoints{identities: map[string]struct{}{}}
+				r = &remoteEndpoints{identities: map[string]struct{}{}, domains: map[string]struct{}{}}
 				out[e.Network()] = r
 			}
 			r.ready++
-			r.identities[spiffeID(trustDomain, e.Namespace(), cmp.Or(e.ServiceAccount(), "default"))] = struct{}{}
+			r.identities[spiffeID(td(cl), e.Namespace(), cmp.Or(e.ServiceAccount(), "default"))] = struct{}{}
+			r.domains[td(cl)] = struct{}{}
 		}
 	}
 	return out
 }
 
 // gatewayAddress is how a client reaches and verifies gateway gw.
-func gatewayAddress(gw model.NetworkGateway, trustDomain string) *workloadv1.GatewayAddress {
+func gatewayAddress(gw model.NetworkGateway, td trustDomains) *workloadv1.GatewayAddress {
 	ga := &workloadv1.GatewayAddress{HboneMtlsPort: uint32(cmp.Or(gw.HBONEPort, model.HBONEPort)), Capacity: gw.Capacity}
 	if gw.Address.IsValid() {
 		ga.Destination = &workloadv1.GatewayAddress_Address{Address: addrBytes(gw.Address)}
@@ -285,7 +287,7 @@ func gatewayAddress(gw model.NetworkGateway, trustDomain string) *workloadv1.Gat
 		ga.Destination = &workloadv1.GatewayAddress_Hostname{Hostname: gw.Hostname}
 	}
 	for _, sa := range gw.ServiceAccounts {
-		ga.Identities = append(ga.Identities, spiffeID(trustDomain, gw.Namespace(), sa))
+		ga.Identities = append(ga.Identities, spiffeID(td(gw.Cluster), gw.Namespace(), sa))
 	}
 	return ga
 }
@@ -295,7 +297,15 @@ func gatewayAddress(gw model.NetworkGateway, trustDomain string) *workloadv1.Gat
 // names the identities those endpoints run as, which the end-to-end TLS peer
 // must present. Its ports map every service port to itself: the gateway is
 // asked for <hostname>:<service port>.
-func splitWorkload(s *model.Service, nw model.Network, gws []model.NetworkGateway, r *remoteEndpoints, trustDomain string) *workloadv1.Address {
+func splitWorkload(s *model.Service, nw model.Network, gws []model.NetworkGateway, r *remoteEndpoints, td trustDomains) *workloadv1.Address {
+	// The workload's trust domain is its endpoints' when they share one
+	// (their identities are listed in full either way).
+	trustDomain := td("")
+	if len(r.domains) == 1 {
+		for d := range r.domains {
+			trustDomain = d
+		}
+	}
 	pl := &workloadv1.PortList{Ports: make([]*workloadv1.Port, 0, len(s.Ports))}
 	for _, p := range s.Ports {
 		pl.Ports = append(pl.Ports, &workloadv1.Port{ServicePort: uint32(p.Port), TargetPort: uint32(p.Port)})
@@ -313,7 +323,7 @@ func splitWorkload(s *model.Service, nw model.Network, gws []model.NetworkGatewa
 		Identities:     slices.Sorted(maps.Keys(r.identities)),
 	}
 	for _, gw := range gws {
-		w.NetworkGateways = append(w.NetworkGateways, gatewayAddress(gw, trustDomain))
+		w.NetworkGateways = append(w.NetworkGateways, gatewayAddress(gw, td))
 	}
 	return &workloadv1.Address{Type: &workloadv1.Address_Workload{Workload: w}}
 }

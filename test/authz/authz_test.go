@@ -25,6 +25,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/isthmus-mesh/isthmus/test/framework"
+	"github.com/isthmus-mesh/isthmus/test/meshtest"
 	"github.com/isthmus-mesh/isthmus/ztunnel/authz"
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/isthmus-mesh/isthmus/ztunnel/node"
@@ -42,9 +43,9 @@ var spiffeWeb = identity.Identity{TrustDomain: "cluster.local", Namespace: "fron
 // mesh is the running federation of the test.
 type mesh struct {
 	client  versioned.Interface // the config cluster's security.istio.io
-	dst     *ztunnel            // node-1a, cluster-1: runs cart-0
-	src     *ztunnel            // node-2a, cluster-2: runs web-0
-	gw      *ztunnel            // network-1's east-west gateway
+	dst     *meshtest.Ztunnel   // node-1a, cluster-1: runs cart-0
+	src     *meshtest.Ztunnel   // node-2a, cluster-2: runs web-0
+	gw      *meshtest.Ztunnel   // network-1's east-west gateway
 	webIP   netip.Addr
 	cartApp netip.AddrPort
 	debug   string // pilot's debug URL
@@ -55,18 +56,18 @@ func startMesh(t *testing.T) *mesh {
 	c1, c2 := clusters.Cluster("cluster-1"), clusters.Cluster("cluster-2")
 	require.NoError(t, c1.InstallCRDs("../../manifests/base/crds"))
 	for _, c := range []*framework.Cluster{c1, c2} {
-		require.NoError(t, c.EnsureNamespace(ctx, cpNS, nil))
+		require.NoError(t, c.EnsureNamespace(ctx, meshtest.Namespace, nil))
 	}
 	require.NoError(t, c1.EnsureNamespace(ctx, "shop", nil))
 	require.NoError(t, c2.EnsureNamespace(ctx, "front", nil))
-	a := newAddrs()
-	pilotIP, node1, node2, gw1 := a.next(), a.next(), a.next(), a.next()
-	m := &mesh{webIP: a.next(), cartApp: netip.AddrPortFrom(a.next(), 8080)}
+	a := meshtest.NewAddrs()
+	pilotIP, node1, node2, gw1 := a.Next(), a.Next(), a.Next(), a.Next()
+	m := &mesh{webIP: a.Next(), cartApp: netip.AddrPortFrom(a.Next(), 8080)}
 
-	p := runPilot(t, pilotIP)
+	p := meshtest.RunPilot(t, c1, pilotIP, nil)
 	m.debug = "http://" + p.DebugAddr()
-	registerCluster2(t)
-	gatewayService(t, c1, "network-1", gw1)
+	meshtest.RegisterRemote(t, c1, c2, "cluster-2", "network-2", nil)
+	meshtest.GatewayService(t, c1, "network-1", gw1)
 	_, err := c1.CreateService(ctx, "shop", "cart", map[string]string{"app": "cart"}, framework.ServicePort{Name: "tcp", Port: 80, TargetPort: 8080})
 	require.NoError(t, err)
 	_, err = c1.CreatePod(ctx, framework.PodOptions{Namespace: "shop", Name: "cart-0", Labels: map[string]string{"app": "cart"},
@@ -75,14 +76,17 @@ func startMesh(t *testing.T) *mesh {
 	_, err = c2.CreatePod(ctx, framework.PodOptions{Namespace: "front", Name: "web-0", Labels: map[string]string{"app": "web"},
 		ServiceAccount: "web", Node: "node-2a", IP: m.webIP, Ready: true})
 	require.NoError(t, err)
-	echoApp(t, m.cartApp, "cart-0")
+	meshtest.EchoApp(t, m.cartApp, "cart-0")
 
-	tok1 := proxyPod(t, c1, "ztunnel-node-1a", "node-1a", "ztunnel", node1)
-	tok2 := proxyPod(t, c2, "ztunnel-node-2a", "node-2a", "ztunnel", node2)
-	tokGW := proxyPod(t, c1, "eastwest-gateway-0", "gw-node-1", "eastwest-gateway", gw1)
-	m.dst = runZtunnel(t, p, pilotIP, node.ModeNode, "cluster-1", "network-1", "node-1a", "ztunnel", tok1, node1)
-	m.gw = runZtunnel(t, p, pilotIP, node.ModeGateway, "cluster-1", "network-1", "gw-node-1", "eastwest-gateway", tokGW, gw1)
-	m.src = runZtunnel(t, p, pilotIP, node.ModeNode, "cluster-2", "network-2", "node-2a", "ztunnel", tok2, node2)
+	tok1 := meshtest.ProxyPod(t, c1, "ztunnel-node-1a", "node-1a", "ztunnel", node1)
+	tok2 := meshtest.ProxyPod(t, c2, "ztunnel-node-2a", "node-2a", "ztunnel", node2)
+	tokGW := meshtest.ProxyPod(t, c1, "eastwest-gateway-0", "gw-node-1", "eastwest-gateway", gw1)
+	m.dst = meshtest.RunZtunnel(t, p, pilotIP, meshtest.ZtunnelOptions{Mode: node.ModeNode, Cluster: "cluster-1", Network: "network-1",
+		Node: "node-1a", ServiceAccount: "ztunnel", Token: tok1, IP: node1})
+	m.gw = meshtest.RunZtunnel(t, p, pilotIP, meshtest.ZtunnelOptions{Mode: node.ModeGateway, Cluster: "cluster-1", Network: "network-1",
+		Node: "gw-node-1", ServiceAccount: "eastwest-gateway", Token: tokGW, IP: gw1})
+	m.src = meshtest.RunZtunnel(t, p, pilotIP, meshtest.ZtunnelOptions{Mode: node.ModeNode, Cluster: "cluster-2", Network: "network-2",
+		Node: "node-2a", ServiceAccount: "ztunnel", Token: tok2, IP: node2})
 	m.client, err = versioned.NewForConfig(c1.Config)
 	require.NoError(t, err)
 	return m
@@ -90,12 +94,12 @@ func startMesh(t *testing.T) *mesh {
 
 // request opens a connection from web-0 to cart and exchanges one line.
 func (m *mesh) request(ctx context.Context, msg string) (string, error) {
-	c, err := dialVia(ctx, m.src, m.webIP, cartHost)
+	c, err := meshtest.DialVia(ctx, m.src, m.webIP, cartHost)
 	if err != nil {
 		return "", err
 	}
 	defer c.Close()
-	return exchange(c, msg)
+	return meshtest.Exchange(c, msg)
 }
 
 // allowed waits until web-0 reaches cart; refused until it cannot.
@@ -116,7 +120,7 @@ func (m *mesh) allowed(t *testing.T, why string) {
 // connections, and what it holds.
 func (m *mesh) explain(t *testing.T) {
 	t.Helper()
-	store := m.dst.n.Authorizer().Store()
+	store := m.dst.Node.Authorizer().Store()
 	ex := store.Load().Explain(authz.Conn{Workload: cartUID, Peer: spiffeWeb, DestinationIP: m.cartApp.Addr(), DestinationPort: m.cartApp.Port()})
 	t.Logf("destination ztunnel: %+v; holds %v", ex, store.Versions())
 }
@@ -165,7 +169,7 @@ func (m *mesh) remove(t *testing.T, ns, name string) {
 
 // denied returns isthmus_authz_denied_total of the destination ztunnel.
 func (m *mesh) denied(t *testing.T, ns, name, reason string) float64 {
-	return counter(t, m.dst.metrics, "isthmus_authz_denied_total", map[string]string{"namespace": ns, "policy": name, "reason": reason})
+	return meshtest.Counter(t, m.dst.Metrics, "isthmus_authz_denied_total", map[string]string{"namespace": ns, "policy": name, "reason": reason})
 }
 
 // TestAuthorizationAcrossClusters is the acceptance test: a client in
@@ -180,10 +184,10 @@ func TestAuthorizationAcrossClusters(t *testing.T) {
 	m.allowed(t, "no policy: allowed")
 
 	t.Run("DENY from the config cluster closes the open connection and refuses new ones", func(t *testing.T) {
-		open, err := dialVia(t.Context(), m.src, m.webIP, cartHost)
+		open, err := meshtest.DialVia(t.Context(), m.src, m.webIP, cartHost)
 		require.NoError(t, err)
 		defer open.Close()
-		got, err := exchange(open, "before")
+		got, err := meshtest.Exchange(open, "before")
 		require.NoError(t, err)
 		require.Equal(t, "cart-0 got before", got)
 
@@ -195,13 +199,13 @@ rules: [{from: [{source: {principals: ["`+webPeer+`"]}}]}]`)
 		_ = open.SetReadDeadline(time.Now().Add(allowWait))
 		_, err = io.ReadAll(open)
 		if err == nil {
-			_, err = exchange(open, "after")
+			_, err = meshtest.Exchange(open, "after")
 		}
 		require.Error(t, err, "the open connection is closed")
 		require.Positive(t, m.denied(t, "shop", "deny-web", authz.ReasonDenyPolicy))
 		// At least the open one (a connection the check loop closed may
 		// still have been open on the destination's side).
-		require.GreaterOrEqual(t, counter(t, m.dst.metrics, "isthmus_authz_revoked_total",
+		require.GreaterOrEqual(t, meshtest.Counter(t, m.dst.Metrics, "isthmus_authz_revoked_total",
 			map[string]string{"namespace": "shop", "policy": "deny-web", "reason": authz.ReasonDenyPolicy}), 1.0)
 		m.remove(t, "shop", "deny-web")
 		m.allowed(t, "DENY removed")
@@ -229,7 +233,7 @@ rules: [{from: [{source: {principals: ["cluster.local/ns/shop/sa/admin"]}}]}]`)
 selector: {matchLabels: {app: cart}}
 rules: [{from: [{source: {principals: ["spiffe://`+webPeer+`", "cluster.local/ns/shop/sa/admin"]}}], to: [{operation: {ports: ["8080"]}}]}]`)
 		m.allowed(t, "ALLOW naming web")
-		d := m.dst.n.Authorizer().Check(authz.Conn{Workload: cartUID, Peer: spiffeWeb, DestinationIP: m.cartApp.Addr(), DestinationPort: m.cartApp.Port()})
+		d := m.dst.Node.Authorizer().Check(authz.Conn{Workload: cartUID, Peer: spiffeWeb, DestinationIP: m.cartApp.Addr(), DestinationPort: m.cartApp.Port()})
 		require.Equal(t, authz.Decision{Allowed: true, Namespace: "shop", Name: "cart-callers"}, d, "allowed by the ALLOW naming web")
 	})
 
@@ -262,14 +266,14 @@ rules: [{from: [{source: {namespaces: ["front"]}}], to: [{operation: {methods: [
 
 	t.Run("PeerAuthentication governs the plaintext path", func(t *testing.T) {
 		listen := netip.AddrPortFrom(m.cartApp.Addr(), 15006)
-		plaintextPort(t, m.dst.n.Authorizer(), cartUID, listen, m.cartApp)
+		plaintextPort(t, m.dst.Node.Authorizer(), cartUID, listen, m.cartApp)
 		client := func() (string, error) {
 			c, err := net.DialTimeout("tcp", listen.String(), 5*time.Second)
 			if err != nil {
 				return "", err
 			}
 			defer c.Close()
-			return exchange(c, "plain")
+			return meshtest.Exchange(c, "plain")
 		}
 		// STRICT by default: refused, and counted.
 		_, err := client()
@@ -295,17 +299,17 @@ rules: [{from: [{source: {namespaces: ["front"]}}], to: [{operation: {methods: [
 		open, err := net.DialTimeout("tcp", listen.String(), 5*time.Second)
 		require.NoError(t, err)
 		defer open.Close()
-		got, err := exchange(open, "open")
+		got, err := meshtest.Exchange(open, "open")
 		require.NoError(t, err)
 		require.Equal(t, "cart-0 got open", got)
 		require.NoError(t, m.client.SecurityV1().PeerAuthentications("shop").Delete(t.Context(), "permissive", metav1.DeleteOptions{}))
 		_ = open.SetReadDeadline(time.Now().Add(allowWait))
 		_, err = io.ReadAll(open)
 		if err == nil {
-			_, err = exchange(open, "after")
+			_, err = meshtest.Exchange(open, "after")
 		}
 		require.Error(t, err)
-		require.Equal(t, 1.0, counter(t, m.dst.metrics, "isthmus_authz_revoked_total",
+		require.Equal(t, 1.0, meshtest.Counter(t, m.dst.Metrics, "isthmus_authz_revoked_total",
 			map[string]string{"namespace": "", "policy": "", "reason": authz.ReasonMTLSRequired}))
 	})
 

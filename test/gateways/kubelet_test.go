@@ -156,7 +156,9 @@ func (k *kubelet) volumes(obj *corev1.Pod, ctr corev1.Container) map[string]stri
 					return err == nil
 				}, 30*time.Second, 20*time.Millisecond, "ConfigMap %s/%s of volume %s", obj.Namespace, v.ConfigMap.Name, v.Name)
 				for _, it := range v.ConfigMap.Items {
-					require.NoError(t, os.WriteFile(filepath.Join(dir, it.Path), []byte(cm.Data[it.Key]), 0o600))
+					data, ok := cm.Data[it.Key]
+					require.True(t, ok, "ConfigMap %s/%s has no key %s", obj.Namespace, cm.Name, it.Key)
+					require.NoError(t, os.WriteFile(filepath.Join(dir, it.Path), []byte(data), 0o600))
 				}
 			default:
 				t.Fatalf("volume %s: unsupported source", v.Name)

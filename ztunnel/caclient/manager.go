@@ -37,6 +37,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 	pb "istio.io/api/security/v1alpha1"
 
+	"github.com/isthmus-mesh/isthmus/internal/spiffe"
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/isthmus-mesh/isthmus/ztunnel/state"
 )
@@ -111,8 +112,9 @@ func (c Config) withDefaults() Config {
 type Deps struct {
 	// Token returns the node's ServiceAccount token for each request.
 	Token TokenSource
-	// Roots are the mesh roots: the CA's serving certificate and every
-	// issued chain must verify against them. They are read at every
+	// Roots are the trusted roots: the CA's serving certificate must verify
+	// against the control plane's, every issued chain against the trust
+	// bundle's roots of its trust domain. They are read at every
 	// verification, so a RootsFile's reload applies at once.
 	Roots RootSource
 	// Store, when set, drives prefetching and dropping (see Run).
@@ -192,8 +194,8 @@ func New(cfg Config, deps Deps) (*Manager, error) {
 	}, nil
 }
 
-// Roots returns the mesh roots.
-func (m *Manager) Roots() *x509.CertPool { return m.deps.Roots.Roots() }
+// TrustBundle returns the trusted domains and their roots.
+func (m *Manager) TrustBundle() *spiffe.TrustBundle { return m.deps.Roots.TrustBundle() }
 
 // Certificate returns the certificate of id: the cached one while it is
 // valid (starting a background renewal once it is past its renewal time),
@@ -337,9 +339,10 @@ func (m *Manager) fetch(id identity.Identity) (*tls.Certificate, error) {
 }
 
 // checkChain parses the CA's [leaf, intermediates..., root] answer and
-// checks that the leaf holds key, names exactly id and chains to Roots.
+// checks that the leaf holds key, names exactly id and chains to the roots
+// of id's trust domain in the trust bundle.
 func (m *Manager) checkChain(id identity.Identity, key *ecdsa.PrivateKey, chainPEM []string) (*tls.Certificate, error) {
-	certs, err := parseCerts([]byte(strings.Join(chainPEM, "\n")))
+	certs, err := spiffe.ParseCertificatesPEM([]byte(strings.Join(chainPEM, "\n")))
 	if err != nil {
 		return nil, fmt.Errorf("certificate for %s: %w", id, err)
 	}
@@ -354,19 +357,14 @@ func (m *Manager) checkChain(id identity.Identity, key *ecdsa.PrivateKey, chainP
 	if err != nil || got != id {
 		return nil, fmt.Errorf("certificate for %s: leaf names %s (%v)", id, got, err)
 	}
-	inter := x509.NewCertPool()
 	out := &tls.Certificate{Certificate: [][]byte{leaf.Raw}, PrivateKey: key, Leaf: leaf}
 	for _, c := range certs[1:] {
-		inter.AddCert(c)
 		if !isSelfSigned(c) {
 			out.Certificate = append(out.Certificate, c.Raw)
 		}
 	}
-	if _, err := leaf.Verify(x509.VerifyOptions{
-		Roots: m.deps.Roots.Roots(), Intermediates: inter, CurrentTime: m.deps.Now(),
-		KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny},
-	}); err != nil {
-		return nil, fmt.Errorf("certificate for %s does not chain to the mesh roots: %w", id, err)
+	if _, err := m.deps.Roots.TrustBundle().Verify(certs, m.deps.Now()); err != nil {
+		return nil, fmt.Errorf("certificate for %s does not chain to the roots of its trust domain: %w", id, err)
 	}
 	return out, nil
 }

@@ -52,12 +52,12 @@ func newEnv(t *testing.T, tweak func(*caclient.Config, *caclient.Deps)) *env {
 	t.Helper()
 	srv := catest.Start(t, catest.Options{ConfigCluster: cluster})
 	srv.AddNode(t, token, cluster, node)
-	roots, err := caclient.RootsFromPEM(srv.RootsPEM)
+	roots, err := caclient.NewStaticRoots(td, srv.RootsPEM, nil)
 	require.NoError(t, err)
 	store := state.NewStore()
 	cfg := caclient.Config{Address: srv.Addr, ClusterID: cluster, Node: node, NodeIdentity: nodeID, RetryInitial: 50 * time.Millisecond}
 	deps := caclient.Deps{
-		Token: caclient.StaticToken(token), Roots: caclient.StaticRoots{Pool: roots}, Store: store,
+		Token: caclient.StaticToken(token), Roots: roots, Store: store,
 		Log: slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug})),
 	}
 	if tweak != nil {

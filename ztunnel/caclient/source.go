@@ -3,11 +3,12 @@ package caclient
 import (
 	"context"
 	"crypto/x509"
-	"encoding/pem"
 	"errors"
 	"fmt"
 	"os"
 	"strings"
+
+	"github.com/isthmus-mesh/isthmus/internal/spiffe"
 )
 
 // TokenSource returns the bearer token sent to the CA. It is called for
@@ -44,7 +45,7 @@ func StaticToken(tok string) TokenSource {
 // RootsFromPEM returns a pool of every CERTIFICATE in pemBytes (the mesh
 // root bundle, several roots during a rotation).
 func RootsFromPEM(pemBytes []byte) (*x509.CertPool, error) {
-	certs, err := parseCerts(pemBytes)
+	certs, err := spiffe.ParseCertificatesPEM(pemBytes)
 	if err != nil {
 		return nil, err
 	}
@@ -56,24 +57,4 @@ func RootsFromPEM(pemBytes []byte) (*x509.CertPool, error) {
 		pool.AddCert(c)
 	}
 	return pool, nil
-}
-
-// parseCerts decodes every CERTIFICATE block of data, skipping other blocks.
-func parseCerts(data []byte) ([]*x509.Certificate, error) {
-	var out []*x509.Certificate
-	for {
-		var block *pem.Block
-		block, data = pem.Decode(data)
-		if block == nil {
-			return out, nil
-		}
-		if block.Type != "CERTIFICATE" {
-			continue
-		}
-		c, err := x509.ParseCertificate(block.Bytes)
-		if err != nil {
-			return nil, fmt.Errorf("parse certificate: %w", err)
-		}
-		out = append(out, c)
-	}
 }

@@ -303,7 +303,7 @@ func (c *Client) newConn(ctx context.Context, req DialRequest) (*http2.ClientCon
 	if err != nil {
 		return nil, nil, "", fmt.Errorf("hbone dial %s%s: %w", req.Addr, req.UnderlayKey, err)
 	}
-	tc := newTLSConn(raw, clientTLS(cert, c.certs, req.Peers, req.Source.TrustDomain), true)
+	tc := newTLSConn(raw, clientTLS(cert, c.certs, req.Peers), true)
 	if err := tc.HandshakeContext(ctx); err != nil {
 		raw.Close()
 		return nil, nil, "", fmt.Errorf("hbone handshake %s%s: %w", req.Addr, req.UnderlayKey, err)

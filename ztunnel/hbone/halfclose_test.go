@@ -121,7 +121,7 @@ func TestHalfCloseServerToClientEndsWhenClientIsSilent(t *testing.T) {
 func TestResetOuterStreamEndsInnerStreams(t *testing.T) {
 	inner := newEnv(t, ClientConfig{})
 	upstreams := make(chan net.Conn, 1)
-	gw, err := NewServer(ServerConfig{TrustDomain: "cluster.local"}, ServerDeps{
+	gw, err := NewServer(ServerConfig{}, ServerDeps{
 		Certs: inner.certs,
 		Select: func(ctx context.Context, _ netip.Addr) (*tls.Certificate, error) {
 			return inner.certs.Certificate(ctx, serverID)

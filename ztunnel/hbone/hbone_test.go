@@ -87,7 +87,6 @@ func newEnvConfig(t *testing.T, scfg ServerConfig, ccfg ClientConfig) *env {
 	e := &env{ca: ca, certs: certs, echo: startEchoTCP(t)}
 	m, err := metrics.New(prometheus.NewRegistry())
 	require.NoError(t, err)
-	scfg.TrustDomain = "cluster.local"
 	e.srv, err = NewServer(scfg, ServerDeps{
 		Certs:   certs,
 		Metrics: m,

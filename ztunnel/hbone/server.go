@@ -32,7 +32,11 @@ const (
 	ReasonNotTLS           = "not_tls"
 	ReasonHandshakeTimeout = "handshake_timeout"
 	ReasonNoClientCert     = "no_client_cert"
-	ReasonUntrustedCert    = "untrusted_cert"
+	// ReasonUntrustedCert: the client's chain does not verify against the
+	// roots of the trust domain it names, or it is no workload X509-SVID.
+	ReasonUntrustedCert = "untrusted_cert"
+	// ReasonWrongTrustDomain: the client's trust domain is not in the
+	// trust bundle (not federated).
 	ReasonWrongTrustDomain = "wrong_trust_domain"
 	ReasonNoCertificate    = "no_server_certificate"
 	ReasonHandshake        = "handshake_failed"
@@ -104,8 +108,6 @@ func (f HandlerFunc) Connect(ctx context.Context, req *Request) (Upstream, error
 type ServerConfig struct {
 	// Reporter labels metrics (metrics.ReporterDestination or ReporterGateway).
 	Reporter string
-	// TrustDomain is the trust domain clients must belong to.
-	TrustDomain string
 	// HandshakeTimeout bounds the TLS handshake (slow-loris protection).
 	HandshakeTimeout time.Duration
 	// MaxHeaderBytes bounds the CONNECT request headers.
@@ -232,9 +234,6 @@ func NewServer(cfg ServerConfig, deps ServerDeps) (*Server, error) {
 		return nil, errors.New("hbone: server needs Certs, Select and Handler")
 	}
 	cfg = cfg.withDefaults()
-	if cfg.TrustDomain == "" {
-		return nil, errors.New("hbone: server needs a trust domain")
-	}
 	log := deps.Log
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -242,7 +241,7 @@ func NewServer(cfg ServerConfig, deps ServerDeps) (*Server, error) {
 	ctx, stop := context.WithCancel(context.Background())
 	s := &Server{
 		cfg: cfg, deps: deps, log: log, ctx: ctx, stop: stop,
-		tls: serverTLS(deps.Select, deps.Certs, cfg.TrustDomain),
+		tls: serverTLS(deps.Select, deps.Certs),
 		h2: &http2.Server{
 			MaxConcurrentStreams:         cfg.MaxConcurrentStreams,
 			MaxReadFrameSize:             cfg.MaxFrameSize,

@@ -154,7 +154,7 @@ func newServerFuzzer(t testing.TB) *serverFuzzer {
 	if err != nil {
 		t.Fatal(err)
 	}
-	fz.clientTLS = clientTLS(cert, fz.certs, []identity.Identity{serverID}, "cluster.local")
+	fz.clientTLS = clientTLS(cert, fz.certs, []identity.Identity{serverID})
 	return fz
 }
 
@@ -163,7 +163,7 @@ func newServerFuzzer(t testing.TB) *serverFuzzer {
 func (fz *serverFuzzer) start(t *testing.T) (srv *Server, addr string, us *upstreams, stop func()) {
 	us = &upstreams{}
 	handler := func(ctx context.Context, req *Request) (Upstream, error) { return fz.connect(ctx, req, us) }
-	srv, err := NewServer(ServerConfig{TrustDomain: "cluster.local", MaxHeaderBytes: fuzzServerMaxHeaderBytes, HalfCloseTimeout: 100 * time.Millisecond},
+	srv, err := NewServer(ServerConfig{MaxHeaderBytes: fuzzServerMaxHeaderBytes, HalfCloseTimeout: 100 * time.Millisecond},
 		ServerDeps{Certs: fz.certs, Metrics: fz.metrics, Handler: HandlerFunc(handler),
 			Select: func(ctx context.Context, _ netip.Addr) (*tls.Certificate, error) {
 				return fz.certs.Certificate(ctx, serverID)

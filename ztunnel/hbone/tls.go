@@ -23,8 +23,9 @@ var ErrNoCertificate = errors.New("no certificate for local address")
 
 // serverTLS returns the TLS 1.3 configuration of an HBONE server: the
 // certificate is chosen by the connection's local address, and the client
-// must present a certificate chaining to roots() from trustDomain.
-func serverTLS(sel CertSelector, src identity.CertSource, trustDomain string) *tls.Config {
+// must present an X509-SVID of a trust domain of src's trust bundle,
+// chaining to that domain's roots.
+func serverTLS(sel CertSelector, src identity.CertSource) *tls.Config {
 	return &tls.Config{
 		MinVersion: tls.VersionTLS13,
 		NextProtos: []string{ALPN},
@@ -41,17 +42,16 @@ func serverTLS(sel CertSelector, src identity.CertSource, trustDomain string) *t
 			return sel(hello.Context(), local.Addr())
 		},
 		VerifyConnection: func(cs tls.ConnectionState) error {
-			_, err := identity.VerifyPeer(cs.PeerCertificates, identity.PeerPolicy{
-				Roots: src.Roots(), TrustDomain: trustDomain,
-			}, time.Now())
+			_, err := identity.VerifyPeer(cs.PeerCertificates, identity.PeerPolicy{Bundle: src.TrustBundle()}, time.Now())
 			return err
 		},
 	}
 }
 
 // clientTLS returns the TLS 1.3 configuration of an HBONE client presenting
-// cert and accepting only a peer of the identities peers.
-func clientTLS(cert *tls.Certificate, src identity.CertSource, peers []identity.Identity, trustDomain string) *tls.Config {
+// cert and accepting only a peer of the identities peers, verified against
+// the roots of the peer's own trust domain.
+func clientTLS(cert *tls.Certificate, src identity.CertSource, peers []identity.Identity) *tls.Config {
 	return &tls.Config{
 		MinVersion:                  tls.VersionTLS13,
 		NextProtos:                  []string{ALPN},
@@ -64,9 +64,7 @@ func clientTLS(cert *tls.Certificate, src identity.CertSource, peers []identity.
 		// chain and the identity instead.
 		InsecureSkipVerify: true, //nolint:gosec // verified in VerifyConnection
 		VerifyConnection: func(cs tls.ConnectionState) error {
-			_, err := identity.VerifyPeer(cs.PeerCertificates, identity.PeerPolicy{
-				Roots: src.Roots(), TrustDomain: trustDomain, Allowed: peers,
-			}, time.Now())
+			_, err := identity.VerifyPeer(cs.PeerCertificates, identity.PeerPolicy{Bundle: src.TrustBundle(), Allowed: peers}, time.Now())
 			return err
 		},
 	}

@@ -1,6 +1,8 @@
 // Package identity holds SPIFFE workload identities, the CertSource interface
-// through which ztunnel obtains workload certificates, a caching CertSource,
-// and the peer-verification rules used by every HBONE hop.
+// through which ztunnel obtains workload certificates and the trust bundle,
+// a caching CertSource, and the peer-verification rules used by every HBONE
+// hop: a peer is verified against the roots of its own trust domain
+// (internal/spiffe's TrustBundle), then against the identities expected.
 package identity
 
 import (

@@ -10,6 +10,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/isthmus-mesh/isthmus/internal/spiffe"
 )
 
 // CertSource issues workload certificates. The CA client implements it; tests
@@ -18,8 +20,12 @@ type CertSource interface {
 	// Certificate returns a certificate chain and key for id. The leaf must
 	// carry id as its only SPIFFE URI SAN; Leaf should be populated.
 	Certificate(ctx context.Context, id Identity) (*tls.Certificate, error)
-	// Roots returns the trust anchors used to verify peers.
-	Roots() *x509.CertPool
+	// TrustBundle returns the trust domains whose identities are
+	// accepted, each with its own roots: a peer is verified against the
+	// roots of the domain it names. It may change between calls (a root
+	// rotation, a newly federated domain); callers read it for every
+	// verification.
+	TrustBundle() *spiffe.TrustBundle
 }
 
 // Cache is a CertSource that keeps one certificate per identity and asks the
@@ -70,8 +76,8 @@ func (c *Cache) fresh(cert *tls.Certificate) bool {
 	return c.now().Before(half)
 }
 
-// Roots returns the roots of the underlying source.
-func (c *Cache) Roots() *x509.CertPool { return c.src.Roots() }
+// TrustBundle returns the trust bundle of the underlying source.
+func (c *Cache) TrustBundle() *spiffe.TrustBundle { return c.src.TrustBundle() }
 
 // CertInfo describes a cached certificate without its private key.
 type CertInfo struct {

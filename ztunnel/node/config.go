@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc/credentials"
 
+	"github.com/isthmus-mesh/isthmus/internal/spiffe"
 	"github.com/isthmus-mesh/isthmus/ztunnel/authz"
 	"github.com/isthmus-mesh/isthmus/ztunnel/caclient"
 	"github.com/isthmus-mesh/isthmus/ztunnel/proxy"
@@ -41,7 +42,10 @@ type Config struct {
 	Network   string
 	// Mode is node or gateway.
 	Mode Mode
-	// TrustDomain is the mesh trust domain.
+	// TrustDomain is the trust domain of this ztunnel's cluster: its own
+	// identity's (the CA issues certificates in the caller's cluster's
+	// domain), and the one its PEM roots vouch for when there is no trust
+	// bundle.
 	TrustDomain string
 	// Namespace and ServiceAccount are the ztunnel's own account; they form
 	// its identity (the gateway's identity in gateway mode).
@@ -65,11 +69,17 @@ type Config struct {
 	// TokenFile is the projected ServiceAccount token, re-read for each
 	// certificate request (unless Deps.Token is set).
 	TokenFile string
-	// RootCertFile is the mesh root bundle (unless Deps.RootsPEM is set),
-	// re-read every RootsReloadInterval so that a root rotation (the
-	// ConfigMap pilot publishes, updated in place) applies without a
-	// restart.
+	// RootCertFile is the control plane's root bundle (PEM; unless
+	// Deps.RootsPEM is set): pilot's serving certificate chains to it.
+	// TrustBundleFile is the SPIFFE trust bundle map (unless
+	// Deps.RootsPEM is set): each trusted trust domain with its roots,
+	// against which peers are verified; when the file does not exist, the
+	// PEM roots are TrustDomain's only (a mesh of one trust domain). Both
+	// are re-read every RootsReloadInterval, so that a root rotation or a
+	// newly federated domain (the ConfigMap pilot publishes, updated in
+	// place) applies without a restart.
 	RootCertFile        string
+	TrustBundleFile     string
 	RootsReloadInterval time.Duration
 	// CertTTL is the certificate lifetime asked for; zero lets the CA choose.
 	CertTTL time.Duration
@@ -135,6 +145,7 @@ var DefaultConfig = Config{
 	ServiceAccount:        "ztunnel",
 	TokenFile:             "/var/run/secrets/tokens/isthmus-token",
 	RootCertFile:          "/var/run/secrets/isthmus/root-cert.pem",
+	TrustBundleFile:       "/var/run/secrets/isthmus/trust-bundle.json",
 	RootsReloadInterval:   10 * time.Second,
 	HBONEPort:             15008,
 	OutboundListen:        "127.0.0.1:15001",
@@ -167,6 +178,7 @@ func (c Config) withDefaults() Config {
 	or(&c.CAServerName, hostOf(c.CAAddress))
 	or(&c.TokenFile, d.TokenFile)
 	or(&c.RootCertFile, d.RootCertFile)
+	or(&c.TrustBundleFile, d.TrustBundleFile)
 	if c.RootsReloadInterval <= 0 {
 		c.RootsReloadInterval = d.RootsReloadInterval
 	}
@@ -212,6 +224,9 @@ func (c Config) validate() error {
 	if c.Mode == ModeGateway && c.Network == "" {
 		errs = append(errs, errors.New("a gateway needs its Network"))
 	}
+	if err := spiffe.ValidateTrustDomain(c.TrustDomain); err != nil {
+		errs = append(errs, err)
+	}
 	if c.Mode == ModeGateway && c.InPodSocket != "" {
 		errs = append(errs, errors.New("a gateway serves no pods: InPodSocket is for node mode"))
 	}
@@ -232,8 +247,11 @@ type Deps struct {
 	Log *slog.Logger
 	// Token replaces Config.TokenFile.
 	Token caclient.TokenSource
-	// RootsPEM replaces Config.RootCertFile.
-	RootsPEM []byte
+	// RootsPEM replaces Config.RootCertFile, and TrustBundle (a SPIFFE
+	// trust bundle map) Config.TrustBundleFile; a nil TrustBundle makes
+	// RootsPEM Config.TrustDomain's only roots.
+	RootsPEM    []byte
+	TrustBundle []byte
 	// XDSCredentials replace the xDS transport credentials chosen by
 	// Config.XDSPlaintext.
 	XDSCredentials credentials.TransportCredentials

@@ -99,13 +99,14 @@ func New(cfg Config, deps Deps) (*Node, error) {
 	}
 	var roots caclient.RootSource
 	if deps.RootsPEM != nil {
-		pool, err := caclient.RootsFromPEM(deps.RootsPEM)
+		static, err := caclient.NewStaticRoots(cfg.TrustDomain, deps.RootsPEM, deps.TrustBundle)
 		if err != nil {
 			return nil, fmt.Errorf("ztunnel: %w", err)
 		}
-		roots = caclient.StaticRoots{Pool: pool}
+		roots = static
 	} else {
-		rf, err := caclient.NewRootsFile(cfg.RootCertFile, cfg.RootsReloadInterval, log)
+		rf, err := caclient.NewRootsFile(caclient.RootsFileConfig{Path: cfg.RootCertFile, TrustBundlePath: cfg.TrustBundleFile,
+			TrustDomain: cfg.TrustDomain, Interval: cfg.RootsReloadInterval}, log)
 		if err != nil {
 			return nil, fmt.Errorf("ztunnel: %w", err)
 		}
@@ -164,7 +165,7 @@ func (n *Node) buildProxies() error {
 	if err != nil {
 		return fmt.Errorf("ztunnel metrics: %w", err)
 	}
-	pcfg := proxy.Config{Node: n.cfg.NodeName, TrustDomain: n.cfg.TrustDomain, HBONEPort: n.cfg.HBONEPort, NodeIPs: n.cfg.NodeIPs}
+	pcfg := proxy.Config{Node: n.cfg.NodeName, HBONEPort: n.cfg.HBONEPort, NodeIPs: n.cfg.NodeIPs}
 	pdeps := proxy.Deps{Store: n.store, Certs: n.certs, Metrics: m, Log: n.log, Listen: n.deps.Listen}
 	if n.authz != nil {
 		pdeps.Authorizer = n.authz

@@ -100,7 +100,7 @@ func BenchmarkCapturedVsSOCKS5(b *testing.B) {
 
 	// SOCKS5: an outbound of A's, as a node ztunnel offers it, on A's own
 	// address (not captured: it is A's loopback route).
-	out, err := proxy.NewOutbound(proxy.Config{Node: "node-1", TrustDomain: td},
+	out, err := proxy.NewOutbound(proxy.Config{Node: "node-1"},
 		proxy.Deps{Store: e.store, Certs: e.certs, Dialer: &netns.Dialer{NetNS: e.a, Mark: redirect.Mark}}, state.Selector{})
 	require.NoError(b, err)
 	sln, err := netns.Listen(context.Background(), e.a, "tcp", netip.AddrPortFrom(a4, 15080).String(), nil)

@@ -151,7 +151,7 @@ func dup(t testing.TB, f *os.File) *os.File {
 // hand them over.
 func (e *env) start(t testing.TB) *Manager {
 	t.Helper()
-	m, err := New(Config{Proxy: proxy.Config{Node: "node-1", TrustDomain: td}, Cluster: "c1", Network: "n1",
+	m, err := New(Config{Proxy: proxy.Config{Node: "node-1"}, Cluster: "c1", Network: "n1",
 		Mark: redirect.Mark, DNS: dns.Config{Upstreams: []string{cmp.Or(e.upstream, "127.0.0.1:1")}}},
 		Deps{Store: e.store, Certs: e.certs, Metrics: e.m, DNSMetrics: e.dnsM, Log: testLog(t),
 			Plaintext: func(*state.Workload, netip.AddrPort, netip.AddrPort) bool { return e.permissive.Load() }})

@@ -36,8 +36,6 @@ const (
 type Config struct {
 	// Node is this ztunnel's node; local workloads have Workload.Node == Node.
 	Node string
-	// TrustDomain is the mesh trust domain.
-	TrustDomain string
 	// HBONEPort is the port HBONE is served on (15008).
 	HBONEPort uint16
 	// DialTimeout bounds plain TCP dials to workloads and endpoints.
@@ -65,7 +63,6 @@ type Config struct {
 
 // DefaultConfig holds the defaults.
 var DefaultConfig = Config{
-	TrustDomain:             "cluster.local",
 	HBONEPort:               15008,
 	DialTimeout:             5 * time.Second,
 	EjectionTime:            30 * time.Second,
@@ -76,9 +73,6 @@ var DefaultConfig = Config{
 
 func (c Config) withDefaults() Config {
 	d := DefaultConfig
-	if c.TrustDomain == "" {
-		c.TrustDomain = d.TrustDomain
-	}
 	if c.HBONEPort == 0 {
 		c.HBONEPort = d.HBONEPort
 	}
@@ -97,7 +91,6 @@ func (c Config) withDefaults() Config {
 	if c.MaxClientConnsPerSource <= 0 {
 		c.MaxClientConnsPerSource = d.MaxClientConnsPerSource
 	}
-	c.Server.TrustDomain = c.TrustDomain
 	return c
 }
 

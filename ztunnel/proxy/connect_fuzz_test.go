@@ -170,7 +170,7 @@ func FuzzInboundConnect(f *testing.F) {
 		w, ok := st.Load().WorkloadByAddr(ap.Addr())
 		return ok && w.Node == "node-b" && w.ServesPort(ap.Port())
 	}}
-	in, err := NewInbound(Config{Node: "node-b", TrustDomain: trustDomain}, fuzzDeps(f, st, d))
+	in, err := NewInbound(Config{Node: "node-b"}, fuzzDeps(f, st, d))
 	if err != nil {
 		f.Fatal(err)
 	}
@@ -229,7 +229,7 @@ func FuzzGatewayConnect(f *testing.F) {
 		return ok && ap.Port() == 15008 && w.Network == "n2" && w.Protocol == state.TunnelHBONE && w.Status == state.StatusReady
 	}}
 	gwID := identity.Identity{TrustDomain: trustDomain, Namespace: "isthmus-system", ServiceAccount: "eastwest"}
-	gw, err := NewGateway(GatewayConfig{Config: Config{Node: "node-g", TrustDomain: trustDomain}, Network: "n2", Cluster: "c2", Identity: gwID},
+	gw, err := NewGateway(GatewayConfig{Config: Config{Node: "node-g"}, Network: "n2", Cluster: "c2", Identity: gwID},
 		fuzzDeps(f, st, d), state.Selector{Rand: func(n uint64) uint64 { return n / 2 }})
 	if err != nil {
 		f.Fatal(err)

@@ -245,7 +245,7 @@ func newMesh(t testing.TB, tweak func(*mesh)) *mesh {
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	cfg := func(node string) Config {
-		return Config{Node: node, TrustDomain: trustDomain, Server: m.serverConfig, Client: m.clientConfig}
+		return Config{Node: node, Server: m.serverConfig, Client: m.clientConfig}
 	}
 	m.inB, err = NewInbound(cfg("node-b"), Deps{Store: m.n1, Certs: m.certs, Metrics: m.mB, Log: testLog(t)})
 	require.NoError(t, err)

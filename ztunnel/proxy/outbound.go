@@ -35,6 +35,12 @@ const (
 	// ReasonPeerIdentity: the destination (directly, or end to end behind
 	// a gateway) presented an identity it may not.
 	ReasonPeerIdentity = "peer_identity_mismatch"
+	// ReasonPeerTrustDomain: a peer (gateway or destination) presented an
+	// identity of a trust domain that is not in the trust bundle.
+	ReasonPeerTrustDomain = "peer_trust_domain_unknown"
+	// ReasonPeerUntrusted: a peer's certificate does not chain to the
+	// roots of the trust domain it names.
+	ReasonPeerUntrusted = "peer_untrusted"
 	// ReasonConnLimit and ReasonSourceConnLimit: the outbound listeners'
 	// connection caps.
 	ReasonConnLimit       = "connection_limit"
@@ -487,6 +493,10 @@ func dialReason(err error) string {
 		return ReasonGatewayIdentity
 	case errors.Is(err, identity.ErrUnexpectedIdentity):
 		return ReasonPeerIdentity
+	case errors.Is(err, identity.ErrWrongTrustDomain):
+		return ReasonPeerTrustDomain
+	case errors.Is(err, identity.ErrUntrustedPeer), errors.Is(err, identity.ErrNoIdentity):
+		return ReasonPeerUntrusted
 	default:
 		return ReasonUpstreamUnavailble
 	}

@@ -84,9 +84,11 @@ func TestInboundRefusals(t *testing.T) {
 	require.NoError(t, err)
 	otherCA, err := testca.New("evil.local")
 	require.NoError(t, err)
-	foreign, err := otherCA.Certificate(t.Context(), identity.Identity{TrustDomain: "evil.local", Namespace: "default", ServiceAccount: "client"})
+	// Our trust domain, signed by another root.
+	foreign, err := otherCA.Sign(workloadID("client"))
 	require.NoError(t, err)
-	// Signed by our root but naming another trust domain.
+	// Naming a trust domain that is not in the trust bundle (signed by our
+	// root or not: the domain alone refuses it).
 	wrongTD, err := m.ca.Sign(identity.Identity{TrustDomain: "evil.local", Namespace: "default", ServiceAccount: "client"})
 	require.NoError(t, err)
 

@@ -38,7 +38,7 @@ var (
 // (a forged gateway Service, a hijacked address) would run.
 func (m *mesh) rogueGateway(t *testing.T) (*state.NetworkGateway, *metrics.Metrics) {
 	mm := newMetrics(t)
-	g, err := NewGateway(GatewayConfig{Config: Config{Node: "node-evil", TrustDomain: trustDomain}, Network: "n2", Cluster: "c2", Identity: tenantID},
+	g, err := NewGateway(GatewayConfig{Config: Config{Node: "node-evil"}, Network: "n2", Cluster: "c2", Identity: tenantID},
 		Deps{Store: m.n2, Certs: m.certs, Metrics: mm, Log: testLog(t)}, state.Selector{})
 	require.NoError(t, err)
 	ln, err := net.Listen("tcp", netip.AddrPortFrom(nextAddr(), 15008).String())
@@ -130,7 +130,7 @@ func TestSameNetworkPeerIdentityIsExact(t *testing.T) {
 	startEcho(t, d1)
 	view := state.NewStore()
 	view.Update(func(tx *state.Tx) { tx.UpsertWorkload(pod("d1", d1, "node-d", "n1", "c1", "evil")) })
-	in, err := NewInbound(Config{Node: "node-d", TrustDomain: trustDomain}, Deps{Store: view, Certs: m.certs, Log: testLog(t)})
+	in, err := NewInbound(Config{Node: "node-d"}, Deps{Store: view, Certs: m.certs, Log: testLog(t)})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
@@ -274,7 +274,7 @@ func TestBaggageNeverBecomesALabel(t *testing.T) {
 func TestNodeAddressIsNeitherSourceNorDestination(t *testing.T) {
 	nodeIP := nextAddr()
 	m := newMesh(t, nil)
-	out, err := NewOutbound(Config{Node: "node-a", TrustDomain: trustDomain, NodeIPs: []netip.Addr{nodeIP}},
+	out, err := NewOutbound(Config{Node: "node-a", NodeIPs: []netip.Addr{nodeIP}},
 		Deps{Store: m.n1, Certs: m.certs, Metrics: m.mOut, Log: testLog(t)}, state.Selector{})
 	require.NoError(t, err)
 	raw, err := net.Listen("tcp", netip.AddrPortFrom(nodeIP, 15001).String())
@@ -389,7 +389,7 @@ func TestConnectionCaps(t *testing.T) {
 		return err == nil
 	}, 5*time.Second, 10*time.Millisecond, "the peer's slot is free again once its connection closed")
 
-	out, err := NewOutbound(Config{Node: "node-a", TrustDomain: trustDomain, MaxClientConnsPerSource: 1},
+	out, err := NewOutbound(Config{Node: "node-a", MaxClientConnsPerSource: 1},
 		Deps{Store: m.n1, Certs: m.certs, Metrics: m.mOut, Log: testLog(t),
 			Dialer: &net.Dialer{LocalAddr: net.TCPAddrFromAddrPort(netip.AddrPortFrom(nextAddr(), 0))}}, state.Selector{})
 	require.NoError(t, err)

@@ -72,6 +72,7 @@ spec:
         - --ca-address={{ include "ztunnel.xdsAddress" . }}
         - --ca-token=/var/run/secrets/tokens/isthmus-token
         - --root-cert=/var/run/secrets/isthmus/root-cert.pem
+        - --trust-bundle=/var/run/secrets/isthmus/trust-bundle.json
         - --hbone-port={{ .Values.ports.hbone }}
         {{- if eq .Values.mode "node" }}
         {{- if .Values.inpod.enabled }}
@@ -181,6 +182,8 @@ spec:
         items:
           - key: root-cert.pem
             path: root-cert.pem
+          - key: trust-bundle.json
+            path: trust-bundle.json
   {{- with .Values.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}

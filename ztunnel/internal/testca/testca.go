@@ -17,6 +17,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/isthmus-mesh/isthmus/internal/spiffe"
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 )
 
@@ -25,7 +26,7 @@ type CA struct {
 	TrustDomain string
 	root        *x509.Certificate
 	key         *ecdsa.PrivateKey
-	pool        *x509.CertPool
+	bundle      atomic.Pointer[spiffe.TrustBundle]
 	serial      atomic.Int64
 	issued      atomic.Int64
 }
@@ -53,15 +54,41 @@ func New(trustDomain string) (*CA, error) {
 	if err != nil {
 		return nil, err
 	}
-	pool := x509.NewCertPool()
-	pool.AddCert(root)
-	ca := &CA{TrustDomain: trustDomain, root: root, key: key, pool: pool}
+	bundle, err := spiffe.NewTrustBundle(map[string][]*x509.Certificate{trustDomain: {root}})
+	if err != nil {
+		return nil, err
+	}
+	ca := &CA{TrustDomain: trustDomain, root: root, key: key}
+	ca.bundle.Store(bundle)
 	ca.serial.Store(1)
 	return ca, nil
 }
 
-// Roots returns a pool holding the CA root.
-func (ca *CA) Roots() *x509.CertPool { return ca.pool }
+// Root returns the CA's root certificate.
+func (ca *CA) Root() *x509.Certificate { return ca.root }
+
+// TrustBundle returns the domains the CA's holders trust: its own, with its
+// root, and those of the CAs it federates with.
+func (ca *CA) TrustBundle() *spiffe.TrustBundle { return ca.bundle.Load() }
+
+// Federate makes the holders of ca's certificates also trust the identities
+// of others' trust domains, each verified against its own CA's root.
+func (ca *CA) Federate(others ...*CA) error {
+	roots := map[string][]*x509.Certificate{}
+	cur := ca.bundle.Load()
+	for _, td := range cur.Domains() {
+		roots[td] = cur.Roots(td)
+	}
+	for _, o := range others {
+		roots[o.TrustDomain] = append(roots[o.TrustDomain], o.root)
+	}
+	next, err := spiffe.NewTrustBundle(roots)
+	if err != nil {
+		return err
+	}
+	ca.bundle.Store(next)
+	return nil
+}
 
 // Issued returns how many leaf certificates the CA has signed.
 func (ca *CA) Issued() int64 { return ca.issued.Load() }
