@@ -160,8 +160,9 @@ func TestGatewayAPILateAndLeadership(t *testing.T) {
 
 // TestNamespaceSelectorAndRoots serves Gateways in namespaces chosen by
 // GatewayNamespaceSelector: the roots and trust bundle are copied there
-// (owned by the Gateway); relabelling the namespace out of the selection refuses the
-// Gateway and removes what was deployed and the copy.
+// (owned by the Gateway), and the gateway is an identity of its cluster's
+// own trust domain; relabelling the namespace out of the selection refuses
+// the Gateway and removes what was deployed and the copy.
 func TestNamespaceSelectorAndRoots(t *testing.T) {
 	ctx := t.Context()
 	c := clusters.Cluster("cluster-2")
