@@ -199,6 +199,12 @@ func TestChartsApplyToAPIServer(t *testing.T) {
 			want: []string{
 				"ClusterRole/isthmusd-isthmus-system", "ClusterRoleBinding/isthmusd-isthmus-system", "ConfigMap/isthmus-pilot-dashboard",
 				"Deployment/isthmusd", "PodDisruptionBudget/isthmusd", "Role/isthmusd", "RoleBinding/isthmusd", "Service/isthmusd", "ServiceAccount/isthmusd"}},
+		{name: "pilot with exec allowlist and gateway namespaces", chart: "pilot",
+			values: map[string]any{"execAllowlist": []any{map[string]any{"command": "/usr/local/bin/token-plugin", "args": []any{"get-token"}}},
+				"gatewayNamespaces": []any{"isthmus-system", "edge"}, "gatewayNamespaceSelector": "isthmus.io/gateways=trusted"},
+			want: []string{
+				"ClusterRole/isthmusd-isthmus-system", "ClusterRoleBinding/isthmusd-isthmus-system", "ConfigMap/isthmusd-exec-allowlist", "Deployment/isthmusd",
+				"Role/isthmusd", "RoleBinding/isthmusd", "Service/isthmusd", "ServiceAccount/isthmusd"}},
 		{name: "remote", chart: "remote", want: []string{
 			"ClusterRole/isthmus-reader-isthmus-system", "ClusterRoleBinding/isthmus-reader-isthmus-system",
 			"ServiceAccount/isthmus-reader-service-account"}},
@@ -251,7 +257,7 @@ func TestChartValues(t *testing.T) {
 		require.Equal(t, "docker.io/isthmus/pilot:0.1.0", ctr.Image)
 		require.Equal(t, []string{"--namespace=isthmus-system", "--cluster-id=east", "--network=net-a",
 			"--xds-addr=:15012", "--monitoring-addr=:15014", "--debug-addr=127.0.0.1:8080",
-			"--trust-domain=cluster.local", "--sync-timeout=30s", "--stale-grace=0s", "--debounce-quiet=100ms", "--debounce-max=1s",
+			"--trust-domain=cluster.local", "--sync-timeout=30s", "--stale-grace=0s", "--debounce-quiet=100ms", "--debounce-max=1s", "--exec-timeout=10s",
 			"--log-level=info", "--log-format=json"}, ctr.Args, "no plaintext xDS by default; pilot's own defaults")
 		require.Equal(t, "/readyz", ctr.ReadinessProbe.HTTPGet.Path)
 		require.Equal(t, int32(15014), ctr.ReadinessProbe.HTTPGet.Port.IntVal)

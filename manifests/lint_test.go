@@ -8,7 +8,7 @@ import (
 )
 
 // charts are every chart of the repository.
-var charts = []string{"base", "pilot", "remote", "ztunnel", "eastwest-gateway"}
+var charts = []string{"base", "pilot", "remote", "ztunnel", "eastwest-gateway", "cni"}
 
 // TestChartsLintStrict lints every chart as `helm lint --strict` does, with
 // Helm's SDK: a warning is an error.

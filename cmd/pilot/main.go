@@ -13,8 +13,10 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/go-logr/logr"
 	"github.com/spf13/cobra"
 	"k8s.io/apimachinery/pkg/labels"
+	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 
 	"github.com/isthmus-mesh/isthmus/internal/cmdutil"
 	"github.com/isthmus-mesh/isthmus/internal/defaults"
@@ -85,6 +87,13 @@ func newCommand() *cobra.Command {
 		"label selector of further namespaces whose Services may be east-west gateways (e.g. isthmus.io/gateways=trusted)")
 	f.StringVar(&o.discoverySelectors, "discovery-selectors", "",
 		"namespaces discovered in every cluster: a YAML or JSON list of label selectors, OR-ed, as Istio's MeshConfig discoverySelectors (e.g. '[{matchLabels: {isthmus.io/discovery: enabled}}]'); empty: all. A remote Secret's isthmus.io/discovery-selectors annotation replaces it for its clusters")
+	f.BoolVar(&o.cfg.NoGatewayClass, "no-gateway-class", false,
+		"do not write the GatewayClass isthmus-east-west nor deploy east-west gateways from Gateways of that class")
+	f.StringVar(&o.cfg.Gateways.Image, "gateway-image", "", "image of the east-west gateways deployed from Gateways (default docker.io/isthmus/ztunnel:<pilot's version>)")
+	f.StringVar(&o.cfg.Gateways.XDSAddress, "gateway-xds-address", "",
+		"pilot's CA and xDS address as the east-west gateways deployed from Gateways dial it, in every cluster (default isthmusd.<namespace>.svc:15012)")
+	f.StringVar(&o.cfg.Gateways.XDSServerName, "gateway-xds-server-name", "",
+		"name pilot's certificate is verified against by those gateways (default isthmusd.<namespace>.svc)")
 	f.StringVar(&o.cfg.CA.TrustDomain, "trust-domain", defaults.TrustDomain,
 		"the mesh's SPIFFE trust domain (a remote cluster may have its own: the remote Secret's security.isthmus.io/trust-domain annotation)")
 	f.StringSliceVar(&o.cfg.TrustDomainAliases, "trust-domain-alias", nil,
@@ -102,6 +111,9 @@ func (o *options) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// controller-runtime's caches (pilot/eastwest) log through its own
+	// process-wide logger.
+	ctrllog.SetLogger(logr.FromSlogHandler(logger.With("source", "controller-runtime").Handler()))
 	if o.cfg.Multicluster.Exec.Allowlist, err = execAllowlist(o.execAllowlistFile, o.execAllow); err != nil {
 		return err
 	}

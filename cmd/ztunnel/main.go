@@ -1,114 +1,25 @@
 // Command ztunnel is the Isthmus node proxy (--mode=node, a DaemonSet) and
 // east-west gateway (--mode=gateway). It parses its flags into a
-// node.Config, sets up slog, and runs node.Node until SIGINT or SIGTERM.
+// node.Config (ztunnel/cli), sets up slog, and runs node.Node until SIGINT
+// or SIGTERM.
 package main
 
 import (
 	"context"
 	"fmt"
-	"io"
-	"net/netip"
 	"os"
 	"os/signal"
-	"strings"
 	"syscall"
 
-	"github.com/spf13/cobra"
-
-	"github.com/isthmus-mesh/isthmus/internal/cmdutil"
-	"github.com/isthmus-mesh/isthmus/internal/version"
-	"github.com/isthmus-mesh/isthmus/ztunnel/node"
+	"github.com/isthmus-mesh/isthmus/ztunnel/cli"
 )
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := newCommand(os.Stderr, runNode).ExecuteContext(ctx)
+	err := cli.NewCommand(os.Stderr, cli.RunNode).ExecuteContext(ctx)
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "Error:", err)
 		os.Exit(1)
 	}
-}
-
-// runFunc runs a configured ztunnel; tests replace it.
-type runFunc func(ctx context.Context, cfg node.Config, deps node.Deps) error
-
-func runNode(ctx context.Context, cfg node.Config, deps node.Deps) error {
-	n, err := node.New(cfg, deps)
-	if err != nil {
-		return err
-	}
-	return n.Run(ctx)
-}
-
-func newCommand(stderr io.Writer, run runFunc) *cobra.Command {
-	d := node.DefaultConfig()
-	cfg := node.Config{}
-	lc := cmdutil.Log{Format: "json", Level: "info"}
-	var mode string
-	var podDNS bool
-	var nodeIPs []string
-	cmd := &cobra.Command{
-		Use:           "ztunnel",
-		Short:         "Isthmus node proxy and east-west gateway",
-		Version:       version.String(),
-		Args:          cobra.NoArgs,
-		SilenceUsage:  true,
-		SilenceErrors: true,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := lc.Logger(stderr)
-			if err != nil {
-				return err
-			}
-			cfg.Mode = node.Mode(mode)
-			log.Info("starting ztunnel", "version", version.Version(), "commit", version.Commit())
-			for _, ip := range nodeIPs {
-				a, err := netip.ParseAddr(strings.TrimSpace(ip))
-				if err != nil {
-					return fmt.Errorf("--node-ip %q: %w", ip, err)
-				}
-				cfg.NodeIPs = append(cfg.NodeIPs, a.Unmap())
-			}
-			cfg.DisablePodDNS = !podDNS
-			return run(cmd.Context(), cfg, node.Deps{Log: log})
-		},
-	}
-	cmd.SetErr(stderr)
-	cmd.SetVersionTemplate("ztunnel {{.Version}}\n")
-	f := cmd.Flags()
-	f.StringVar(&mode, "mode", string(d.Mode), "node (node proxy) or gateway (east-west gateway)")
-	f.StringVar(&cfg.NodeName, "node", os.Getenv("NODE_NAME"), "Kubernetes node this ztunnel runs on (default $NODE_NAME)")
-	f.StringSliceVar(&nodeIPs, "node-ip", cmdutil.SplitEnv("HOST_IPS"), "the node's addresses, never a source identity or destination (default $HOST_IPS, comma separated)")
-	f.StringVar(&cfg.ClusterID, "cluster-id", "", "ID of the cluster this ztunnel runs in")
-	f.StringVar(&cfg.Network, "network", "", "network this ztunnel is on")
-	f.StringVar(&cfg.TrustDomain, "trust-domain", d.TrustDomain, "trust domain of this cluster (the ztunnel's own identity)")
-	f.StringVar(&cfg.Namespace, "namespace", cmdutil.EnvOr("POD_NAMESPACE", d.Namespace), "namespace of the ztunnel's ServiceAccount (default $POD_NAMESPACE)")
-	f.StringVar(&cfg.ServiceAccount, "service-account", d.ServiceAccount, "the ztunnel's ServiceAccount")
-	f.StringVar(&cfg.NodeID, "xds-node-id", "", "xDS node id (default ztunnel~<node>.<namespace>)")
-	f.StringVar(&cfg.XDSAddress, "xds-address", "", "pilot's xDS address, host:port")
-	f.BoolVar(&cfg.XDSPlaintext, "xds-plaintext", false, "plaintext xDS (pilot's 15010; development only)")
-	f.StringVar(&cfg.XDSServerName, "xds-server-name", "", "name pilot's xDS certificate must carry (default: host of --xds-address)")
-	f.StringVar(&cfg.CAAddress, "ca-address", "", "pilot's CA address, host:port")
-	f.StringVar(&cfg.CAServerName, "ca-server-name", "", "name the CA's certificate must carry (default: host of --ca-address)")
-	f.StringVar(&cfg.TokenFile, "ca-token", d.TokenFile, "projected ServiceAccount token file, re-read for each certificate request")
-	f.StringVar(&cfg.RootCertFile, "root-cert", d.RootCertFile, "control plane root certificates (PEM), re-read when they change")
-	f.StringVar(&cfg.TrustBundleFile, "trust-bundle", d.TrustBundleFile,
-		"SPIFFE trust bundle map (each trusted trust domain and its roots), re-read when it changes; absent: --root-cert is --trust-domain's only roots")
-	f.DurationVar(&cfg.RootsReloadInterval, "root-cert-reload", d.RootsReloadInterval, "how often --root-cert and --trust-bundle are checked for new roots")
-	f.DurationVar(&cfg.CertTTL, "cert-ttl", 0, "certificate lifetime to ask for (0: the CA's default)")
-	f.Uint16Var(&cfg.HBONEPort, "hbone-port", d.HBONEPort, "HBONE port on each local workload address (inbound) and of the gateway")
-	f.StringVar(&cfg.OutboundListen, "outbound-addr", d.OutboundListen, `outbound capture listen address ("none" disables)`)
-	f.StringVar(&cfg.SOCKS5Listen, "socks5-addr", d.SOCKS5Listen, `SOCKS5 listen address ("none" disables)`)
-	f.StringVar(&cfg.InPodSocket, "inpod-socket", "", "the CNI node agent's socket for ztunnel: serve enrolled pods inside their network namespaces (empty: serve them on their addresses in ztunnel's own)")
-	f.BoolVar(&podDNS, "pod-dns", true, "serve DNS on 15053 inside each enrolled pod")
-	f.StringVar(&cfg.DNSListen, "dns-addr", d.DNSListen, `node address of the DNS proxy, UDP and TCP ("none" disables)`)
-	f.StringSliceVar(&cfg.DNSUpstreams, "dns-upstream", nil, "resolvers for names outside the mesh (default: the nameservers of /etc/resolv.conf)")
-	f.StringVar(&cfg.DNSDomain, "dns-domain", "", "cluster domain of service names (default cluster.local)")
-	f.StringVar(&cfg.AdminListen, "admin-addr", d.AdminListen, `admin listen address ("none" disables)`)
-	f.StringVar(&cfg.ReadinessListen, "readiness-addr", d.ReadinessListen, `readiness listen address ("none" disables)`)
-	f.StringVar(&cfg.MetricsListen, "metrics-addr", d.MetricsListen, `metrics listen address ("none" disables)`)
-	f.StringVar(&cfg.GatewayListen, "gateway-addr", "", "gateway mode: HBONE listen address (default 0.0.0.0:<hbone-port>)")
-	f.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", d.ShutdownTimeout, "time allowed for a graceful stop")
-	lc.AddFlags(f)
-	return cmd
 }

@@ -81,7 +81,10 @@ func (o ReaderOptions) withDefaults() ReaderOptions {
 
 // ReaderRules returns the permissions pilot needs in a remote cluster: read
 // what discovery watches, review tokens for the CA, publish the root
-// certificate, write ServiceExport status, and keep ServiceImports.
+// certificate, write ServiceExport status, keep ServiceImports, and run the
+// east-west gateways declared as Gateway API Gateways (pilot/eastwest: the
+// GatewayClass, Gateway status, and the ServiceAccount, Deployment, Service
+// and root ConfigMap made for each).
 func ReaderRules() []rbacv1.PolicyRule {
 	return []rbacv1.PolicyRule{
 		{APIGroups: []string{""}, Resources: []string{"namespaces", "services", "pods", "nodes", "endpoints"}, Verbs: []string{"get", "list", "watch"}},
@@ -91,7 +94,13 @@ func ReaderRules() []rbacv1.PolicyRule {
 		{APIGroups: []string{"multicluster.x-k8s.io"}, Resources: []string{"serviceimports"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch", "delete"}},
 		{APIGroups: []string{"multicluster.x-k8s.io"}, Resources: []string{"serviceimports/status"}, Verbs: []string{"get", "update", "patch"}},
 		{APIGroups: []string{"authentication.k8s.io"}, Resources: []string{"tokenreviews"}, Verbs: []string{"create"}},
-		{APIGroups: []string{""}, Resources: []string{"configmaps"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch"}},
+		{APIGroups: []string{""}, Resources: []string{"configmaps"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch", "delete"}},
+		{APIGroups: []string{"gateway.networking.k8s.io"}, Resources: []string{"gatewayclasses"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch"}},
+		{APIGroups: []string{"gateway.networking.k8s.io"}, Resources: []string{"gateways"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{"gateway.networking.k8s.io"}, Resources: []string{"gatewayclasses/status", "gateways/status"}, Verbs: []string{"get", "update", "patch"}},
+		{APIGroups: []string{""}, Resources: []string{"serviceaccounts"}, Verbs: []string{"get", "create", "update", "patch", "delete"}},
+		{APIGroups: []string{""}, Resources: []string{"services"}, Verbs: []string{"create", "update", "patch", "delete"}},
+		{APIGroups: []string{"apps"}, Resources: []string{"deployments"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch", "delete"}},
 	}
 }
 

@@ -295,6 +295,11 @@ func (c *CA) subscribe(fn func()) (cancel func()) {
 	}
 }
 
+// OnRootsChange registers fn to run (it must not block) whenever the root
+// bundle changes and whenever Republish is called; the returned func
+// unsubscribes.
+func (c *CA) OnRootsChange(fn func()) (cancel func()) { return c.subscribe(fn) }
+
 // Republish makes every root publisher check its cluster's ConfigMap again
 // (a replica that just became the leader).
 func (c *CA) Republish() { c.notify() }

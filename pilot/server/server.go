@@ -34,6 +34,7 @@ import (
 	"github.com/isthmus-mesh/isthmus/internal/version"
 	"github.com/isthmus-mesh/isthmus/multicluster"
 	"github.com/isthmus-mesh/isthmus/pilot/ca"
+	"github.com/isthmus-mesh/isthmus/pilot/eastwest"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 	"github.com/isthmus-mesh/isthmus/pilot/policy"
 	"github.com/isthmus-mesh/isthmus/pilot/registry"
@@ -87,6 +88,13 @@ type Config struct {
 	LeaderElection LeaderElection
 	// GRPCLimits bound what a client of the TLS gRPC port may cost.
 	GRPCLimits GRPCLimits
+	// Gateways configures the GatewayClass controller (east-west gateways
+	// declared as Gateway API Gateways); the namespace, gateway namespaces,
+	// trust domain and logger are copied in.
+	Gateways eastwest.Config
+	// NoGatewayClass turns the GatewayClass controller off: no GatewayClass
+	// is written and Gateways are not served.
+	NoGatewayClass bool
 	// VIP configures the allocation of virtual addresses to services with
 	// none on a client's network (its table lives in a ConfigMap of
 	// Namespace, which is copied in).
@@ -139,6 +147,11 @@ func (c Config) withDefaults() Config {
 	}
 	c.CA.ClusterID, c.CA.Namespace = string(c.ClusterID), c.Namespace
 	c.VIP.Namespace = c.Namespace
+	c.Gateways.Namespace, c.Gateways.Logger = c.Namespace, c.Logger.With("component", "eastwest-gateways")
+	c.Gateways.GatewayNamespaces, c.Gateways.GatewayNamespaceSelector = c.Discovery.GatewayNamespaces, c.Discovery.GatewayNamespaceSelector
+	if c.Gateways.TrustDomain == "" {
+		c.Gateways.TrustDomain = c.CA.TrustDomain
+	}
 	c.XDS.TrustDomain, c.XDS.DefaultNetwork = c.CA.TrustDomain, c.Network
 	c.XDS.AllowPlaintext = c.XDSPlaintextAddr != defaults.Disabled
 	if len(c.XDS.NodeAccounts) == 0 {
@@ -231,14 +244,7 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 		return authority.AssignTrustDomain(string(c.ID), c.Generation, c.TrustDomain)
 	})
 	mc.AddComponent("discovery", controller.NewBuilder(cfg.Discovery, r))
-	mc.Subscribe(func(s multicluster.Status) {
-		switch s.State {
-		case multicluster.StateUnreachable:
-			r.SetReachable(s.ID, false)
-		case multicluster.StateSynced:
-			r.SetReachable(s.ID, true)
-		}
-	})
+	mc.Subscribe(reachability(r))
 	pol, err := newPolicies(cfg, configREST, reg)
 	if err != nil {
 		return nil, err
@@ -260,6 +266,9 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 	mc.AddComponent("ca-root-publisher", func(ctx context.Context, c *multicluster.Cluster) (multicluster.Component, error) {
 		return authority.PublishRoots(ctx, string(c.ID), c.Client.Kube)
 	})
+	if err := addGatewayClass(cfg, mc, authority, lead); err != nil {
+		return nil, err
+	}
 	s := &Server{cfg: cfg, log: cfg.Logger, Metrics: reg, Multicluster: mc, Registry: r, CA: authority, XDS: xs, VIP: alloc, Policies: pol, local: local,
 		ready: make(chan struct{}), handshakeFailures: newHandshakeFailures(reg), vipHooks: vipHooks, lead: lead}
 	if s.leader, err = s.leaderTasks(cfg.Logger); err != nil {
@@ -344,6 +353,36 @@ func addrOf(mu *sync.Mutex, ln *net.Listener) string {
 		return ""
 	}
 	return (*ln).Addr().String()
+}
+
+// reachability marks a cluster's endpoints unreachable, and reachable
+// again, as the multicluster controller reports its API server.
+func reachability(r *registry.Registry) func(multicluster.Status) {
+	return func(s multicluster.Status) {
+		switch s.State {
+		case multicluster.StateUnreachable:
+			r.SetReachable(s.ID, false)
+		case multicluster.StateSynced:
+			r.SetReachable(s.ID, true)
+		}
+	}
+}
+
+// addGatewayClass runs the GatewayClass controller in every cluster unless
+// disabled.
+func addGatewayClass(cfg Config, mc *multicluster.Controller, authority *ca.CA, lead *leadership) error {
+	if cfg.NoGatewayClass {
+		return nil
+	}
+	gws, err := eastwest.New(cfg.Gateways, eastwest.Deps{Leading: lead.leading.Load, Roots: authority.Roots, TrustBundle: authority.TrustBundleJSON})
+	if err != nil {
+		return err
+	}
+	// A new root bundle, or this replica becoming the leader (Republish),
+	// makes every cluster's controller look again.
+	authority.OnRootsChange(gws.Resync)
+	mc.AddComponent("eastwest-gateways", gws.Build)
+	return nil
 }
 
 // listen binds every listener not disabled; on a failure it closes those
@@ -456,7 +495,7 @@ func (s *Server) leading(ctx context.Context, fn func(context.Context) error) er
 			ReleaseOnCancel: true, Name: "isthmus-pilot",
 			Callbacks: leaderelection.LeaderCallbacks{
 				OnStartedLeading: func(ctx context.Context) {
-					s.log.Info("leading: writing shared state (published roots, ServiceImports, ServiceExport status, Events)", "identity", s.cfg.Identity)
+					s.log.Info("leading: writing shared state (published roots, GatewayClasses and Gateways, ServiceImports, ServiceExport status, Events)", "identity", s.cfg.Identity)
 					s.lead.leading.Store(true)
 					s.CA.Republish()
 					if err := fn(ctx); err != nil {

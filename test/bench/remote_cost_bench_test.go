@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/multicluster"
 	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
@@ -94,7 +95,7 @@ func measureRemotes(b *testing.B, set *framework.ClusterSet, kubeconfigs [][]byt
 	require.NoError(b, c0.EnsureNamespace(ctx, ns, nil))
 	p, err := server.New(server.Config{
 		Namespace: ns, ClusterID: model.ClusterID(clusterName(0)), Network: "network-0", NoLeaderElection: true,
-		DebugAddr: "-", MonitoringAddr: "-", GRPCAddr: "-", Logger: slog.New(slog.DiscardHandler),
+		DebugAddr: defaults.Disabled, MonitoringAddr: defaults.Disabled, GRPCAddr: defaults.Disabled, Logger: slog.New(slog.DiscardHandler),
 	}, c0.Config, nil)
 	require.NoError(b, err)
 	rctx, cancel := context.WithCancel(ctx)

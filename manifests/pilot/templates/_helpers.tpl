@@ -22,3 +22,23 @@ isthmusd-{{ .Release.Namespace }}
 {{- define "pilot.image" -}}
 {{ .Values.image.registry }}/{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end }}
+
+{{/* The exec allowlist file (multicluster.ParseExecAllowlist's format). */}}
+{{- define "pilot.execAllowlist" -}}
+commands:
+{{- range .Values.execAllowlist }}
+  - command: {{ .command | quote }}
+    {{- with .args }}
+    args:
+      {{- range . }}
+      - {{ . | quote }}
+      {{- end }}
+    {{- end }}
+    {{- with .env }}
+    env:
+      {{- range . }}
+      - {{ . | quote }}
+      {{- end }}
+    {{- end }}
+{{- end }}
+{{- end }}

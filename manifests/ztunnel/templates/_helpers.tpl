@@ -19,7 +19,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
 {{- define "ztunnel.xdsAddress" -}}
+{{- if .Values.xdsAddressRequired -}}
+{{ required "xdsAddress is required: pilot runs in another cluster (profile remote)" .Values.xdsAddress }}
+{{- else -}}
 {{ .Values.xdsAddress | default (printf "isthmusd.%s.svc:15012" .Release.Namespace) }}
+{{- end -}}
 {{- end }}
 
 {{/* The pod template, shared by the DaemonSet and the Deployment. */}}

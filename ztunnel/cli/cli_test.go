@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"bytes"
@@ -23,7 +23,7 @@ func capture(t *testing.T, args ...string) (node.Config, node.Deps, error) {
 		got  node.Config
 		deps node.Deps
 	)
-	cmd := newCommand(&bytes.Buffer{}, func(_ context.Context, cfg node.Config, d node.Deps) error {
+	cmd := NewCommand(&bytes.Buffer{}, func(_ context.Context, cfg node.Config, d node.Deps) error {
 		got, deps = cfg, d
 		return nil
 	})
@@ -71,7 +71,7 @@ func TestBadFlags(t *testing.T) {
 		require.Error(t, err, "%v", args)
 	}
 	boom := errors.New("boom")
-	cmd := newCommand(&bytes.Buffer{}, func(context.Context, node.Config, node.Deps) error { return boom })
+	cmd := NewCommand(&bytes.Buffer{}, func(context.Context, node.Config, node.Deps) error { return boom })
 	cmd.SetArgs(nil)
 	require.ErrorIs(t, cmd.ExecuteContext(context.Background()), boom)
 }
@@ -79,7 +79,7 @@ func TestBadFlags(t *testing.T) {
 // TestRunNodeRejectsBadConfig proves the real run path reports an invalid
 // configuration (missing node, unknown mode) instead of starting.
 func TestRunNodeRejectsBadConfig(t *testing.T) {
-	err := runNode(context.Background(), node.Config{Mode: "sidecar", XDSAddress: "127.0.0.1:1", CAAddress: "127.0.0.1:1"}, node.Deps{})
+	err := RunNode(context.Background(), node.Config{Mode: "sidecar", XDSAddress: "127.0.0.1:1", CAAddress: "127.0.0.1:1"}, node.Deps{})
 	require.ErrorContains(t, err, "NodeName is required")
 	require.ErrorContains(t, err, `mode "sidecar"`)
 }
@@ -88,7 +88,7 @@ func TestRunNodeRejectsBadConfig(t *testing.T) {
 // and runs nothing.
 func TestVersionFlag(t *testing.T) {
 	var out bytes.Buffer
-	cmd := newCommand(&bytes.Buffer{}, func(context.Context, node.Config, node.Deps) error {
+	cmd := NewCommand(&bytes.Buffer{}, func(context.Context, node.Config, node.Deps) error {
 		return errors.New("must not run")
 	})
 	cmd.SetOut(&out)
