@@ -46,6 +46,7 @@ func main() {
 type runFunc func(ctx context.Context, cfg agent.Config, kubeconfig string, log *slog.Logger) error
 
 func runAgent(ctx context.Context, cfg agent.Config, kubeconfig string, log *slog.Logger) error {
+	cmdutil.RouteKlog(log)
 	rc, err := cmdutil.RestConfig(kubeconfig, "")
 	if err != nil {
 		return err

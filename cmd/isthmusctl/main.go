@@ -24,6 +24,7 @@ import (
 	"github.com/spf13/cobra"
 	"k8s.io/klog/v2"
 
+	"github.com/isthmus-mesh/isthmus/internal/cmdutil"
 	"github.com/isthmus-mesh/isthmus/internal/version"
 )
 
@@ -107,7 +108,7 @@ func newRootCommand(stdout, stderr io.Writer) *cobra.Command {
 	}
 	root.PersistentPreRun = func(*cobra.Command, []string) {
 		if g.Verbose {
-			klog.SetSlogLogger(logger())
+			cmdutil.RouteKlog(logger())
 		}
 	}
 	pilot := func() *pilotClient { return newPilotClient(g.Pilot, g.Timeout) }

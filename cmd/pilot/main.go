@@ -111,6 +111,7 @@ func (o *options) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	cmdutil.RouteKlog(logger)
 	// controller-runtime's caches (pilot/eastwest) log through its own
 	// process-wide logger.
 	ctrllog.SetLogger(logr.FromSlogHandler(logger.With("source", "controller-runtime").Handler()))

@@ -31,8 +31,8 @@ func (l *Log) AddFlags(f *pflag.FlagSet) {
 	f.StringVar(&l.Level, "log-level", l.Level, "log level: debug, info, warn or error")
 }
 
-// Logger returns the logger the flags ask for, writing to w, and makes
-// client-go log through it (attribute source=client-go).
+// Logger returns the logger the flags ask for, writing to w. It changes no
+// process-wide state: binaries that use client-go call RouteKlog too.
 func (l Log) Logger(w io.Writer) (*slog.Logger, error) {
 	var level slog.Level
 	if err := level.UnmarshalText([]byte(l.Level)); err != nil {
@@ -48,8 +48,15 @@ func (l Log) Logger(w io.Writer) (*slog.Logger, error) {
 	default:
 		return nil, fmt.Errorf("--log-format %q: want json or text", l.Format)
 	}
-	klog.SetSlogLogger(log.With("source", "client-go"))
 	return log, nil
+}
+
+// RouteKlog makes client-go's klog, process-wide, log through log (with
+// attribute source=client-go). Only a binary's main calls it: it is global
+// state, so a library or a test running several parts in one process must
+// not.
+func RouteKlog(log *slog.Logger) {
+	klog.SetSlogLogger(log.With("source", "client-go"))
 }
 
 // RestConfig loads the Kubernetes client configuration as kubectl does: the
