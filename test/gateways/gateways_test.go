@@ -26,6 +26,8 @@ import (
 	"github.com/isthmus-mesh/isthmus/pilot/eastwest"
 	"github.com/isthmus-mesh/isthmus/pilot/server"
 	"github.com/isthmus-mesh/isthmus/test/framework"
+	"github.com/isthmus-mesh/isthmus/test/meshtest"
+	"github.com/isthmus-mesh/isthmus/ztunnel/node"
 )
 
 const (
@@ -86,16 +88,16 @@ type mesh struct {
 	c1, c2   *framework.Cluster
 	cl1, cl2 client.Client
 	pilot    *server.Server
-	src      *ztunnel
+	src      *meshtest.Ztunnel
 	webIP    netip.Addr
-	addrs    *addrs
+	addrs    *meshtest.Addrs
 }
 
 // startMesh installs the CRDs, runs pilot with cluster-2 registered, and
 // the workloads and node ztunnels of both clusters.
 func startMesh(t *testing.T) *mesh {
 	ctx := t.Context()
-	m := &mesh{c1: clusters.Cluster("cluster-1"), c2: clusters.Cluster("cluster-2"), addrs: newAddrs()}
+	m := &mesh{c1: clusters.Cluster("cluster-1"), c2: clusters.Cluster("cluster-2"), addrs: meshtest.NewAddrs()}
 	gatewayAPICRDs(t)
 	for _, c := range []*framework.Cluster{m.c1, m.c2} {
 		require.NoError(t, c.InstallCRDs("../../manifests/base/crds"))
@@ -104,12 +106,14 @@ func startMesh(t *testing.T) *mesh {
 	require.NoError(t, m.c2.EnsureNamespace(ctx, "shop", nil))
 	require.NoError(t, m.c2.EnsureNamespace(ctx, "tenant", nil))
 	require.NoError(t, m.c1.EnsureNamespace(ctx, "front", nil))
-	pilotIP, node1, node2 := m.addrs.next(), m.addrs.next(), m.addrs.next()
-	m.webIP = m.addrs.next()
-	cartApp := netip.AddrPortFrom(m.addrs.next(), 8080)
+	pilotIP, node1, node2 := m.addrs.Next(), m.addrs.Next(), m.addrs.Next()
+	m.webIP = m.addrs.Next()
+	cartApp := netip.AddrPortFrom(m.addrs.Next(), 8080)
 
 	m.pilot = runPilot(t, pilotIP)
-	registerCluster2(t)
+	// Pilot reaches cluster-2 with the reader identity
+	// (remotesecret.ReaderRules) only.
+	meshtest.RegisterRemote(t, m.c1, m.c2, "cluster-2", "network-2", nil)
 	m.cl1, m.cl2 = runtimeClient(t, m.c1), runtimeClient(t, m.c2)
 
 	_, err := m.c2.CreateService(ctx, "shop", "cart", map[string]string{"app": "cart"}, framework.ServicePort{Name: "tcp", Port: 80, TargetPort: 8080})
@@ -120,15 +124,22 @@ func startMesh(t *testing.T) *mesh {
 	_, err = m.c1.CreatePod(ctx, framework.PodOptions{Namespace: "front", Name: "web-0", Labels: map[string]string{"app": "web"},
 		ServiceAccount: "web", Node: "node-1a", IP: m.webIP, Ready: true})
 	require.NoError(t, err)
-	echoApp(t, cartApp, "cart-0")
-	m.src = runZtunnel(t, m.pilot, pilotIP, "cluster-1", "network-1", "node-1a", proxyPod(t, m.c1, "ztunnel-node-1a", "node-1a", "ztunnel", node1), node1)
-	runZtunnel(t, m.pilot, pilotIP, "cluster-2", "network-2", "node-2a", proxyPod(t, m.c2, "ztunnel-node-2a", "node-2a", "ztunnel", node2), node2)
+	meshtest.EchoApp(t, cartApp, "cart-0")
+	m.src = meshtest.RunZtunnel(t, m.pilot, pilotIP, meshtest.ZtunnelOptions{Mode: node.ModeNode, Cluster: "cluster-1", Network: "network-1",
+		Node: "node-1a", ServiceAccount: "ztunnel", IP: node1, Token: meshtest.ProxyPod(t, m.c1, "ztunnel-node-1a", "node-1a", "ztunnel", node1)})
+	meshtest.RunZtunnel(t, m.pilot, pilotIP, meshtest.ZtunnelOptions{Mode: node.ModeNode, Cluster: "cluster-2", Network: "network-2",
+		Node: "node-2a", ServiceAccount: "ztunnel", IP: node2, Token: meshtest.ProxyPod(t, m.c2, "ztunnel-node-2a", "node-2a", "ztunnel", node2)})
 	return m
 }
 
 // request sends one line from web-0 to cart and returns the answer.
 func (m *mesh) request(ctx context.Context, msg string) (string, error) {
-	return request(ctx, m.src, m.webIP, cartHost, msg)
+	c, err := meshtest.DialVia(ctx, m.src, m.webIP, cartHost)
+	if err != nil {
+		return "", err
+	}
+	defer c.Close()
+	return meshtest.Exchange(c, msg)
 }
 
 // TestGatewayAPIEastWest runs pilot once and checks, in order: the class in
@@ -189,7 +200,7 @@ func (m *mesh) serveGateway(t *testing.T, gw *gwv1.Gateway) *pod {
 	require.Error(t, err, "no path to network-2 before its gateway has an address")
 
 	// The cloud's load balancer: the Service's address is the pod's.
-	gwIP := m.addrs.next()
+	gwIP := m.addrs.Next()
 	var svc corev1.Service
 	require.NoError(t, m.cl2.Get(ctx, client.ObjectKey{Namespace: cpNS, Name: name}, &svc))
 	svc.Status.LoadBalancer.Ingress = []corev1.LoadBalancerIngress{{IP: gwIP.String()}}

@@ -76,7 +76,7 @@ func (k *kubelet) start(dep *appsv1.Deployment) *pod {
 			args = append(args, fmt.Sprintf("--gateway-addr=%s", netip.AddrPortFrom(k.ip, uint16(p.ContainerPort))))
 		}
 	}
-	if os.Getenv("GATEWAYS_TEST_DEBUG") == "" {
+	if os.Getenv("MESHTEST_DEBUG") == "" {
 		args = append(args, "--log-level=warn")
 	}
 	t.Logf("starting %s/%s: ztunnel %s", obj.Namespace, obj.Name, strings.Join(args, " "))
