@@ -201,7 +201,8 @@ func TestRunFollowsChanges(t *testing.T) {
 		}
 	}, 30*time.Second, 10*time.Millisecond)
 
-	svc.Exports[0].Ports = append(svc.Exports[0].Ports, mcs.Port{Name: "https", Port: 443})
+	// A new value, not an edit of the one the writer may be reading.
+	svc.Exports = []mcs.ClusterExport{{Cluster: "cluster-1", Created: created, Ports: []mcs.Port{{Name: "http", Port: 80}, {Name: "https", Port: 443}}}}
 	e.set(svc)
 	w.Notify()
 	require.EventuallyWithT(t, func(c *assert.CollectT) {
