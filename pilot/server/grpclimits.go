@@ -31,6 +31,10 @@ type GRPCLimits struct {
 	MaxConcurrentStreams uint32
 	// MaxRecvMsgSize caps one request message (default 4 MiB).
 	MaxRecvMsgSize int
+	// RecvWindow is the fixed HTTP/2 flow-control window of each stream
+	// and connection (default 1 MiB): what a client may send before pilot
+	// reads it.
+	RecvWindow int32
 }
 
 func (l GRPCLimits) withDefaults() GRPCLimits {
@@ -52,20 +56,37 @@ func (l GRPCLimits) withDefaults() GRPCLimits {
 	if l.MaxRecvMsgSize <= 0 {
 		l.MaxRecvMsgSize = 4 << 20
 	}
+	if l.RecvWindow < 64<<10 {
+		l.RecvWindow = 1 << 20
+	}
 	return l
 }
 
-// options returns the gRPC server options enforcing l, with creds wrapped
-// so that failed handshakes are counted in failures by reason.
+// options returns the gRPC server options enforcing l. creds, when not nil,
+// secures the port and is wrapped so that failed handshakes are counted in
+// failures by reason; nil serves plaintext.
+//
+// Receive windows are fixed (RecvWindow). gRPC's default sizes them
+// dynamically: it answers a DATA frame, whenever no estimate is in flight,
+// with a WINDOW_UPDATE and a PING that estimates the bandwidth-delay
+// product. What pilot reads is small requests and ACKs, each some time
+// after the last, so that was a write, a round trip and a read per ACK per
+// client for nothing; and a client sending fast could make pilot advertise,
+// and so buffer, up to 16 MiB.
 func (l GRPCLimits) options(creds credentials.TransportCredentials, failures *prometheus.CounterVec) []grpc.ServerOption {
-	return []grpc.ServerOption{
-		grpc.Creds(countingCreds{TransportCredentials: creds, failures: failures}),
+	opts := []grpc.ServerOption{
 		grpc.ConnectionTimeout(l.HandshakeTimeout),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: l.KeepaliveMinTime, PermitWithoutStream: true}),
 		grpc.KeepaliveParams(keepalive.ServerParameters{Time: l.KeepaliveTime, Timeout: l.KeepaliveTimeout}),
 		grpc.MaxConcurrentStreams(l.MaxConcurrentStreams),
 		grpc.MaxRecvMsgSize(l.MaxRecvMsgSize),
+		grpc.StaticStreamWindowSize(l.RecvWindow),
+		grpc.StaticConnWindowSize(l.RecvWindow),
 	}
+	if creds != nil {
+		opts = append(opts, grpc.Creds(countingCreds{TransportCredentials: creds, failures: failures}))
+	}
+	return opts
 }
 
 func newHandshakeFailures(reg prometheus.Registerer) *prometheus.CounterVec {

@@ -35,14 +35,17 @@ func metricValue(t *testing.T, mon, sample string) float64 {
 // TestStrangersOnTheGRPCPort: a stranger that connects to 15012 and says
 // nothing is dropped after the handshake timeout, one that speaks something
 // other than TLS at once; each is counted by reason, and pilot keeps serving.
+// The plaintext xDS port has the same limits: a silent stranger is dropped.
 func TestStrangersOnTheGRPCPort(t *testing.T) {
 	require.NoError(t, clusters.Cluster("primary").EnsureNamespace(t.Context(), "limits-system", nil))
 	p := runPilot(t, server.Config{
 		ClusterID: "primary", Namespace: "limits-system", Network: "network-1",
-		DebugAddr: "127.0.0.1:0", MonitoringAddr: "127.0.0.1:0", GRPCAddr: "127.0.0.1:0",
+		DebugAddr: "127.0.0.1:0", MonitoringAddr: "127.0.0.1:0", GRPCAddr: "127.0.0.1:0", XDSPlaintextAddr: "127.0.0.1:0",
 		GRPCLimits: server.GRPCLimits{HandshakeTimeout: 300 * time.Millisecond},
 	})
-	require.Eventually(t, func() bool { return p.MonitoringAddr() != "" && p.GRPCAddr() != "" }, 20*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool {
+		return p.MonitoringAddr() != "" && p.GRPCAddr() != "" && p.XDSPlaintextAddr() != ""
+	}, 20*time.Second, 10*time.Millisecond)
 	mon := "http://" + p.MonitoringAddr()
 
 	silent, err := net.Dial("tcp", p.GRPCAddr())
@@ -65,4 +68,11 @@ func TestStrangersOnTheGRPCPort(t *testing.T) {
 		require.Equal(c, 1.0, metricValue(t, mon, `isthmus_grpc_handshake_failures_total{reason="tls"}`))
 	}, 10*time.Second, 20*time.Millisecond)
 	require.Equal(t, http.StatusOK, get(t, mon+"/healthz", nil))
+
+	plainSilent, err := net.Dial("tcp", p.XDSPlaintextAddr())
+	require.NoError(t, err)
+	defer plainSilent.Close()
+	require.NoError(t, plainSilent.SetReadDeadline(time.Now().Add(30*time.Second)))
+	_, err = io.ReadAll(plainSilent)
+	require.NoError(t, err, "the plaintext port closes a silent connection (EOF) long before the read deadline")
 }

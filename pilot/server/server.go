@@ -86,7 +86,7 @@ type Config struct {
 	// LeaderElection times the leader Lease (defaults: lease 15 s, renew
 	// deadline 10 s, retry 2 s).
 	LeaderElection LeaderElection
-	// GRPCLimits bound what a client of the TLS gRPC port may cost.
+	// GRPCLimits bound what a client of a gRPC port (TLS or plaintext) may cost.
 	GRPCLimits GRPCLimits
 	// Gateways configures the GatewayClass controller (east-west gateways
 	// declared as Gateway API Gateways); the namespace, gateway namespaces,
@@ -456,7 +456,7 @@ func (s *Server) Run(ctx context.Context) error {
 	s.CA.Register(tlsSrv)
 	s.XDS.Register(tlsSrv)
 	serve("grpc", s.grpcLn, grpcServe(tlsSrv))
-	plainSrv := grpc.NewServer() // xDS only: certificates are never issued in plaintext
+	plainSrv := grpc.NewServer(s.cfg.GRPCLimits.options(nil, nil)...) // xDS only: certificates are never issued in plaintext
 	s.XDS.Register(plainSrv)
 	serve("xds-plaintext", s.plainLn, grpcServe(plainSrv))
 	run("ca", s.CA.Run)
