@@ -11,6 +11,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
@@ -27,6 +28,7 @@ type recordingCache struct {
 	mu        sync.Mutex
 	sotw      []cache.Subscription
 	delta     []map[string]string // ReturnedResources of each delta request, copied
+	deltaSubs []cache.Subscription
 	returnMap func(n int) map[string]string
 }
 
@@ -47,6 +49,7 @@ func (c *recordingCache) CreateDeltaWatch(req *cache.DeltaRequest, sub cache.Sub
 		known[k] = v
 	}
 	c.delta = append(c.delta, known)
+	c.deltaSubs = append(c.deltaSubs, sub)
 	c.mu.Unlock()
 	ch <- &cache.DeltaPassthroughResponse{DeltaRequest: req, NextVersionMap: map[string]string{},
 		DeltaDiscoveryResponse: &discovery.DeltaDiscoveryResponse{TypeUrl: req.GetTypeUrl(), SystemVersionInfo: "v1"}}
@@ -68,11 +71,16 @@ func (c *recordingCache) waitFor(t *testing.T, sotw, delta int) {
 
 func serveRecording(t *testing.T, c *recordingCache) discovery.AggregatedDiscoveryServiceClient {
 	t.Helper()
+	return serveRecordingWith(t, c, nil)
+}
+
+func serveRecordingWith(t *testing.T, c *recordingCache, cb serverv3.Callbacks) discovery.AggregatedDiscoveryServiceClient {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	srv := grpc.NewServer()
-	discovery.RegisterAggregatedDiscoveryServiceServer(srv, serverv3.NewServer(ctx, c, nil))
+	discovery.RegisterAggregatedDiscoveryServiceServer(srv, serverv3.NewServer(ctx, c, cb))
 	go func() { _ = srv.Serve(ln) }()
 	conn, err := grpc.NewClient(ln.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	require.NoError(t, err)
@@ -161,4 +169,50 @@ func TestContractDeltaMarksFreshAnswers(t *testing.T) {
 	require.Equal(t, map[string]string{"a": ""}, c.delta[1], "wildcard and explicitly subscribed: marked for a fresh answer")
 	require.Empty(t, c.delta[2], "leaving wildcard marks nothing")
 	require.Empty(t, c.delta[3], "not wildcard: an unsubscribed name is not marked")
+}
+
+// TestContractCallbacksSeeRequestsFirst pins what Server.internNames
+// relies on: the request callbacks see each request before the stream makes
+// its names the subscription, so names a callback replaces are the strings
+// the subscription keeps, in SotW and delta.
+func TestContractCallbacksSeeRequestsFirst(t *testing.T) {
+	canonical := string([]byte("outbound|80||a.ns.svc.cluster.local"))
+	replace := func(names []string) {
+		for i := range names {
+			if names[i] == canonical {
+				names[i] = canonical
+			}
+		}
+	}
+	c := &recordingCache{returnMap: func(int) map[string]string { return map[string]string{} }}
+	ads := serveRecordingWith(t, c, serverv3.CallbackFuncs{
+		StreamRequestFunc: func(_ int64, req *discovery.DiscoveryRequest) error {
+			replace(req.GetResourceNames())
+			return nil
+		},
+		StreamDeltaRequestFunc: func(_ int64, req *discovery.DeltaDiscoveryRequest) error {
+			replace(req.GetResourceNamesSubscribe())
+			return nil
+		},
+	})
+	st, err := ads.StreamAggregatedResources(t.Context())
+	require.NoError(t, err)
+	require.NoError(t, st.Send(&discovery.DiscoveryRequest{TypeUrl: resource.EndpointType, ResourceNames: []string{canonical}}))
+	_, err = st.Recv()
+	require.NoError(t, err)
+	dst, err := ads.DeltaAggregatedResources(t.Context())
+	require.NoError(t, err)
+	require.NoError(t, dst.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: resource.EndpointType, ResourceNamesSubscribe: []string{canonical}}))
+	_, err = dst.Recv()
+	require.NoError(t, err)
+	c.waitFor(t, 1, 1)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for name, subs := range map[string]map[string]struct{}{"sotw": c.sotw[0].SubscribedResources(), "delta": c.deltaSubs[0].SubscribedResources()} {
+		require.Len(t, subs, 1, name)
+		for k := range subs {
+			require.Equal(t, canonical, k, name)
+			require.Same(t, unsafe.StringData(canonical), unsafe.StringData(k), "%s: the subscription keeps the string the callback put in the request", name)
+		}
+	}
 }

@@ -116,7 +116,7 @@ func New(cfg Config, reg Registry, logger *slog.Logger) (*Server, error) {
 		kick:   make(chan struct{}, 1),
 	}
 	s.authz = newAuthzServer(cfg.Policies, reg, cfg.VersionPrefix, slogAdapter{logger})
-	s.stats = newTracker(m, logger, s.classOf, newAuthorizer(cfg, reg, s.trustDomainOf))
+	s.stats = newTracker(m, logger, s.classOf, newAuthorizer(cfg, reg, s.trustDomainOf), s.internNames)
 	s.xds = serverv3.NewServer(ctx, routerCache{s}, s.stats, sotw.WithLogger(slogAdapter{logger}))
 	return s, nil
 }
@@ -392,6 +392,16 @@ func (s *Server) viewFor(node *corev3.Node, typeURL string) (*view, error) {
 	v.ready[g].Store(true)
 	s.log.Info("xds class now serves", "network", c.Network, "cluster", c.Cluster, "type", typeURL, "took", time.Since(start))
 	return v, nil
+}
+
+// internNames replaces the names of resources of typeURL a request of node
+// subscribes to by the copies the node's class holds (typeCache.intern).
+func (s *Server) internNames(node *corev3.Node, typeURL string, names []string) {
+	if v := s.view(s.classOf(node)); v != nil {
+		if tc := v.caches[typeURL]; tc != nil {
+			tc.intern(names)
+		}
+	}
 }
 
 // view returns the existing view of class c, or nil.

@@ -121,6 +121,9 @@ type tracker struct {
 	log     *slog.Logger
 	classOf func(*corev3.Node) class
 	auth    *authorizer
+	// intern replaces the resource names a request of a node subscribes
+	// to by the server's copies (typeCache.intern).
+	intern func(node *corev3.Node, typeURL string, names []string)
 
 	mu      sync.Mutex
 	streams map[streamKey]*ClientStatus
@@ -128,8 +131,8 @@ type tracker struct {
 
 var _ serverv3.Callbacks = (*tracker)(nil)
 
-func newTracker(m *metrics, log *slog.Logger, classOf func(*corev3.Node) class, auth *authorizer) *tracker {
-	return &tracker{metrics: m, log: log, classOf: classOf, auth: auth, streams: map[streamKey]*ClientStatus{}}
+func newTracker(m *metrics, log *slog.Logger, classOf func(*corev3.Node) class, auth *authorizer, intern func(*corev3.Node, string, []string)) *tracker {
+	return &tracker{metrics: m, log: log, classOf: classOf, auth: auth, intern: intern, streams: map[streamKey]*ClientStatus{}}
 }
 
 // open admits a stream whose transport identity is acceptable.
@@ -278,9 +281,15 @@ func (t *tracker) OnDeltaStreamOpen(ctx context.Context, id int64, _ string) err
 func (t *tracker) OnDeltaStreamClosed(id int64, _ *corev3.Node) { t.closed(deltaKey(id)) }
 
 // OnStreamRequest records the ACK or NACK of a SotW request.
+// go-control-plane calls it before it makes the request the stream's
+// subscription, so the names it keeps are the interned ones.
 func (t *tracker) OnStreamRequest(id int64, req *discovery.DiscoveryRequest) error {
-	return t.request(sotwKey(id), req.GetNode(), req.GetTypeUrl(), req.GetResponseNonce(),
-		nackOf(req.GetErrorDetail(), req.GetResponseNonce(), req.GetErrorDetail() != nil))
+	if err := t.request(sotwKey(id), req.GetNode(), req.GetTypeUrl(), req.GetResponseNonce(),
+		nackOf(req.GetErrorDetail(), req.GetResponseNonce(), req.GetErrorDetail() != nil)); err != nil {
+		return err
+	}
+	t.internNames(sotwKey(id), req.GetNode(), req.GetTypeUrl(), req.GetResourceNames())
+	return nil
 }
 
 // OnStreamResponse records a SotW response.
@@ -289,9 +298,32 @@ func (t *tracker) OnStreamResponse(_ context.Context, id int64, req *discovery.D
 }
 
 // OnStreamDeltaRequest records the ACK or NACK of a delta request.
+// It interns the names subscribed to, as OnStreamRequest does.
 func (t *tracker) OnStreamDeltaRequest(id int64, req *discovery.DeltaDiscoveryRequest) error {
-	return t.request(deltaKey(id), req.GetNode(), req.GetTypeUrl(), req.GetResponseNonce(),
-		nackOf(req.GetErrorDetail(), req.GetResponseNonce(), req.GetErrorDetail() != nil))
+	if err := t.request(deltaKey(id), req.GetNode(), req.GetTypeUrl(), req.GetResponseNonce(),
+		nackOf(req.GetErrorDetail(), req.GetResponseNonce(), req.GetErrorDetail() != nil)); err != nil {
+		return err
+	}
+	t.internNames(deltaKey(id), req.GetNode(), req.GetTypeUrl(), req.GetResourceNamesSubscribe())
+	return nil
+}
+
+// internNames interns the names a request of stream k subscribes to, in
+// the class of its node (the stream's, when the request carries none).
+func (t *tracker) internNames(k streamKey, node *corev3.Node, typeURL string, names []string) {
+	if t.intern == nil || len(names) == 0 {
+		return
+	}
+	if node == nil {
+		t.mu.Lock()
+		if cs := t.streams[k]; cs != nil {
+			node = cs.node
+		}
+		t.mu.Unlock()
+	}
+	if node != nil {
+		t.intern(node, typeURL, names)
+	}
 }
 
 // OnStreamDeltaResponse records a delta response.

@@ -12,6 +12,7 @@ import (
 
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 )
@@ -76,6 +77,10 @@ type typeCache struct {
 	deltaBodies, sotwBodies bodyMemo
 	// lastSweep is when orphaned clients were last dropped.
 	lastSweep time.Time
+	// canon maps each resource name to the cache's own copy of it, for
+	// the types clients subscribe to by name (EDS and RDS); nil for the
+	// others. See intern.
+	canon map[string]string
 }
 
 // changeLogSize bounds the batches kept to bring a client that ACKs late up
@@ -116,7 +121,12 @@ type parkedWatch struct {
 var _ cache.Cache = (*typeCache)(nil)
 
 func newTypeCache(typeURL, prefix string, logger slogAdapter) *typeCache {
+	var canon map[string]string
+	if typeURL == resource.EndpointType || typeURL == resource.RouteType {
+		canon = map[string]string{}
+	}
 	return &typeCache{
+		canon:     canon,
 		typeURL:   typeURL,
 		prefix:    prefix,
 		logger:    logger,
@@ -137,10 +147,14 @@ func (w *typeCache) UpdateResources(updated map[string]types.Resource, deleted [
 		// The raw encoding is shared, not copied: neither side modifies it.
 		b := rawBytes(r)
 		w.resources[name] = encoded{raw: b, version: resourceVersion(b)}
+		if w.canon != nil {
+			w.canon[name] = name
+		}
 		names = append(names, name)
 	}
 	for _, name := range deleted {
 		delete(w.resources, name)
+		delete(w.canon, name)
 		names = append(names, name)
 	}
 	w.seq++
@@ -165,6 +179,27 @@ func (w *typeCache) UpdateResources(updated map[string]types.Resource, deleted [
 	w.pushSotw(names)
 	w.sweep()
 	return nil
+}
+
+// intern replaces each of names that names a resource of the cache by the
+// cache's own copy of that name. go-control-plane keeps the names of a
+// stream's last request as its subscription (and a parked watch keeps the
+// request), each decoded into its own string: a thousand Envoys that
+// subscribe to the same hundred clusters would hold a hundred thousand
+// copies of a hundred names, most of what an idle client costs. Names the
+// cache does not hold are left as they are (they are bounded by the
+// request size, and a client may not grow the cache's own table).
+func (w *typeCache) intern(names []string) {
+	if w.canon == nil || len(names) == 0 {
+		return
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for i, n := range names {
+		if c, ok := w.canon[n]; ok {
+			names[i] = c
+		}
+	}
 }
 
 // sweep drops clients orphaned for longer than orphanAfter, at most every

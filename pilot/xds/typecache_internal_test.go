@@ -5,10 +5,12 @@ import (
 	"maps"
 	"math/rand/v2"
 	"testing"
+	"unsafe"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/server/stream/v3"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -290,4 +292,27 @@ func randomDeltaRun(t *testing.T, seed uint64) {
 			require.Equal(t, c.want(), c.held, "step %d, client %d (wildcard %v)", step, i, c.sub.IsWildcard())
 		}
 	}
+}
+
+// TestInternSharesNames: names a client subscribes to become the cache's
+// own copies when the cache holds them (EDS), and stay the client's
+// otherwise; a deleted resource's name is no longer interned, and types
+// subscribed to by wildcard keep no table.
+func TestInternSharesNames(t *testing.T) {
+	w := newTypeCache(resource.EndpointType, "v", slogAdapter{})
+	held := "outbound|80||a.ns.svc.cluster.local"
+	require.NoError(t, w.UpdateResources(map[string]types.Resource{held: rawString(t, "a")}, nil))
+	copyOf := func(s string) string { return string([]byte(s)) }
+	names := []string{copyOf(held), copyOf("outbound|80||unknown")}
+	w.intern(names)
+	require.Equal(t, []string{held, "outbound|80||unknown"}, names)
+	require.Same(t, unsafe.StringData(held), unsafe.StringData(names[0]))
+
+	require.NoError(t, w.UpdateResources(nil, []string{held}))
+	names = []string{copyOf(held)}
+	w.intern(names)
+	require.NotSame(t, unsafe.StringData(held), unsafe.StringData(names[0]), "a deleted resource's name is not interned")
+	require.Empty(t, w.canon)
+
+	require.Nil(t, newTypeCache(resource.ClusterType, "v", slogAdapter{}).canon)
 }
