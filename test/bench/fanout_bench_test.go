@@ -262,7 +262,7 @@ func runFanout(b *testing.B, c0 *framework.Cluster, srv *fanServer, n int, delta
 	defer stopProfile()
 
 	var first, median, last, spread []time.Duration
-	cpu0 := processCPU(b, srv.pid)
+	cpu0, clientCPU0 := processCPU(b, srv.pid), processCPU(b, os.Getpid())
 	for i := range fanSamples {
 		s := fanChange(b, c0, clients, &sample, i)
 		arr := slices.Clone(s.arrived)
@@ -289,6 +289,10 @@ func runFanout(b *testing.B, c0 *framework.Cluster, srv *fanServer, n int, delta
 	// be on an idle core, whatever else the machine runs.
 	cpu := processCPU(b, srv.pid) - cpu0
 	b.ReportMetric(float64(cpu.Microseconds())/fanSamples/float64(n), "server-CPU-us/client/change")
+	// The clients' share of the same two cores (this process: reading,
+	// checking and ACKing each response).
+	clientCPU := processCPU(b, os.Getpid()) - clientCPU0
+	b.ReportMetric(float64(clientCPU.Microseconds())/fanSamples/float64(n), "client-CPU-us/client/change")
 	b.ReportMetric(loadAverage(), "load1")
 }
 

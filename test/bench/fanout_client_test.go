@@ -173,6 +173,10 @@ type fanSample struct {
 	done    chan struct{}
 }
 
+// fanClientWindow is each client's HTTP/2 receive window, per stream and
+// connection.
+const fanClientWindow = 16 << 20
+
 // fanClient is one Envoy-style client.
 type fanClient struct {
 	idx    int
@@ -198,7 +202,12 @@ type fanClient struct {
 func dialFanClient(ctx context.Context, addr string, idx int, delta bool, node *corev3.Node, suffix string, want int, sample *atomic.Pointer[fanSample]) (*fanClient, error) {
 	c := &fanClient{idx: idx, delta: delta, node: node, suffix: suffix, sample: sample, counts: map[string]int{},
 		ready: make(chan struct{}), want: want, done: make(chan struct{})}
-	cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	// Fixed receive windows, as Envoy has (its HTTP/2 defaults are 256 MiB):
+	// grpc-go's default would instead answer most responses with a
+	// bandwidth-estimation PING that no Envoy or ztunnel sends, and that
+	// every server would then have to read and answer.
+	cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithStaticStreamWindowSize(fanClientWindow), grpc.WithStaticConnWindowSize(fanClientWindow))
 	if err != nil {
 		return nil, err
 	}
