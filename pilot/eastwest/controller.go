@@ -278,10 +278,28 @@ func (cc *clusterController) watch(ctx context.Context, ctl controller.TypedCont
 		}
 		return out
 	}
+	ofClass := func() []reconcile.Request {
+		var l gwv1.GatewayList
+		if err := cl.List(ctx, &l); err != nil {
+			return nil
+		}
+		var out []reconcile.Request
+		for i := range l.Items {
+			if l.Items[i].Spec.GatewayClassName == ClassName {
+				out = append(out, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&l.Items[i])})
+			}
+		}
+		return out
+	}
 	sources := []source.TypedSource[reconcile.Request]{
 		source.Kind[client.Object](ca, &gwv1.Gateway{}, &handler.EnqueueRequestForObject{}),
+		// A change of the class changes whether its Gateways are served: a
+		// Gateway reconciled before this leader's new class reached the
+		// cache was left undeployed, and is reconciled again now.
 		source.Kind[client.Object](ca, &gwv1.GatewayClass{}, handler.EnqueueRequestsFromMapFunc(
-			func(context.Context, client.Object) []reconcile.Request { return []reconcile.Request{classRequest} })),
+			func(context.Context, client.Object) []reconcile.Request {
+				return append([]reconcile.Request{classRequest}, ofClass()...)
+			})),
 		source.Kind[client.Object](ca, &corev1.Service{}, byLabel),
 		source.Kind[client.Object](ca, &appsv1.Deployment{}, byLabel),
 		source.Kind[client.Object](ca, &corev1.ConfigMap{}, handler.EnqueueRequestsFromMapFunc(

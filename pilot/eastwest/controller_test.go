@@ -158,6 +158,43 @@ func TestGatewayAPILateAndLeadership(t *testing.T) {
 	require.Eventually(t, func() bool { return apierrors.IsNotFound(deployed(ctx, cl, gw)) }, wait, poll)
 }
 
+// TestGatewayWaitingForTheClass: a Gateway reconciled while the class
+// belongs to another controller is not served; once that class is deleted
+// and the leader writes its own, the waiting Gateway is deployed with no
+// other event (the class's events reconcile its Gateways).
+func TestGatewayWaitingForTheClass(t *testing.T) {
+	ctx := t.Context()
+	c := clusters.Cluster("cluster-1")
+	require.NoError(t, c.EnsureNamespace(ctx, ns, nil))
+	installGatewayAPI(t, c)
+	cl := newClient(t, c)
+	foreign := &gwv1.GatewayClass{ObjectMeta: metav1.ObjectMeta{Name: eastwest.ClassName},
+		Spec: gwv1.GatewayClassSpec{ControllerName: "example.com/another-controller"}}
+	require.Eventually(t, func() bool {
+		err := cl.Delete(ctx, &gwv1.GatewayClass{ObjectMeta: metav1.ObjectMeta{Name: eastwest.ClassName}})
+		return err == nil || apierrors.IsNotFound(err)
+	}, wait, poll)
+	require.Eventually(t, func() bool { return cl.Create(ctx, foreign.DeepCopy()) == nil }, wait, poll, "the foreign class is created once the old one is gone")
+
+	_, comp := start(t, eastwest.Config{Namespace: ns, CRDRecheck: 50 * time.Millisecond}, eastwest.Deps{Leading: func() bool { return true }}, c, "")
+	require.Eventually(t, comp.HasSynced, wait, poll)
+	gw := gateway(ns, "waiting", "net-a")
+	require.NoError(t, cl.Create(ctx, gw))
+	var gc gwv1.GatewayClass
+	require.NoError(t, cl.Get(ctx, client.ObjectKey{Name: eastwest.ClassName}, &gc))
+	require.Equal(t, foreign.Spec.ControllerName, gc.Spec.ControllerName, "the other controller's class is left alone")
+
+	require.NoError(t, cl.Delete(ctx, &gc))
+	require.EventuallyWithT(t, func(co *assert.CollectT) {
+		var ours gwv1.GatewayClass
+		require.NoError(co, cl.Get(ctx, client.ObjectKey{Name: eastwest.ClassName}, &ours))
+		require.Equal(co, eastwest.ControllerName, string(ours.Spec.ControllerName))
+		require.NoError(co, deployed(ctx, cl, gw))
+	}, wait, poll, "the leader writes its class and deploys the Gateway that waited for it")
+	require.NoError(t, cl.Delete(ctx, gw))
+	require.Eventually(t, func() bool { return apierrors.IsNotFound(deployed(ctx, cl, gw)) }, wait, poll)
+}
+
 // TestNamespaceSelectorAndRoots serves Gateways in namespaces chosen by
 // GatewayNamespaceSelector: the roots and trust bundle are copied there
 // (owned by the Gateway), and the gateway is an identity of its cluster's
