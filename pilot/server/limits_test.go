@@ -48,12 +48,7 @@ func TestStrangersOnTheGRPCPort(t *testing.T) {
 	}, 20*time.Second, 10*time.Millisecond)
 	mon := "http://" + p.MonitoringAddr()
 
-	silent, err := net.Dial("tcp", p.GRPCAddr())
-	require.NoError(t, err)
-	defer silent.Close()
-	require.NoError(t, silent.SetReadDeadline(time.Now().Add(30*time.Second)))
-	_, err = io.ReadAll(silent)
-	require.NoError(t, err, "closed by pilot (EOF), long before the read deadline")
+	require.NoError(t, staySilent(p.GRPCAddr()), "closed by pilot (EOF), long before the read deadline")
 
 	garbage, err := net.Dial("tcp", p.GRPCAddr())
 	require.NoError(t, err)
@@ -69,10 +64,20 @@ func TestStrangersOnTheGRPCPort(t *testing.T) {
 	}, 10*time.Second, 20*time.Millisecond)
 	require.Equal(t, http.StatusOK, get(t, mon+"/healthz", nil))
 
-	plainSilent, err := net.Dial("tcp", p.XDSPlaintextAddr())
-	require.NoError(t, err)
-	defer plainSilent.Close()
-	require.NoError(t, plainSilent.SetReadDeadline(time.Now().Add(30*time.Second)))
-	_, err = io.ReadAll(plainSilent)
-	require.NoError(t, err, "the plaintext port closes a silent connection (EOF) long before the read deadline")
+	require.NoError(t, staySilent(p.XDSPlaintextAddr()), "the plaintext port closes a silent connection (EOF) long before the read deadline")
+}
+
+// staySilent connects to addr, sends nothing and reads until the server
+// closes the connection (nil) or 30 s pass (an error).
+func staySilent(addr string) error {
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	if err := c.SetReadDeadline(time.Now().Add(30 * time.Second)); err != nil {
+		return err
+	}
+	_, err = io.ReadAll(c)
+	return err
 }
