@@ -20,6 +20,7 @@ import (
 	authorizationv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -192,13 +193,15 @@ func TestChartsApplyToAPIServer(t *testing.T) {
 			want: []string{"Namespace/isthmus-system"}},
 		{name: "pilot", chart: "pilot", want: []string{
 			"ClusterRole/isthmusd-isthmus-system", "ClusterRoleBinding/isthmusd-isthmus-system", "Deployment/isthmusd",
-			"Role/isthmusd", "RoleBinding/isthmusd", "Service/isthmusd", "ServiceAccount/isthmusd"}},
+			"Role/isthmus-gateways-isthmus-system", "Role/isthmusd", "RoleBinding/isthmus-gateways-isthmus-system", "RoleBinding/isthmusd",
+			"Service/isthmusd", "ServiceAccount/isthmusd"}},
 		{name: "pilot with PDB, network and dashboard", chart: "pilot",
 			values: map[string]any{"network": "net-a", "podDisruptionBudget": map[string]any{"enabled": true},
 				"dashboards": map[string]any{"enabled": true}},
 			want: []string{
 				"ClusterRole/isthmusd-isthmus-system", "ClusterRoleBinding/isthmusd-isthmus-system", "ConfigMap/isthmus-pilot-dashboard",
-				"Deployment/isthmusd", "PodDisruptionBudget/isthmusd", "Role/isthmusd", "RoleBinding/isthmusd", "Service/isthmusd", "ServiceAccount/isthmusd"}},
+				"Deployment/isthmusd", "PodDisruptionBudget/isthmusd", "Role/isthmus-gateways-isthmus-system", "Role/isthmusd",
+				"RoleBinding/isthmus-gateways-isthmus-system", "RoleBinding/isthmusd", "Service/isthmusd", "ServiceAccount/isthmusd"}},
 		{name: "pilot with exec allowlist and gateway namespaces", chart: "pilot",
 			values: map[string]any{"execAllowlist": []any{map[string]any{"command": "/usr/local/bin/token-plugin", "args": []any{"get-token"}}},
 				"gatewayNamespaces": []any{"isthmus-system", "edge"}, "gatewayNamespaceSelector": "isthmus.io/gateways=trusted"},
@@ -207,6 +210,7 @@ func TestChartsApplyToAPIServer(t *testing.T) {
 				"Role/isthmusd", "RoleBinding/isthmusd", "Service/isthmusd", "ServiceAccount/isthmusd"}},
 		{name: "remote", chart: "remote", want: []string{
 			"ClusterRole/isthmus-reader-isthmus-system", "ClusterRoleBinding/isthmus-reader-isthmus-system",
+			"Role/isthmus-gateways-isthmus-system", "RoleBinding/isthmus-gateways-isthmus-system",
 			"ServiceAccount/isthmus-reader-service-account"}},
 		{name: "ztunnel", chart: "ztunnel", want: []string{"DaemonSet/ztunnel", "ServiceAccount/ztunnel"}},
 		{name: "ztunnel gateway mode", chart: "ztunnel", values: map[string]any{"mode": "gateway", "network": "net-a"},
@@ -389,6 +393,55 @@ func TestRemoteChartRulesAreReaderRules(t *testing.T) {
 	binding := convert[rbacv1.ClusterRoleBinding](t, find(t, objs, "ClusterRoleBinding", "isthmus-reader-"+namespace))
 	require.Equal(t, rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: role.Name}, binding.RoleRef)
 	require.Equal(t, []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Name: "isthmus-reader-service-account", Namespace: namespace}}, binding.Subjects)
+	requireGatewayRoles(t, objs, "isthmus-reader-service-account", namespace, []string{namespace})
+	requireGatewayRoles(t, render(t, "remote", namespace, map[string]any{"gatewayNamespaces": []any{"edge", "edge-2"}}),
+		"isthmus-reader-service-account", namespace, []string{"edge", "edge-2"})
+}
+
+// requireGatewayRoles checks that objs grant remotesecret.GatewayRules to
+// the ServiceAccount sa of namespace in each of the gateway namespaces,
+// and nowhere else.
+func requireGatewayRoles(t *testing.T, objs []*unstructured.Unstructured, sa, namespace string, gatewayNamespaces []string) {
+	t.Helper()
+	name := remotesecret.GatewayRoleName(namespace)
+	var in []string
+	for _, o := range objs {
+		switch {
+		case o.GetKind() == "Role" && o.GetName() == name:
+			in = append(in, o.GetNamespace())
+			require.Equal(t, remotesecret.GatewayRules(), convert[rbacv1.Role](t, o).Rules)
+		case o.GetKind() == "RoleBinding" && o.GetName() == name:
+			b := convert[rbacv1.RoleBinding](t, o)
+			require.Equal(t, rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: name}, b.RoleRef)
+			require.Equal(t, []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Name: sa, Namespace: namespace}}, b.Subjects)
+		}
+	}
+	require.Equal(t, gatewayNamespaces, in)
+}
+
+// TestPilotChartGatewayRules: the pilot chart grants what it deploys for
+// Gateways in the gateway namespaces only; with a namespace selector (a set
+// it cannot know) in its ClusterRole; with the GatewayClass disabled,
+// nowhere.
+func TestPilotChartGatewayRules(t *testing.T) {
+	requireGatewayRoles(t, render(t, "pilot", namespace, nil), "isthmusd", namespace, []string{namespace})
+	requireGatewayRoles(t, render(t, "pilot", namespace, map[string]any{"gatewayNamespaces": []any{namespace, "edge"}}),
+		"isthmusd", namespace, []string{namespace, "edge"})
+	requireGatewayRoles(t, render(t, "pilot", namespace, map[string]any{"gatewayClass": map[string]any{"enabled": false}}),
+		"isthmusd", namespace, nil)
+
+	cluster := func(values map[string]any) []rbacv1.PolicyRule {
+		objs := render(t, "pilot", namespace, values)
+		return convert[rbacv1.ClusterRole](t, find(t, objs, "ClusterRole", "isthmusd-"+namespace)).Rules
+	}
+	for _, r := range remotesecret.GatewayRules() {
+		require.NotContains(t, cluster(nil), r, "no cluster-wide gateway writes by default")
+	}
+	selected := map[string]any{"gatewayNamespaceSelector": "isthmus.io/gateways=trusted"}
+	requireGatewayRoles(t, render(t, "pilot", namespace, selected), "isthmusd", namespace, nil)
+	for _, r := range remotesecret.GatewayRules() {
+		require.Contains(t, cluster(selected), r, "a namespace selector needs them cluster-wide")
+	}
 }
 
 // TestRemoteChartThenCreateRemoteSecret installs the remote chart for real
@@ -419,6 +472,21 @@ func TestRemoteChartThenCreateRemoteSecret(t *testing.T) {
 	require.NoError(t, err, "the reader token lists pods in every namespace")
 	_, err = reader.CoreV1().Secrets(ns).List(ctx, metav1.ListOptions{Limit: 1})
 	require.Error(t, err, "the reader token cannot read Secrets")
+
+	// Gateways' Deployments may be written in the gateway namespace (the
+	// chart's default, the release namespace) and nowhere else.
+	dryRun := metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}}
+	dep := func(namespace string) *appsv1.Deployment {
+		labels := map[string]string{"app": "x"}
+		return &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Name: "x", Namespace: namespace}, Spec: appsv1.DeploymentSpec{
+			Selector: &metav1.LabelSelector{MatchLabels: labels},
+			Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: labels},
+				Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "x", Image: "x"}}}}}}
+	}
+	_, err = reader.AppsV1().Deployments(ns).Create(ctx, dep(ns), dryRun)
+	require.NoError(t, err, "the reader deploys gateways in the gateway namespace")
+	_, err = reader.AppsV1().Deployments("default").Create(ctx, dep("default"), dryRun)
+	require.True(t, apierrors.IsForbidden(err), "the reader deploys nothing elsewhere: %v", err)
 }
 
 // TestCNIAgentRBAC installs the cni chart's RBAC for real and asks the API
@@ -464,8 +532,9 @@ func TestCNIAgentRBAC(t *testing.T) {
 
 // TestPilotRBACCoversReaderRules installs the pilot chart's RBAC for real
 // and asks the API server (SubjectAccessReview) whether pilot's
-// ServiceAccount may do, in its own cluster, everything ReaderRules lets it
-// do in a remote (ConfigMaps only in its namespace), plus its own duties:
+// ServiceAccount may do, in its own cluster, everything ReaderRules and
+// GatewayRules let it do in a remote (ConfigMaps only in its namespace,
+// GatewayRules in its gateway namespace), plus its own duties:
 // Secrets, Leases and Events in its namespace.
 func TestPilotRBACCoversReaderRules(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -482,7 +551,9 @@ func TestPilotRBACCoversReaderRules(t *testing.T) {
 	}
 	type access struct{ group, resource, subresource, verb string }
 	var want []access
-	for _, r := range remotesecret.ReaderRules() {
+	// GatewayRules: the chart's Role in the gateway namespace, by default
+	// this release's, where the checks below ask.
+	for _, r := range append(remotesecret.ReaderRules(), remotesecret.GatewayRules()...) {
 		for _, g := range r.APIGroups {
 			for _, res := range r.Resources {
 				resource, sub, _ := strings.Cut(res, "/")

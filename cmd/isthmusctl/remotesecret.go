@@ -37,6 +37,9 @@ type createRemoteSecretConfig struct {
 	// Namespace is the control-plane namespace: where the reader
 	// ServiceAccount lives in the remote and the Secret in the primary.
 	Namespace string
+	// GatewayNamespaces are where pilot may deploy east-west gateways in
+	// the remote (default: Namespace).
+	GatewayNamespaces []string
 	// Network, when set, annotates the Secret with the cluster's default
 	// network.
 	Network string
@@ -78,6 +81,8 @@ or updated in the primary cluster. The token appears nowhere else.`,
 	f.StringVar(&cfg.Context, "context", "", "context of the remote cluster in --kubeconfig (default: its current context)")
 	f.StringVar(&cfg.Name, "name", "", "ID of the remote cluster (a DNS-1123 label); required")
 	f.StringVar(&cfg.Namespace, "namespace", defaults.Namespace, "control-plane namespace, in the remote and in the primary")
+	f.StringSliceVar(&cfg.GatewayNamespaces, "gateway-namespaces", nil,
+		"namespaces of the remote where pilot may deploy east-west gateways from Gateways (a Role in each; default: --namespace); pilot's trusted gateway namespaces")
 	f.StringVar(&cfg.Network, "network", "", "default network of the remote cluster's workloads (annotation topology.istio.io/network)")
 	f.StringVar(&cfg.TrustDomain, "trust-domain", "", "trust domain of the remote cluster's identities, when not the mesh's (annotation security.isthmus.io/trust-domain; see docs/trust-domains.md)")
 	f.StringVar(&cfg.Server, "server", "", "API server URL pilot should use (default: the server in --kubeconfig)")
@@ -179,7 +184,7 @@ func readerSecret(ctx context.Context, cfg createRemoteSecretConfig, log *slog.L
 		return nil, nil, fmt.Errorf("remote cluster client: %w", err)
 	}
 	log.Debug("creating the reader identity", "server", remote.Host, "namespace", cfg.Namespace)
-	token, err := remotesecret.EnsureReader(ctx, client, remotesecret.ReaderOptions{Namespace: cfg.Namespace, TokenWait: cfg.TokenWait})
+	token, err := remotesecret.EnsureReader(ctx, client, remotesecret.ReaderOptions{Namespace: cfg.Namespace, TokenWait: cfg.TokenWait, GatewayNamespaces: cfg.GatewayNamespaces})
 	if err != nil {
 		return nil, nil, fmt.Errorf("reader identity in the remote cluster: %w", err)
 	}

@@ -81,6 +81,11 @@ func TestCreateRemoteSecretPrintsSecret(t *testing.T) {
 	role, err := remote.Client.RbacV1().ClusterRoles().Get(ctx, "isthmus-reader-isthmus-system", metav1.GetOptions{})
 	require.NoError(t, err)
 	require.Equal(t, remotesecret.ReaderRules(), role.Rules)
+	// And, in the gateway namespace (by default the control-plane one),
+	// GatewayRules.
+	gw, err := remote.Client.RbacV1().Roles("isthmus-system").Get(ctx, remotesecret.GatewayRoleName("isthmus-system"), metav1.GetOptions{})
+	require.NoError(t, err)
+	require.Equal(t, remotesecret.GatewayRules(), gw.Rules)
 }
 
 // TestCreateRemoteSecretApply checks --apply: the first run creates the

@@ -60,6 +60,11 @@ type ReaderOptions struct {
 	TokenWait time.Duration
 	// TokenTTL is the lifetime asked of the TokenRequest API (default one year).
 	TokenTTL time.Duration
+	// GatewayNamespaces are the namespaces where pilot may deploy east-west
+	// gateways from Gateways (GatewayRules, in a Role there; default:
+	// Namespace). They should be pilot's trusted gateway namespaces
+	// (--gateway-namespaces).
+	GatewayNamespaces []string
 }
 
 // withDefaults fills what o leaves empty.
@@ -76,15 +81,20 @@ func (o ReaderOptions) withDefaults() ReaderOptions {
 	if o.TokenTTL == 0 {
 		o.TokenTTL = 365 * 24 * time.Hour
 	}
+	if len(o.GatewayNamespaces) == 0 {
+		o.GatewayNamespaces = []string{o.Namespace}
+	}
 	return o
 }
 
-// ReaderRules returns the permissions pilot needs in a remote cluster: read
-// what discovery watches, review tokens for the CA, publish the root
-// certificate, write ServiceExport status, keep ServiceImports, and run the
-// east-west gateways declared as Gateway API Gateways (pilot/eastwest: the
-// GatewayClass, Gateway status, and the ServiceAccount, Deployment, Service
-// and root ConfigMap made for each).
+// ReaderRules returns the permissions pilot needs in a remote cluster, in
+// every namespace: read what discovery watches, review tokens for the CA,
+// publish the root certificate, write ServiceExport status, keep
+// ServiceImports, and run the east-west gateways declared as Gateway API
+// Gateways (pilot/eastwest: the GatewayClass, Gateway status, and the
+// Deployments and root ConfigMaps it watches). What it deploys for each
+// Gateway is written with GatewayRules, granted only in the gateway
+// namespaces: a leaked remote kubeconfig cannot run workloads elsewhere.
 func ReaderRules() []rbacv1.PolicyRule {
 	return []rbacv1.PolicyRule{
 		{APIGroups: []string{""}, Resources: []string{"namespaces", "services", "pods", "nodes", "endpoints"}, Verbs: []string{"get", "list", "watch"}},
@@ -98,11 +108,25 @@ func ReaderRules() []rbacv1.PolicyRule {
 		{APIGroups: []string{"gateway.networking.k8s.io"}, Resources: []string{"gatewayclasses"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch"}},
 		{APIGroups: []string{"gateway.networking.k8s.io"}, Resources: []string{"gateways"}, Verbs: []string{"get", "list", "watch"}},
 		{APIGroups: []string{"gateway.networking.k8s.io"}, Resources: []string{"gatewayclasses/status", "gateways/status"}, Verbs: []string{"get", "update", "patch"}},
-		{APIGroups: []string{""}, Resources: []string{"serviceaccounts"}, Verbs: []string{"get", "create", "update", "patch", "delete"}},
-		{APIGroups: []string{""}, Resources: []string{"services"}, Verbs: []string{"create", "update", "patch", "delete"}},
-		{APIGroups: []string{"apps"}, Resources: []string{"deployments"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch", "delete"}},
+		{APIGroups: []string{"apps"}, Resources: []string{"deployments"}, Verbs: []string{"get", "list", "watch"}},
 	}
 }
+
+// GatewayRules returns what pilot needs, in each gateway namespace only, to
+// deploy an east-west gateway for a Gateway of its class: its
+// ServiceAccount, Deployment and Service.
+func GatewayRules() []rbacv1.PolicyRule {
+	return []rbacv1.PolicyRule{
+		{APIGroups: []string{""}, Resources: []string{"serviceaccounts"}, Verbs: []string{"get", "create", "update", "patch", "delete"}},
+		{APIGroups: []string{""}, Resources: []string{"services"}, Verbs: []string{"create", "update", "patch", "delete"}},
+		{APIGroups: []string{"apps"}, Resources: []string{"deployments"}, Verbs: []string{"create", "update", "patch", "delete"}},
+	}
+}
+
+// GatewayRoleName is the name of the Role (and RoleBinding) granting
+// GatewayRules to the reader of control-plane namespace namespace, in each
+// gateway namespace.
+func GatewayRoleName(namespace string) string { return "isthmus-gateways-" + namespace }
 
 // EnsureReader creates (or updates) the reader ServiceAccount, its
 // ClusterRole and binding, and returns a bearer token for it: the token
@@ -130,6 +154,9 @@ func EnsureReader(ctx context.Context, c kubernetes.Interface, opts ReaderOption
 	if err := ensure(ctx, c.RbacV1().ClusterRoleBindings(), binding); err != nil {
 		return "", fmt.Errorf("cluster role binding: %w", err)
 	}
+	if err := ensureGatewayRoles(ctx, c, opts); err != nil {
+		return "", err
+	}
 	if tok, err := secretToken(ctx, c, opts); err == nil && tok != "" {
 		return tok, nil
 	}
@@ -140,6 +167,30 @@ func EnsureReader(ctx context.Context, c kubernetes.Interface, opts ReaderOption
 		return "", fmt.Errorf("token request for %s/%s: %w", opts.Namespace, name, err)
 	}
 	return tr.Status.Token, nil
+}
+
+// ensureGatewayRoles grants GatewayRules to the reader in each gateway
+// namespace (created when missing).
+func ensureGatewayRoles(ctx context.Context, c kubernetes.Interface, opts ReaderOptions) error {
+	name := GatewayRoleName(opts.Namespace)
+	for _, ns := range opts.GatewayNamespaces {
+		if err := ensure(ctx, c.CoreV1().Namespaces(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}); err != nil {
+			return fmt.Errorf("gateway namespace %s: %w", ns, err)
+		}
+		role := &rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns}, Rules: GatewayRules()}
+		if err := ensureUpdate(ctx, c.RbacV1().Roles(ns), role, func(cur *rbacv1.Role) { cur.Rules = GatewayRules() }); err != nil {
+			return fmt.Errorf("role %s/%s: %w", ns, name, err)
+		}
+		binding := &rbacv1.RoleBinding{
+			ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+			RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: name},
+			Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Name: opts.ServiceAccount, Namespace: opts.Namespace}},
+		}
+		if err := ensure(ctx, c.RbacV1().RoleBindings(ns), binding); err != nil {
+			return fmt.Errorf("role binding %s/%s: %w", ns, name, err)
+		}
+	}
+	return nil
 }
 
 // secretToken creates the ServiceAccount token Secret and waits up to

@@ -226,12 +226,13 @@ func (r *reconciler) cleanup(ctx context.Context, key types.NamespacedName, keep
 
 // staleServiceAccount returns the ServiceAccount made for the Gateway key
 // when it is not owned by the Gateway of UID keep. ServiceAccounts are read
-// one by name, uncached: pilot may not list them (the reader identity in
-// remote clusters has no list or watch on ServiceAccounts).
+// one by name, uncached: pilot may not list them, and may read them only
+// in the gateway namespaces (remotesecret.GatewayRules). Where it may not,
+// it cannot have made one.
 func (r *reconciler) staleServiceAccount(ctx context.Context, key types.NamespacedName, keep types.UID) ([]client.Object, error) {
 	var sa corev1.ServiceAccount
 	err := r.client.Get(ctx, client.ObjectKey{Namespace: key.Namespace, Name: ObjectName(key.Name)}, &sa)
-	if apierrors.IsNotFound(err) {
+	if apierrors.IsNotFound(err) || apierrors.IsForbidden(err) {
 		return nil, nil
 	}
 	if err != nil {

@@ -42,3 +42,19 @@ commands:
     {{- end }}
 {{- end }}
 {{- end }}
+
+{{/*
+pilot.gatewayRules: remotesecret.GatewayRules, what pilot writes for each
+Gateway of class isthmus-east-west (manifests/charts_test.go compares them).
+*/}}
+{{- define "pilot.gatewayRules" -}}
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [get, create, update, patch, delete]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [create, update, patch, delete]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [create, update, patch, delete]
+{{- end }}
