@@ -4,7 +4,8 @@
 // DaemonSet). It
 //
 //   - installs the chained plugin (cni/plugin) into the node's CNI bin
-//     directory and its entry at the end of the node's conflist, and
+//     directory and its entry at the end of the node's conflist (turning
+//     a single-plugin *.conf into one), and
 //     repairs both when they change or disappear;
 //   - serves the plugin's ADD, DEL and CHECK over a unix socket: an ADD of a
 //     pod the selection (cni/selection) enrols gets the redirect rules

@@ -32,7 +32,9 @@ type Config struct {
 
 	// CNIBinDir and CNIConfDir are the node's CNI directories as mounted
 	// in the agent's container. The plugin binary is installed into
-	// CNIBinDir, its entry into the first *.conflist of CNIConfDir.
+	// CNIBinDir, its entry into the network configuration the runtime
+	// uses: the first *.conf, *.conflist or *.json of CNIConfDir by name (a
+	// single-plugin one is turned into a conflist).
 	CNIBinDir  string
 	CNIConfDir string
 	// PluginSource is the binary installed as the plugin; default the

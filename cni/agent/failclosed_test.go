@@ -131,3 +131,53 @@ func TestInstallRepairs(t *testing.T) {
 	require.GreaterOrEqual(t, metric(t, e.reg, "isthmus_cni_plugin_installs_total", map[string]string{"what": "binary"}), 3.0)
 	require.GreaterOrEqual(t, metric(t, e.reg, "isthmus_cni_plugin_installs_total", map[string]string{"what": "conflist"}), 2.0)
 }
+
+// TestInstallConvertsSingleConf: when the runtime's first network
+// configuration is a single-plugin *.conf (which cannot chain a plugin),
+// the agent turns it into a conflist of the same name holding that plugin
+// and its own entry, and removes the .conf; the conflist is then the first
+// file, so pods of that network are enrolled.
+func TestInstallConvertsSingleConf(t *testing.T) {
+	e := newEnv(t)
+	single := filepath.Join(e.confDir, "05-single.conf")
+	require.NoError(t, os.WriteFile(single,
+		[]byte(`{"cniVersion": "1.0.0", "name": "single-net", "type": "ptp", "ipam": {"type": "host-local"}}`), 0o644))
+	e.startAgent(e.config())
+	list := filepath.Join(e.confDir, "05-single.conflist")
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		b, err := os.ReadFile(list)
+		if !assert.NoError(ct, err) {
+			return
+		}
+		var doc struct {
+			CNIVersion string           `json:"cniVersion"`
+			Name       string           `json:"name"`
+			Plugins    []map[string]any `json:"plugins"`
+		}
+		assert.NoError(ct, json.Unmarshal(b, &doc))
+		assert.Equal(ct, "1.0.0", doc.CNIVersion)
+		assert.Equal(ct, "single-net", doc.Name)
+		if assert.Len(ct, doc.Plugins, 2) {
+			assert.Equal(ct, "ptp", doc.Plugins[0]["type"])
+			assert.Equal(ct, map[string]any{"type": "host-local"}, doc.Plugins[0]["ipam"])
+			assert.Equal(ct, plugin.Name, doc.Plugins[1]["type"])
+		}
+	}, 20*time.Second, 50*time.Millisecond)
+	_, err := os.Stat(single)
+	require.ErrorIs(t, err, os.ErrNotExist, "the .conf is replaced by the conflist")
+
+	// The network plugin writes its .conf again: converted again.
+	require.NoError(t, os.WriteFile(single, []byte(`{"cniVersion": "1.0.0", "name": "single-net", "type": "bridge"}`), 0o644))
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		_, err := os.Stat(single)
+		assert.ErrorIs(ct, err, os.ErrNotExist)
+		b, err := os.ReadFile(list)
+		assert.NoError(ct, err)
+		assert.Contains(ct, string(b), `"bridge"`)
+	}, 20*time.Second, 50*time.Millisecond)
+
+	// A broken first file is reported and left alone.
+	broken := filepath.Join(e.confDir, "01-broken.conf")
+	require.NoError(t, os.WriteFile(broken, []byte(`{"name": "x"}`), 0o644))
+	require.Never(t, func() bool { _, err := os.Stat(broken); return err != nil }, 500*time.Millisecond, 50*time.Millisecond)
+}

@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"slices"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -21,9 +22,13 @@ import (
 	"github.com/isthmus-mesh/isthmus/cni/plugin"
 )
 
-// errNoConflist: the node's network plugin has not written its conflist
-// yet; the installer waits for it.
-var errNoConflist = errors.New("no *.conflist in the CNI configuration directory yet")
+// errNoConflist: the node's network plugin has not written its
+// configuration yet; the installer waits for it.
+var errNoConflist = errors.New("no CNI network configuration (*.conf, *.conflist, *.json) in the directory yet")
+
+// confExtensions are the files a container runtime reads as network
+// configurations; it uses the first by name.
+var confExtensions = []string{".conf", ".conflist", ".json"}
 
 // installer keeps the plugin binary in the CNI bin directory and the
 // plugin's entry at the end of the node's conflist, repairing either when
@@ -150,23 +155,37 @@ func (in *installer) ensureBinary() error {
 	return nil
 }
 
-// conflist returns the path of the first *.conflist in the directory.
-func (in *installer) conflist() (string, error) {
-	matches, err := filepath.Glob(filepath.Join(in.confDir, "*.conflist"))
-	if err != nil {
-		return "", err
+// netConf returns the path of the network configuration the runtime uses:
+// the first, by name, of the directory's *.conf, *.conflist and *.json.
+func (in *installer) netConf() (string, error) {
+	// libcni.ConfFiles lists the same, but importing libcni would bring its
+	// tracing dependencies into the node agent for a directory listing.
+	var files []string
+	for _, ext := range confExtensions {
+		m, err := filepath.Glob(filepath.Join(in.confDir, "*"+ext))
+		if err != nil {
+			return "", err
+		}
+		for _, f := range m {
+			if st, err := os.Stat(f); err == nil && !st.IsDir() {
+				files = append(files, f)
+			}
+		}
 	}
-	if len(matches) == 0 {
+	if len(files) == 0 {
 		return "", errNoConflist
 	}
-	slices.Sort(matches)
-	return matches[0], nil
+	slices.Sort(files)
+	return files[0], nil
 }
 
 func (in *installer) ensureConflist() error {
-	path, err := in.conflist()
+	path, err := in.netConf()
 	if err != nil {
 		return err
+	}
+	if filepath.Ext(path) != ".conflist" {
+		return in.convert(path)
 	}
 	doc, plugins, err := readConflist(path)
 	if err != nil {
@@ -185,10 +204,44 @@ func (in *installer) ensureConflist() error {
 	return nil
 }
 
+// convert turns the single-plugin configuration at path (*.conf or *.json,
+// which cannot chain a second plugin) into a conflist of the same name and
+// network holding that plugin and ours, as the runtime itself would read
+// it, and removes the original: the conflist, named like it, is then the
+// runtime's first file.
+func (in *installer) convert(path string) error {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	var single map[string]any
+	if err := json.Unmarshal(b, &single); err != nil {
+		return fmt.Errorf("%s is not a JSON object: %w", path, err)
+	}
+	if _, ok := single["plugins"]; ok {
+		return fmt.Errorf("%s holds a plugin list: name it *.conflist", path)
+	}
+	if _, ok := single["type"].(string); !ok {
+		return fmt.Errorf("%s names no plugin type", path)
+	}
+	doc := map[string]any{"cniVersion": single["cniVersion"], "name": single["name"],
+		"plugins": append(withoutOurs([]any{single}), in.entry)}
+	list := strings.TrimSuffix(path, filepath.Ext(path)) + ".conflist"
+	if err := writeConflist(list, doc); err != nil {
+		return err
+	}
+	if err := os.Remove(path); err != nil {
+		return fmt.Errorf("remove %s after converting it to %s: %w", path, list, err)
+	}
+	in.log.Info("converted the network configuration into a conflist and inserted the plugin", "from", path, "to", list)
+	in.onWrite("conflist")
+	return nil
+}
+
 // uninstall removes our entry from the conflist and the binary.
 func (in *installer) uninstall() error {
 	var errs []error
-	if path, err := in.conflist(); err == nil {
+	if path, err := in.netConf(); err == nil && filepath.Ext(path) == ".conflist" {
 		if doc, plugins, err := readConflist(path); err == nil {
 			if rest := withoutOurs(plugins); len(rest) != len(plugins) {
 				doc["plugins"] = rest
