@@ -17,7 +17,11 @@ OUT=${1:-${ISTHMUS_TESTBIN:-$(go env GOPATH)/isthmus-testbin/k8s-$K8S_VERSION}}
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 
 log() { echo ">> $*" >&2; }
-have() { [[ -x $1 ]] && "$1" "${@:3}" 2>/dev/null | grep -qF -- "$2"; }
+# have BIN WANT ARGS...: BIN exists and its output for ARGS contains WANT. The
+# output is read whole: piping it into grep -q or head would, under pipefail,
+# fail at random when the reader exits before the binary has written it all
+# (SIGPIPE, status 141), and rebuild or abort.
+have() { [[ -x $1 ]] || return 1; local out; out=$("$1" "${@:3}" 2>/dev/null) || return 1; [[ $out == *"$2"* ]]; }
 need_api=1; need_etcd=1; need_kubectl=0
 have "$OUT/kube-apiserver" "Kubernetes v$K8S_VERSION" --version && need_api=0
 have "$OUT/etcd" "etcd Version: $ETCD_VERSION" --version && need_etcd=0
@@ -76,5 +80,5 @@ if [[ $need_etcd == 1 ]]; then
   mv -f "$OUT/.etcd.tmp" "$OUT/etcd"
 fi
 
-"$OUT/kube-apiserver" --version >&2; "$OUT/etcd" --version | head -1 >&2
+"$OUT/kube-apiserver" --version >&2; etcd_version=$("$OUT/etcd" --version); echo "${etcd_version%%$'\n'*}" >&2
 echo "$OUT"
