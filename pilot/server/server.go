@@ -452,11 +452,11 @@ func (s *Server) Run(ctx context.Context) error {
 	}
 	serve("debug", s.debugLn, httpServe(s.DebugMux()))
 	serve("monitoring", s.monitorLn, httpServe(s.MonitoringMux()))
-	tlsSrv := grpc.NewServer(s.cfg.GRPCLimits.options(credentials.NewTLS(s.CA.ServerTLSConfig()), s.handshakeFailures)...)
+	tlsSrv := grpc.NewServer(append(s.cfg.GRPCLimits.options(credentials.NewTLS(s.CA.ServerTLSConfig()), s.handshakeFailures), xds.ServerOptions()...)...)
 	s.CA.Register(tlsSrv)
 	s.XDS.Register(tlsSrv)
 	serve("grpc", s.grpcLn, grpcServe(tlsSrv))
-	plainSrv := grpc.NewServer(s.cfg.GRPCLimits.options(nil, nil)...) // xDS only: certificates are never issued in plaintext
+	plainSrv := grpc.NewServer(append(s.cfg.GRPCLimits.options(nil, nil), xds.ServerOptions()...)...) // xDS only: certificates are never issued in plaintext
 	s.XDS.Register(plainSrv)
 	serve("xds-plaintext", s.plainLn, grpcServe(plainSrv))
 	run("ca", s.CA.Run)

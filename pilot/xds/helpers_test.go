@@ -54,6 +54,12 @@ func start(t testing.TB, reg *xdstest.Registry, opts ...grpc.ServerOption) *env 
 // the env) for reg on a loopback listener until the test ends.
 func startWith(t testing.TB, reg *xdstest.Registry, cfg xds.Config, opts ...grpc.ServerOption) *env {
 	t.Helper()
+	return startGRPC(t, reg, cfg, append(xds.ServerOptions(), opts...)...)
+}
+
+// startGRPC is startWith on a gRPC server built with opts only.
+func startGRPC(t testing.TB, reg *xdstest.Registry, cfg xds.Config, opts ...grpc.ServerOption) *env {
+	t.Helper()
 	pm := prometheus.NewRegistry()
 	cfg.Metrics = pm
 	srv, err := xds.New(cfg, reg, testLogger(t))

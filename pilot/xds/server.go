@@ -42,6 +42,7 @@ type Server struct {
 	envoy *envoyBuilder
 	authz *authzServer
 	xds   serverv3.Server
+	sotw  *sotwServer
 	stats *tracker
 
 	// ctx bounds every xDS stream; cancel ends them when Run returns.
@@ -118,6 +119,7 @@ func New(cfg Config, reg Registry, logger *slog.Logger) (*Server, error) {
 	s.authz = newAuthzServer(cfg.Policies, reg, cfg.VersionPrefix, slogAdapter{logger})
 	s.stats = newTracker(m, logger, s.classOf, newAuthorizer(cfg, reg, s.trustDomainOf), s.internNames)
 	s.xds = serverv3.NewServer(ctx, routerCache{s}, s.stats, sotw.WithLogger(slogAdapter{logger}))
+	s.sotw = &sotwServer{ctx: ctx, stats: s.stats, watch: s.sotwWatch, intern: s.internNames}
 	return s, nil
 }
 
@@ -125,12 +127,23 @@ func New(cfg Config, reg Registry, logger *slog.Logger) (*Server, error) {
 // CDS, EDS, LDS and RDS discovery services on gs. Transport security is the
 // caller's: gs carries whatever credentials it was built with.
 func (s *Server) Register(gs *grpc.Server) {
-	discovery.RegisterAggregatedDiscoveryServiceServer(gs, s.xds)
-	clusterservice.RegisterClusterDiscoveryServiceServer(gs, s.xds)
-	endpointservice.RegisterEndpointDiscoveryServiceServer(gs, s.xds)
-	listenerservice.RegisterListenerDiscoveryServiceServer(gs, s.xds)
-	routeservice.RegisterRouteDiscoveryServiceServer(gs, s.xds)
+	x := sotwServices{xdsServer: s.xds, sotw: s.sotw}
+	discovery.RegisterAggregatedDiscoveryServiceServer(gs, x)
+	clusterservice.RegisterClusterDiscoveryServiceServer(gs, x)
+	endpointservice.RegisterEndpointDiscoveryServiceServer(gs, x)
+	listenerservice.RegisterListenerDiscoveryServiceServer(gs, x)
+	routeservice.RegisterRouteDiscoveryServiceServer(gs, x)
 }
+
+// The stream types of the per-type SotW services, and go-control-plane's
+// server, which serves the delta streams.
+type (
+	xdsServer      = serverv3.Server
+	clusterStream  = clusterservice.ClusterDiscoveryService_StreamClustersServer
+	endpointStream = endpointservice.EndpointDiscoveryService_StreamEndpointsServer
+	listenerStream = listenerservice.ListenerDiscoveryService_StreamListenersServer
+	routeStream    = routeservice.RouteDiscoveryService_StreamRoutesServer
+)
 
 // Run follows the registry's change feed and pushes every batch until ctx
 // ends; then it ends every open xDS stream and returns nil. It may be called
@@ -425,19 +438,10 @@ func checkType(t string) error {
 	return nil
 }
 
-// CreateWatch opens a SotW watch on the view of the request's node.
+// CreateWatch opens a SotW watch on the view of the request's node (pilot
+// serves SotW streams itself, see sotwserver.go: this completes cache.Cache).
 func (r routerCache) CreateWatch(req *cache.Request, sub cache.Subscription, ch chan cache.Response) (func(), error) {
-	if req.GetTypeUrl() == AuthorizationType {
-		return nil, status.Errorf(codes.Unimplemented, "%s is served over delta xDS only", AuthorizationType)
-	}
-	if err := checkType(req.GetTypeUrl()); err != nil {
-		return nil, err
-	}
-	v, err := r.s.viewFor(req.GetNode(), req.GetTypeUrl())
-	if err != nil {
-		return nil, err
-	}
-	return v.mux.CreateWatch(req, sub, ch)
+	return r.s.sotwWatch(req, sub, func(resp cache.Response) { ch <- resp })
 }
 
 // CreateDeltaWatch opens a delta watch on the view of the request's node

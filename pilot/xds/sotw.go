@@ -16,21 +16,19 @@ import (
 
 // SotW clients of a typeCache. A SotW stream is tracked, like a delta one,
 // by the batch it is in sync with and the subscription it had then (the
-// map go-control-plane made from its last request, shared, not copied). It
-// is named by the returned-resources map of its subscription: the first
-// request's map (empty, made by go-control-plane for the stream) is handed
-// back in every response, so every later request of the stream carries it
-// again, and it stays empty (go-control-plane only deletes from it; the
-// node cannot name the stream: Envoy sends it with every request;
-// TestContractSotwStreamKeepsItsReturnedMap pins this library behaviour). A
-// request is answered with what changed since, and with the names it newly
-// subscribes to; a push tells each parked client the changed names it
-// subscribes to. CDS and LDS responses carry every resource subscribed to
-// (they are full state in SotW), EDS and RDS only the changed ones; as in
-// go-control-plane's LinearCache, a request without a version is always
-// answered, and one with another server's version is sent everything. Responses hand go-control-plane no
-// per-resource versions, where a LinearCache keeps a name -> version map per
-// stream and clones it for every response.
+// map its stream made from its last request, shared, not copied). It is
+// named by the returned-resources map of its subscription, which pilot's
+// SotW server (sotwserver.go) makes for each stream and type, empty, and
+// never writes: the node cannot name the stream, Envoy sends it with every
+// request. A request is answered with what changed since, and with the
+// names it newly subscribes to; a push tells each parked client the changed
+// names it subscribes to. CDS and LDS responses carry every resource
+// subscribed to (they are full state in SotW), EDS and RDS only the changed
+// ones; as in go-control-plane's LinearCache, a request without a version
+// is always answered, and one with another server's version is sent
+// everything. No per-resource versions are kept per stream, where a
+// LinearCache keeps a name -> version map per stream and clones it for
+// every response.
 
 // sotwClient is one SotW stream's state for the cache's type.
 type sotwClient struct {
@@ -56,14 +54,20 @@ func streamOf(sub cache.Subscription) (unsafe.Pointer, map[string]string) {
 }
 
 type sotwWatch struct {
-	req *cache.Request
-	sub cache.Subscription
-	ch  chan cache.Response
+	req     *cache.Request
+	sub     cache.Subscription
+	deliver func(cache.Response)
 }
 
-// CreateWatch answers a SotW request with what the stream is missing, or
-// parks the watch until an update concerns it.
+// CreateWatch is watchSotw for a channel (cache.Cache).
 func (w *typeCache) CreateWatch(req *cache.Request, sub cache.Subscription, ch chan cache.Response) (func(), error) {
+	return w.watchSotw(req, sub, func(r cache.Response) { ch <- r })
+}
+
+// watchSotw answers a SotW request with what the stream is missing, or
+// parks the watch until an update concerns it. deliver is called with
+// the cache's lock held: it must not block.
+func (w *typeCache) watchSotw(req *cache.Request, sub cache.Subscription, deliver func(cache.Response)) (func(), error) {
 	if req.GetTypeUrl() != w.typeURL {
 		return nil, fmt.Errorf("request type %s does not match cache type %s", req.GetTypeUrl(), w.typeURL)
 	}
@@ -89,13 +93,14 @@ func (w *typeCache) CreateWatch(req *cache.Request, sub cache.Subscription, ch c
 		candidates, all, unsubscribed = w.sotwChanges(c, req, sub)
 	}
 	c.seq, c.subscribed, c.names, c.wildcard, c.orphaned = w.seq, sub.SubscribedResources(), req.GetResourceNames(), sub.IsWildcard(), time.Time{}
+	watch := &sotwWatch{req: req, sub: sub, deliver: deliver}
 	if resp := w.sotwResponse(c, req, sub, candidates, all, unsubscribed, evenIfEmpty); resp != nil {
 		c.parked = nil
-		ch <- resp
+		deliver(resp)
 	} else {
-		c.parked = &sotwWatch{req: req, sub: sub, ch: ch}
+		c.parked = watch
 	}
-	return w.sotwCanceller(key, ch), nil
+	return w.sotwCanceller(key, watch), nil
 }
 
 // sotwChanges returns the names that may have changed for client c since
@@ -139,7 +144,7 @@ func (w *typeCache) pushSotw(names []string) {
 		}
 		if resp := w.sotwResponse(c, p.req, p.sub, names, false, false, false); resp != nil {
 			c.parked = nil
-			p.ch <- resp
+			p.deliver(resp)
 		}
 		c.seq = w.seq
 	}
@@ -234,12 +239,12 @@ func (w *typeCache) sotwBody(names []string, everything bool) []byte {
 // sotwCanceller returns the cancel func of a SotW watch: go-control-plane
 // calls it before the stream's next request of the type, and when the
 // stream ends.
-func (w *typeCache) sotwCanceller(key unsafe.Pointer, ch chan cache.Response) func() {
+func (w *typeCache) sotwCanceller(key unsafe.Pointer, watch *sotwWatch) func() {
 	return func() {
 		w.mu.Lock()
 		defer w.mu.Unlock()
 		c := w.sotw[key]
-		if c == nil || (c.parked != nil && c.parked.ch != ch) {
+		if c == nil || (c.parked != nil && c.parked != watch) {
 			return
 		}
 		c.parked = nil

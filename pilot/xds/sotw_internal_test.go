@@ -17,20 +17,20 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 )
 
-// sotwSim is a SotW stream of one type as go-control-plane's server drives
-// a cache: a subscription kept across requests, a new channel per watch,
-// the watch cancelled before the next request.
+// sotwSim is a SotW stream of one type as pilot's server drives a cache: a
+// subscription kept across requests, the watch cancelled before the next
+// request.
 type sotwSim struct {
 	t      *testing.T
 	w      *typeCache
-	sub    stream.Subscription
+	sub    *sotwSubscription
 	ch     chan cache.Response
 	cancel func()
 	nonce  int
 }
 
 func newSotwSim(t *testing.T, w *typeCache, names []string) *sotwSim {
-	s := &sotwSim{t: t, w: w, sub: stream.NewSotwSubscription(names, true)}
+	s := &sotwSim{t: t, w: w, sub: newSotwSubscription(names)}
 	s.request("", names)
 	return s
 }
@@ -41,7 +41,7 @@ func (s *sotwSim) request(version string, names []string) {
 	s.t.Helper()
 	if s.cancel != nil {
 		s.cancel()
-		s.sub.SetResourceSubscription(names)
+		s.sub.set(names)
 	}
 	s.ch = make(chan cache.Response, 1)
 	var err error
@@ -57,7 +57,6 @@ func (s *sotwSim) next() (*discovery.DiscoveryResponse, *discovery.DiscoveryResp
 	case resp := <-s.ch:
 		out, err := resp.GetDiscoveryResponse()
 		require.NoError(s.t, err)
-		s.sub.SetReturnedResources(resp.GetReturnedResources())
 		s.nonce++
 		out.Nonce = fmt.Sprint(s.nonce)
 		return wireDecoded(s.t, out), out

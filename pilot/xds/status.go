@@ -280,16 +280,17 @@ func (t *tracker) OnDeltaStreamOpen(ctx context.Context, id int64, _ string) err
 // OnDeltaStreamClosed forgets a delta stream.
 func (t *tracker) OnDeltaStreamClosed(id int64, _ *corev3.Node) { t.closed(deltaKey(id)) }
 
-// OnStreamRequest records the ACK or NACK of a SotW request.
-// go-control-plane calls it before it makes the request the stream's
-// subscription, so the names it keeps are the interned ones.
+// OnStreamRequest is go-control-plane's callback for SotW requests, which
+// pilot serves itself (sotwserver.go): it is sotwRequest.
 func (t *tracker) OnStreamRequest(id int64, req *discovery.DiscoveryRequest) error {
-	if err := t.request(sotwKey(id), req.GetNode(), req.GetTypeUrl(), req.GetResponseNonce(),
-		nackOf(req.GetErrorDetail(), req.GetResponseNonce(), req.GetErrorDetail() != nil)); err != nil {
-		return err
-	}
-	t.internNames(sotwKey(id), req.GetNode(), req.GetTypeUrl(), req.GetResourceNames())
-	return nil
+	return t.sotwRequest(id, req)
+}
+
+// sotwRequest authorizes the node of a SotW request and records its ACK or
+// NACK.
+func (t *tracker) sotwRequest(id int64, req *discovery.DiscoveryRequest) error {
+	return t.request(sotwKey(id), req.GetNode(), req.GetTypeUrl(), req.GetResponseNonce(),
+		nackOf(req.GetErrorDetail(), req.GetResponseNonce(), req.GetErrorDetail() != nil))
 }
 
 // OnStreamResponse records a SotW response.
@@ -298,7 +299,9 @@ func (t *tracker) OnStreamResponse(_ context.Context, id int64, req *discovery.D
 }
 
 // OnStreamDeltaRequest records the ACK or NACK of a delta request.
-// It interns the names subscribed to, as OnStreamRequest does.
+// It interns the names subscribed to: go-control-plane calls it before it
+// adds them to the stream's subscription, so the names it keeps are the
+// server's copies.
 func (t *tracker) OnStreamDeltaRequest(id int64, req *discovery.DeltaDiscoveryRequest) error {
 	if err := t.request(deltaKey(id), req.GetNode(), req.GetTypeUrl(), req.GetResponseNonce(),
 		nackOf(req.GetErrorDetail(), req.GetResponseNonce(), req.GetErrorDetail() != nil)); err != nil {

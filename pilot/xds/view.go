@@ -85,6 +85,14 @@ func (v *view) cache(t string) interface {
 // in v. The caller holds Server.buildMu.
 func (v *view) serves(t string) bool { return v.building[groupOf(t)] }
 
+// sotwCache returns the cache serving type t in v.
+func (v *view) sotwCache(t string) *typeCache {
+	if t == WorkloadType {
+		return v.workloads
+	}
+	return v.caches[t]
+}
+
 // isReady reports whether v's caches hold the resources of type t.
 func (v *view) isReady(t string) bool { return v.ready[groupOf(t)].Load() }
 

@@ -1,0 +1,349 @@
+package xds
+
+import (
+	"context"
+	"errors"
+	"io"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// SotW streams (ADS and the per-type services) are served here, not by
+// go-control-plane's server, which delta streams still use. Per request,
+// its server handed each request from a receiving goroutine to the stream's
+// goroutine, rebuilt the subscription's map from the request's names, and
+// picked the next event with a reflect.Select over a channel per watch. Here
+// the receiving goroutine handles its requests itself: it decodes them
+// against the previous ones (request.go), keeps the subscription's map while
+// the names stay the same, and opens the watch. The stream's own goroutine
+// sends what the watches deliver, in order, from one queue.
+//
+// The protocol is go-control-plane's: a request of a type whose nonce is
+// not the last one sent for the type is stale and ignored (the client
+// sends another); an ADS request must name its type; a request without a
+// node has the stream's. One difference: a response is numbered when the
+// cache delivers it, not when it is sent, and is never dropped. The caches
+// count a client as in sync once they deliver to it, so a response dropped
+// because a request overtook it (go-control-plane drops the pending
+// response of a watch it replaces) would lose the changes it carried; here
+// the overtaking request carries an older nonce and is ignored instead.
+
+// sotwServer serves the SotW streams of a Server.
+type sotwServer struct {
+	// ctx ends every stream (Server.Run's end).
+	ctx   context.Context
+	stats *tracker
+	// watch opens a watch (Server.sotwWatch).
+	watch func(req *cache.Request, sub cache.Subscription, deliver func(cache.Response)) (func(), error)
+	// intern replaces new names by the server's copies (Server.internNames).
+	intern func(node *corev3.Node, typeURL string, names []string)
+	ids    atomic.Int64
+}
+
+// sotwServices registers pilot's SotW streams in front of go-control-plane's
+// server, which keeps the delta streams (and refuses REST fetches).
+type sotwServices struct {
+	xdsServer
+	sotw *sotwServer
+}
+
+// StreamAggregatedResources serves a SotW ADS stream.
+func (x sotwServices) StreamAggregatedResources(st discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
+	return x.sotw.serve(st, resource.AnyType)
+}
+
+// StreamClusters serves a SotW CDS stream.
+func (x sotwServices) StreamClusters(st clusterStream) error {
+	return x.sotw.serve(st, resource.ClusterType)
+}
+
+// StreamEndpoints serves a SotW EDS stream.
+func (x sotwServices) StreamEndpoints(st endpointStream) error {
+	return x.sotw.serve(st, resource.EndpointType)
+}
+
+// StreamListeners serves a SotW LDS stream.
+func (x sotwServices) StreamListeners(st listenerStream) error {
+	return x.sotw.serve(st, resource.ListenerType)
+}
+
+// StreamRoutes serves a SotW RDS stream.
+func (x sotwServices) StreamRoutes(st routeStream) error {
+	return x.sotw.serve(st, resource.RouteType)
+}
+
+// sotwStream is one SotW stream.
+type sotwStream struct {
+	x           *sotwServer
+	st          grpc.ServerStream
+	id          int64
+	defaultType string
+	dec         *requestDecoder
+
+	// mu guards the watches: the receiving goroutine opens them, the
+	// stream's goroutine closes them all when the stream ends.
+	mu      sync.Mutex
+	watches map[string]*sotwTypeWatch
+	closed  bool
+
+	out outbox
+}
+
+// sotwTypeWatch is the stream's watch of one type.
+type sotwTypeWatch struct {
+	sub    *sotwSubscription
+	cancel func()
+}
+
+// outbox queues the responses the caches deliver until the stream's
+// goroutine sends them. deliver never blocks: the caches call it holding
+// their lock.
+type outbox struct {
+	mu     sync.Mutex
+	queue  []queued
+	spare  []queued
+	nonce  uint64
+	nonces map[string]string // last nonce per type URL
+	wake   chan struct{}
+}
+
+type queued struct {
+	resp  cache.Response
+	nonce string
+}
+
+// deliver queues resp and numbers it.
+func (o *outbox) deliver(resp cache.Response) {
+	o.mu.Lock()
+	o.nonce++
+	n := strconv.FormatUint(o.nonce, 10)
+	o.nonces[resp.GetRequest().GetTypeUrl()] = n
+	o.queue = append(o.queue, queued{resp: resp, nonce: n})
+	o.mu.Unlock()
+	select {
+	case o.wake <- struct{}{}:
+	default:
+	}
+}
+
+// lastNonce is the nonce of the last response of typeURL delivered.
+func (o *outbox) lastNonce(typeURL string) string {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.nonces[typeURL]
+}
+
+// take returns the queued responses, oldest first.
+func (o *outbox) take() []queued {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	q := o.queue
+	o.queue, o.spare = o.spare[:0], q
+	return q
+}
+
+func (x *sotwServer) newStream(st grpc.ServerStream, defaultType string) *sotwStream {
+	return &sotwStream{
+		x: x, st: st, id: x.ids.Add(1), defaultType: defaultType, dec: newRequestDecoder(),
+		watches: map[string]*sotwTypeWatch{},
+		out:     outbox{nonces: map[string]string{}, wake: make(chan struct{}, 1)},
+	}
+}
+
+// serve serves one stream until it ends, the client breaks the protocol or
+// the server stops.
+func (x *sotwServer) serve(st grpc.ServerStream, defaultType string) error {
+	s := x.newStream(st, defaultType)
+	t := x.stats
+	if err := t.OnStreamOpen(st.Context(), s.id, defaultType); err != nil {
+		return err
+	}
+	defer t.OnStreamClosed(s.id, nil)
+	defer s.close()
+	received := make(chan error, 1)
+	go func() { received <- s.receive() }()
+	for {
+		select {
+		case <-x.ctx.Done():
+			return nil
+		case err := <-received:
+			return err
+		case <-s.out.wake:
+			if err := s.send(); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// close cancels the stream's watches; none is opened after.
+func (s *sotwStream) close() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.closed = true
+	for _, w := range s.watches {
+		w.cancel()
+	}
+}
+
+// send sends the queued responses.
+func (s *sotwStream) send() error {
+	q := s.out.take()
+	for _, r := range q {
+		out, err := r.resp.GetDiscoveryResponse()
+		if err != nil {
+			return status.Errorf(codes.Internal, "build response: %v", err)
+		}
+		out.Nonce = r.nonce
+		s.x.stats.OnStreamResponse(s.st.Context(), s.id, r.resp.GetRequest(), out)
+		if err := s.st.SendMsg(out); err != nil {
+			return err
+		}
+	}
+	clear(q) // the queue's array is reused: it keeps no response alive
+	return nil
+}
+
+// receive handles the stream's requests until it ends or one is refused.
+func (s *sotwStream) receive() error {
+	var m rawRequest
+	for {
+		if err := s.st.RecvMsg(&m); err != nil {
+			if errors.Is(err, io.EOF) {
+				return nil
+			}
+			return err
+		}
+		req, err := s.dec.decode(m.bytes())
+		m.release()
+		if err != nil {
+			return err
+		}
+		if err := s.handle(req); err != nil {
+			return err
+		}
+	}
+}
+
+// handle opens the watch a request asks for, replacing the type's last.
+func (s *sotwStream) handle(req *discovery.DiscoveryRequest) error {
+	switch {
+	case req.TypeUrl == "" && s.defaultType == resource.AnyType:
+		return status.Error(codes.InvalidArgument, "type URL is required for ADS")
+	case req.TypeUrl == "":
+		req.TypeUrl = s.defaultType
+	}
+	if err := s.x.stats.sotwRequest(s.id, req); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil
+	}
+	w := s.watches[req.TypeUrl]
+	if w != nil {
+		if n := s.out.lastNonce(req.TypeUrl); n != "" && req.ResponseNonce != n {
+			// Stale: the client has not seen the last response yet.
+			return nil
+		}
+		w.cancel()
+		w.cancel = func() {}
+	} else {
+		w = &sotwTypeWatch{sub: newSotwSubscription(nil), cancel: func() {}}
+		s.watches[req.TypeUrl] = w
+	}
+	if len(req.ResourceNames) > 0 && !sameSlice(req.ResourceNames, w.sub.names) {
+		// New names (the decoder hands back the last slice when they are
+		// the same): the subscription keeps the server's copies.
+		s.x.intern(req.Node, req.TypeUrl, req.ResourceNames)
+	}
+	w.sub.set(req.ResourceNames)
+	cancel, err := s.x.watch(req, w.sub, s.out.deliver)
+	if err != nil {
+		return err
+	}
+	w.cancel = cancel
+	return nil
+}
+
+// sameSlice reports whether a and b are the same slice.
+func sameSlice(a, b []string) bool {
+	return len(a) == len(b) && (len(a) == 0 || &a[0] == &b[0])
+}
+
+// sotwSubscription is what a SotW stream subscribes to of one type, as
+// go-control-plane's stream.Subscription has it (legacy wildcard
+// included), except that its map is kept while the names stay the same.
+type sotwSubscription struct {
+	names      []string
+	subscribed map[string]struct{}
+	wildcard   bool
+	// legacy: no request named a resource yet, which is wildcard.
+	legacy bool
+	// returned is empty and never written: typeCache names the stream by
+	// it (streamOf).
+	returned map[string]string
+}
+
+var _ cache.Subscription = (*sotwSubscription)(nil)
+
+func newSotwSubscription(names []string) *sotwSubscription {
+	s := &sotwSubscription{legacy: true, wildcard: len(names) == 0, subscribed: map[string]struct{}{}, returned: map[string]string{}}
+	s.set(names)
+	return s
+}
+
+// set makes names the subscription and reports whether they are new
+// (other than the last request's).
+func (s *sotwSubscription) set(names []string) bool {
+	if s.legacy {
+		if len(names) == 0 {
+			return false
+		}
+		s.legacy = false
+	} else if slices.Equal(names, s.names) {
+		s.names = names
+		return false
+	}
+	set := make(map[string]struct{}, len(names))
+	wildcard := false
+	for _, n := range names {
+		if n == "*" {
+			wildcard = true
+		} else {
+			set[n] = struct{}{}
+		}
+	}
+	s.names, s.subscribed, s.wildcard = names, set, wildcard
+	return true
+}
+
+func (s *sotwSubscription) ReturnedResources() map[string]string     { return s.returned }
+func (s *sotwSubscription) SubscribedResources() map[string]struct{} { return s.subscribed }
+func (s *sotwSubscription) IsWildcard() bool                         { return s.wildcard }
+
+// sotwWatch opens a SotW watch on the view of the request's node.
+func (s *Server) sotwWatch(req *cache.Request, sub cache.Subscription, deliver func(cache.Response)) (func(), error) {
+	if req.GetTypeUrl() == AuthorizationType {
+		return nil, status.Errorf(codes.Unimplemented, "%s is served over delta xDS only", AuthorizationType)
+	}
+	if err := checkType(req.GetTypeUrl()); err != nil {
+		return nil, err
+	}
+	v, err := s.viewFor(req.GetNode(), req.GetTypeUrl())
+	if err != nil {
+		return nil, err
+	}
+	return v.sotwCache(req.GetTypeUrl()).watchSotw(req, sub, deliver)
+}

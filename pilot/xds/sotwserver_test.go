@@ -1,0 +1,72 @@
+package xds_test
+
+import (
+	"context"
+	"testing"
+
+	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	endpointservice "github.com/envoyproxy/go-control-plane/envoy/service/endpoint/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/isthmus-mesh/isthmus/pilot/xds"
+	"github.com/isthmus-mesh/isthmus/pilot/xds/xdstest"
+)
+
+// TestSotwStreamRules: over the wire, an ADS request without a type URL
+// ends the stream with InvalidArgument; a per-type stream's requests
+// without one are of its type; a NACK (a request the server decodes in
+// full) and a stale request keep the stream.
+func TestSotwStreamRules(t *testing.T) {
+	reg := xdstest.New()
+	twoNetworks(reg)
+	e := start(t, reg)
+	cc := dial(t, e.addr)
+	cn := xds.ClusterName(echoHost, 80)
+
+	ads := openSotw(t, cc, node("envoy-1", "net1", "c1"))
+	ads.send(&discovery.DiscoveryRequest{ResourceNames: []string{cn}})
+	<-ads.done
+	_, err := ads.stream.Recv()
+	require.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
+
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	eds, err := endpointservice.NewEndpointDiscoveryServiceClient(cc).StreamEndpoints(ctx)
+	require.NoError(t, err)
+	require.NoError(t, eds.Send(&discovery.DiscoveryRequest{Node: node("envoy-2", "net1", "c1"), ResourceNames: []string{cn}}))
+	r, err := eds.Recv()
+	require.NoError(t, err)
+	require.Equal(t, resource.EndpointType, r.GetTypeUrl())
+	require.Len(t, r.GetResources(), 1)
+	// A stale request (an unknown nonce) is ignored; a NACK of the last
+	// response is recorded, and, having no version, is answered.
+	require.NoError(t, eds.Send(&discovery.DiscoveryRequest{ResourceNames: []string{cn}, ResponseNonce: "stale"}))
+	require.NoError(t, eds.Send(&discovery.DiscoveryRequest{ResourceNames: []string{cn}, ResponseNonce: r.GetNonce(),
+		ErrorDetail: status.New(codes.InvalidArgument, "rejected").Proto()}))
+	again, err := eds.Recv()
+	require.NoError(t, err)
+	require.NotEqual(t, r.GetNonce(), again.GetNonce())
+	require.Equal(t, resource.EndpointType, again.GetTypeUrl())
+	require.Equal(t, "rejected", typeStatus(e, "envoy-2", resource.EndpointType).LastNack.Message)
+}
+
+// TestSotwWithGRPCsCodec: a gRPC server built without xds.ServerOptions
+// still serves SotW streams (requests then arrive decoded by protobuf, as
+// unknown fields).
+func TestSotwWithGRPCsCodec(t *testing.T) {
+	reg := xdstest.New()
+	twoNetworks(reg)
+	e := startGRPC(t, reg, xds.Config{AllowPlaintext: true})
+	c := openSotw(t, dial(t, e.addr), node("envoy-1", "net1", "c1"))
+	c.send(&discovery.DiscoveryRequest{TypeUrl: resource.ClusterType})
+	r := c.next(resource.ClusterType)
+	clusters := unpack[clusterv3.Cluster](t, r)
+	require.Len(t, clusters, 1)
+	c.ack(r)
+	c.send(&discovery.DiscoveryRequest{TypeUrl: resource.EndpointType, ResourceNames: []string{clusters[0].GetName()}})
+	require.Len(t, c.next(resource.EndpointType).GetResources(), 1)
+}
