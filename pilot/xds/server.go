@@ -119,7 +119,7 @@ func New(cfg Config, reg Registry, logger *slog.Logger) (*Server, error) {
 	s.authz = newAuthzServer(cfg.Policies, reg, cfg.VersionPrefix, slogAdapter{logger})
 	s.stats = newTracker(m, logger, s.classOf, newAuthorizer(cfg, reg, s.trustDomainOf), s.internNames)
 	s.xds = serverv3.NewServer(ctx, routerCache{s}, s.stats, sotw.WithLogger(slogAdapter{logger}))
-	s.sotw = &sotwServer{ctx: ctx, stats: s.stats, watch: s.sotwWatch, intern: s.internNames}
+	s.sotw = &sotwServer{ctx: ctx, stats: s.stats, watch: s.sotwWatch, intern: s.internNames, subs: newSubscriptions()}
 	return s, nil
 }
 

@@ -30,7 +30,7 @@ type sotwSim struct {
 }
 
 func newSotwSim(t *testing.T, w *typeCache, names []string) *sotwSim {
-	s := &sotwSim{t: t, w: w, sub: newSotwSubscription(names)}
+	s := &sotwSim{t: t, w: w, sub: newSotwSubscription(nil, names)}
 	s.request("", names)
 	return s
 }

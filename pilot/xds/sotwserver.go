@@ -47,7 +47,9 @@ type sotwServer struct {
 	watch func(req *cache.Request, sub cache.Subscription, deliver func(cache.Response)) (func(), error)
 	// intern replaces new names by the server's copies (Server.internNames).
 	intern func(node *corev3.Node, typeURL string, names []string)
-	ids    atomic.Int64
+	// subs are the streams' subscriptions, shared.
+	subs *subscriptions
+	ids  atomic.Int64
 }
 
 // sotwServices registers pilot's SotW streams in front of go-control-plane's
@@ -193,6 +195,7 @@ func (s *sotwStream) close() {
 	s.closed = true
 	for _, w := range s.watches {
 		w.cancel()
+		w.sub.release()
 	}
 }
 
@@ -260,15 +263,19 @@ func (s *sotwStream) handle(req *discovery.DiscoveryRequest) error {
 		w.cancel()
 		w.cancel = func() {}
 	} else {
-		w = &sotwTypeWatch{sub: newSotwSubscription(nil), cancel: func() {}}
+		w = &sotwTypeWatch{sub: newSotwSubscription(s.x.subs, nil), cancel: func() {}}
 		s.watches[req.TypeUrl] = w
 	}
-	if len(req.ResourceNames) > 0 && !sameSlice(req.ResourceNames, w.sub.names) {
+	if len(req.ResourceNames) > 0 && !sameSlice(req.ResourceNames, w.sub.names()) {
 		// New names (the decoder hands back the last slice when they are
 		// the same): the subscription keeps the server's copies.
 		s.x.intern(req.Node, req.TypeUrl, req.ResourceNames)
 	}
 	w.sub.set(req.ResourceNames)
+	// From now on, the stream's requests and the cache hold the shared
+	// names.
+	req.ResourceNames = w.sub.names()
+	s.dec.names[req.TypeUrl] = req.ResourceNames
 	cancel, err := s.x.watch(req, w.sub, s.out.deliver)
 	if err != nil {
 		return err
@@ -284,11 +291,11 @@ func sameSlice(a, b []string) bool {
 
 // sotwSubscription is what a SotW stream subscribes to of one type, as
 // go-control-plane's stream.Subscription has it (legacy wildcard
-// included), except that its map is kept while the names stay the same.
+// included), except that it shares its names and set with the streams that
+// subscribe to the same (subscriptions.go).
 type sotwSubscription struct {
-	names      []string
-	subscribed map[string]struct{}
-	wildcard   bool
+	tab    *subscriptions
+	shared *sharedNames // nil while legacy wildcard
 	// legacy: no request named a resource yet, which is wildcard.
 	legacy bool
 	// returned is empty and never written: typeCache names the stream by
@@ -298,8 +305,13 @@ type sotwSubscription struct {
 
 var _ cache.Subscription = (*sotwSubscription)(nil)
 
-func newSotwSubscription(names []string) *sotwSubscription {
-	s := &sotwSubscription{legacy: true, wildcard: len(names) == 0, subscribed: map[string]struct{}{}, returned: map[string]string{}}
+// noNames is the set of a legacy wildcard subscription; never modified.
+var noNames = map[string]struct{}{}
+
+// newSotwSubscription returns the subscription of a stream's first
+// request of a type, shared in tab (which may be nil).
+func newSotwSubscription(tab *subscriptions, names []string) *sotwSubscription {
+	s := &sotwSubscription{tab: tab, legacy: true, returned: map[string]string{}}
 	s.set(names)
 	return s
 }
@@ -312,26 +324,41 @@ func (s *sotwSubscription) set(names []string) bool {
 			return false
 		}
 		s.legacy = false
-	} else if slices.Equal(names, s.names) {
-		s.names = names
+	} else if s.shared != nil && slices.Equal(names, s.shared.names) {
 		return false
 	}
-	set := make(map[string]struct{}, len(names))
-	wildcard := false
-	for _, n := range names {
-		if n == "*" {
-			wildcard = true
-		} else {
-			set[n] = struct{}{}
-		}
-	}
-	s.names, s.subscribed, s.wildcard = names, set, wildcard
+	old := s.shared
+	s.shared = s.tab.acquire(names)
+	s.tab.release(old)
 	return true
 }
 
-func (s *sotwSubscription) ReturnedResources() map[string]string     { return s.returned }
-func (s *sotwSubscription) SubscribedResources() map[string]struct{} { return s.subscribed }
-func (s *sotwSubscription) IsWildcard() bool                         { return s.wildcard }
+// names returns the names subscribed to, shared: never modify them.
+func (s *sotwSubscription) names() []string {
+	if s.shared == nil {
+		return nil
+	}
+	return s.shared.names
+}
+
+// release gives the subscription's names back to the table.
+func (s *sotwSubscription) release() {
+	s.tab.release(s.shared)
+	s.shared = nil
+}
+
+func (s *sotwSubscription) ReturnedResources() map[string]string { return s.returned }
+
+func (s *sotwSubscription) SubscribedResources() map[string]struct{} {
+	if s.shared == nil {
+		return noNames
+	}
+	return s.shared.set
+}
+
+func (s *sotwSubscription) IsWildcard() bool {
+	return s.legacy || s.shared.wildcard
+}
 
 // sotwWatch opens a SotW watch on the view of the request's node.
 func (s *Server) sotwWatch(req *cache.Request, sub cache.Subscription, deliver func(cache.Response)) (func(), error) {

@@ -132,18 +132,48 @@ func TestCodecHandsRequestsEncoded(t *testing.T) {
 	require.Equal(t, raw, r.bytes())
 }
 
-// newTestStream is a stream of a server whose watches are w's, driven by
-// calling handle and reading the outbox.
-func newTestStream(t *testing.T, w *typeCache) *sotwStream {
+// newTestServer is a server whose watches are w's, its streams driven by
+// calling handle and reading their outbox.
+func newTestServer(t *testing.T, w *typeCache) *sotwServer {
 	m, err := newMetrics(prometheus.NewRegistry())
 	require.NoError(t, err)
-	x := &sotwServer{
+	return &sotwServer{
 		ctx:    t.Context(),
 		stats:  newTracker(m, slog.New(slog.DiscardHandler), func(*corev3.Node) class { return class{} }, nil, nil),
 		watch:  w.watchSotw,
 		intern: func(*corev3.Node, string, []string) {},
+		subs:   newSubscriptions(),
 	}
-	return x.newStream(nil, resource.AnyType)
+}
+
+func newTestStream(t *testing.T, w *typeCache) *sotwStream {
+	return newTestServer(t, w).newStream(nil, resource.AnyType)
+}
+
+// TestSotwStreamsShareSubscriptions: streams that subscribe to the same
+// names, in the same order, share one list and set of them, which the
+// last stream to leave drops.
+func TestSotwStreamsShareSubscriptions(t *testing.T) {
+	w := newTypeCache(resource.EndpointType, "v-", slogAdapter{})
+	update(t, w, "1", edsNames(3))
+	x := newTestServer(t, w)
+	s1, s2 := x.newStream(nil, resource.AnyType), x.newStream(nil, resource.AnyType)
+	for _, s := range []*sotwStream{s1, s2} {
+		require.NoError(t, s.handle(&discovery.DiscoveryRequest{TypeUrl: w.typeURL, ResourceNames: edsNames(3)}))
+	}
+	sub1, sub2 := s1.watches[w.typeURL].sub, s2.watches[w.typeURL].sub
+	require.Equal(t, 1, x.subs.len())
+	require.True(t, sameSlice(sub1.names(), sub2.names()))
+	require.Equal(t, fmt.Sprintf("%p", sub1.SubscribedResources()), fmt.Sprintf("%p", sub2.SubscribedResources()))
+
+	require.NoError(t, s2.handle(&discovery.DiscoveryRequest{TypeUrl: w.typeURL, ResponseNonce: "1", ResourceNames: edsNames(2)}))
+	require.Equal(t, 2, x.subs.len())
+	require.Len(t, sub2.SubscribedResources(), 2)
+	require.Len(t, sub1.SubscribedResources(), 3, "the other stream's subscription is its own")
+	s1.close()
+	require.Equal(t, 1, x.subs.len())
+	s2.close()
+	require.Zero(t, x.subs.len())
 }
 
 // sentNames returns, per queued response, its nonce and resource names.
@@ -205,7 +235,7 @@ func TestSotwStreamNeverDropsAResponse(t *testing.T) {
 // when the names change; an empty first request is wildcard (legacy), as
 // is "*"; naming resources leaves the legacy wildcard for good.
 func TestSotwSubscriptionKeepsItsMap(t *testing.T) {
-	s := newSotwSubscription(nil)
+	s := newSotwSubscription(nil, nil)
 	require.True(t, s.IsWildcard())
 	require.False(t, s.set(nil), "still legacy wildcard")
 	require.True(t, s.IsWildcard())
@@ -240,7 +270,7 @@ func BenchmarkSotwAck(b *testing.B) {
 		d := newRequestDecoder()
 		req, err := d.decode(first)
 		require.NoError(b, err)
-		sub := newSotwSubscription(req.ResourceNames)
+		sub := newSotwSubscription(newSubscriptions(), req.ResourceNames)
 		b.ReportAllocs()
 		for b.Loop() {
 			req, err := d.decode(ack)
