@@ -104,14 +104,18 @@ func (d *requestDecoder) scan(raw []byte) (req *discovery.DiscoveryRequest, fast
 			nodeRaw = v
 			continue
 		}
+		if num == reqNames {
+			// Checked when decoded: names equal to the last request's
+			// were checked then.
+			names++
+			continue
+		}
 		if !utf8.Valid(v) {
 			return nil, false, badRequest("field %d is not valid UTF-8", num)
 		}
 		switch num {
 		case reqVersion:
 			req.VersionInfo = string(v)
-		case reqNames:
-			names++
 		case reqType:
 			req.TypeUrl = knownType(v)
 		case reqNonce:
@@ -124,7 +128,10 @@ func (d *requestDecoder) scan(raw []byte) (req *discovery.DiscoveryRequest, fast
 		}
 		req.Node = d.node
 	}
-	req.ResourceNames = d.namesOf(raw, names, req.TypeUrl)
+	req.ResourceNames, err = d.namesOf(raw, names, req.TypeUrl)
+	if err != nil {
+		return nil, false, err
+	}
 	return req, true, nil
 }
 
@@ -175,10 +182,11 @@ func (d *requestDecoder) decodeNode(raw []byte) error {
 }
 
 // namesOf returns the count names in raw: the previous request's slice of
-// typeURL when they are the same names.
-func (d *requestDecoder) namesOf(raw []byte, count int, typeURL string) []string {
+// typeURL when they are the same names, else new strings, checked to be
+// UTF-8.
+func (d *requestDecoder) namesOf(raw []byte, count int, typeURL string) ([]string, error) {
 	if count == 0 {
-		return nil
+		return nil, nil
 	}
 	if prev := d.names[typeURL]; len(prev) == count {
 		same := true
@@ -187,15 +195,20 @@ func (d *requestDecoder) namesOf(raw []byte, count int, typeURL string) []string
 			return same
 		})
 		if same {
-			return prev
+			return prev, nil
 		}
 	}
 	names := make([]string, 0, count)
+	valid := true
 	eachName(raw, func(_ int, name []byte) bool {
+		valid = utf8.Valid(name)
 		names = append(names, string(name))
-		return true
+		return valid
 	})
-	return names
+	if !valid {
+		return nil, badRequest("resource name %d is not valid UTF-8", len(names)-1)
+	}
+	return names, nil
 }
 
 // knownType returns the server's own string for a type URL it serves, so
