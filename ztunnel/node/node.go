@@ -392,6 +392,7 @@ func (n *Node) startParts(ctx context.Context, g *errgroup.Group, lns *listeners
 		}
 	}
 	if n.gw != nil {
+		g.Go(func() error { return n.gw.Run(ctx) })
 		serve(lns.gateway, n.gw.Serve)
 		return nil
 	}

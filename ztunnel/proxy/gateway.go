@@ -41,13 +41,17 @@ type GatewayConfig struct {
 // identity; clients must belong to the trust domain), resolves the CONNECT
 // target <hostname>:<port> to a ready endpoint of that service on its own
 // network, and passes the inner (still encrypted) tunnel to
-// <endpoint>:HBONEPort without decrypting it. Safe for concurrent use.
+// <endpoint>:HBONEPort without decrypting it. Run closes the open tunnels a
+// visibility change no longer admits. Safe for concurrent use.
 type Gateway struct {
 	cfg  GatewayConfig
 	deps Deps
 	srv  *hbone.Server
 	sel  state.Selector
 	ej   *ejections
+	// tunnels are the open tunnels, checked again on every state change
+	// (gateway_tunnels.go).
+	tunnels gatewayTunnels
 }
 
 // NewGateway returns a Gateway.
@@ -60,7 +64,7 @@ func NewGateway(cfg GatewayConfig, deps Deps, sel state.Selector) (*Gateway, err
 	if cfg.Identity.IsZero() || cfg.Network == "" {
 		return nil, errors.New("gateway: Identity and Network are required")
 	}
-	g := &Gateway{cfg: cfg, deps: deps, sel: sel, ej: newEjections(cfg.EjectionTime, deps.Now)}
+	g := &Gateway{cfg: cfg, deps: deps, sel: sel, ej: newEjections(cfg.EjectionTime, deps.Now), tunnels: gatewayTunnels{open: map[*openTunnel]struct{}{}}}
 	scfg := cfg.Server
 	scfg.Reporter = metrics.ReporterGateway
 	g.srv, err = hbone.NewServer(scfg, hbone.ServerDeps{
@@ -120,6 +124,10 @@ func (g *Gateway) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstre
 		return hbone.Upstream{}, hbone.Refuse(http.StatusServiceUnavailable, ReasonUpstreamConnect, "%v", err)
 	}
 	w := ep.Workload
+	if !g.track(ctx, host, w.Cluster, c) {
+		c.Close()
+		return hbone.Upstream{}, hbone.Refuse(http.StatusForbidden, ReasonNotVisible, "service %s is no longer visible from other clusters", host)
+	}
 	srcCluster, srcNetwork := sourcePlace(snap, req.Header)
 	return hbone.Upstream{
 		Conn:   c,

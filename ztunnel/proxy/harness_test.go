@@ -260,6 +260,7 @@ func newMesh(t testing.TB, tweak func(*mesh)) *mesh {
 	gln, err := net.Listen("tcp", gw.AddrPort().String())
 	require.NoError(t, err)
 	wg.Go(func() { _ = m.gw.Serve(gln) })
+	wg.Go(func() { _ = m.gw.Run(ctx) })
 	m.out, err = NewOutbound(cfg("node-a"), Deps{Store: m.n1, Certs: m.certs, Metrics: m.mOut, Dialer: m.dialer, Resolver: m.resolver, Now: m.now, Log: testLog(t)}, state.Selector{})
 	require.NoError(t, err)
 	sln, err := net.Listen("tcp", m.socksAddr.String())

@@ -7,7 +7,9 @@ package proxy
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/netip"
@@ -363,6 +365,59 @@ func TestGatewayEnforcesVisibility(t *testing.T) {
 		tx.UpsertService(&state.Service{Name: "echo", Namespace: "default", VIPs: []netip.Addr{m.vip}, Ports: []uint16{svcPort}})
 	})
 	m.echoVia(t, echoHost)
+}
+
+// TestGatewayClosesTunnelsNoLongerVisible: an open connection through the
+// gateway (a pooled inner tunnel the gateway cannot see into) is closed
+// when its service becomes invisible to other clusters, and counted; an
+// unrelated state change closes nothing; the next connection is refused.
+func TestGatewayClosesTunnelsNoLongerVisible(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		mut  func(*state.Service)
+	}{
+		{"cluster-local", func(s *state.Service) { s.ClusterLocal = true }},
+		{"not exported by its cluster", func(s *state.Service) { s.LocalClusters = []string{"c2"} }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			m := newMesh(t, nil)
+			m.onlyRemote()
+			c, code := socksDial(t, m.socksAddr, m.a1, echoHost, svcPort)
+			defer c.Close()
+			require.Equal(t, byte(0), code)
+			_, err := c.Write([]byte("ping"))
+			require.NoError(t, err)
+			buf := make([]byte, 4)
+			_, err = io.ReadFull(c, buf)
+			require.NoError(t, err)
+			require.Equal(t, 1, m.gw.Open())
+
+			// A change of another service keeps the tunnel.
+			m.n2.Update(func(tx *state.Tx) {
+				tx.UpsertService(&state.Service{Name: "other", Namespace: "default", Ports: []uint16{svcPort}, ClusterLocal: true})
+			})
+			_, err = c.Write([]byte("pong"))
+			require.NoError(t, err)
+			_, err = io.ReadFull(c, buf)
+			require.NoError(t, err)
+			require.Equal(t, "pong", string(buf))
+			require.Zero(t, m.mGW.RefusedCount(metrics.ReporterGateway, ReasonNoLongerVisible))
+
+			svc := &state.Service{Name: "echo", Namespace: "default", VIPs: []netip.Addr{m.vip}, Ports: []uint16{svcPort}}
+			tc.mut(svc)
+			m.n2.Update(func(tx *state.Tx) { tx.UpsertService(svc) })
+			_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+			_, err = io.ReadAll(c)
+			var ne net.Error
+			require.False(t, errors.As(err, &ne) && ne.Timeout(), "the connection was closed, not left open: %v", err)
+			require.Equal(t, 1.0, m.mGW.RefusedCount(metrics.ReporterGateway, ReasonNoLongerVisible))
+			require.Eventually(t, func() bool { return m.gw.Open() == 0 }, 5*time.Second, 10*time.Millisecond)
+
+			c2, code := socksDial(t, m.socksAddr, m.a1, echoHost, svcPort)
+			c2.Close()
+			require.NotEqual(t, byte(0), code)
+		})
+	}
 }
 
 // TestConnectionCaps: over the per-peer cap, the HBONE server closes a new
