@@ -140,6 +140,11 @@ type Client struct {
 	mu     sync.Mutex
 	pools  map[poolKey][]*pooledConn
 	closed bool
+	// stop ends the connections being set up when the client closes;
+	// connecting counts them.
+	stop       context.Context
+	stopAll    context.CancelFunc
+	connecting sync.WaitGroup
 }
 
 type poolKey struct {
@@ -190,6 +195,7 @@ func NewClient(cfg ClientConfig, deps ClientDeps) (*Client, error) {
 			ReadIdleTimeout: cfg.HealthCheckInterval, PingTimeout: cfg.HealthCheckTimeout},
 		pools: map[poolKey][]*pooledConn{},
 	}
+	c.stop, c.stopAll = context.WithCancel(context.Background())
 	if c.dialer == nil {
 		c.dialer = &net.Dialer{}
 	}
@@ -245,8 +251,11 @@ func (c *Client) acquire(ctx context.Context, key poolKey, req DialRequest) (*po
 	if pc == nil {
 		pc = &pooledConn{key: key, ready: make(chan struct{}), active: 1}
 		c.pools[key] = append(c.pools[key], pc)
+		c.connecting.Add(1)
 		c.mu.Unlock()
-		c.connect(ctx, pc, req)
+		// Set up on its own: the caller may give up (another endpoint
+		// answered first) while other callers wait for pc.
+		go c.connect(ctx, pc, req)
 	} else {
 		pc.active++
 		if pc.idle != nil {
@@ -268,19 +277,26 @@ func (c *Client) acquire(ctx context.Context, key poolKey, req DialRequest) (*po
 }
 
 // connect dials, handshakes and starts HTTP/2 for pc. It is not bound to
-// the caller's cancellation: other callers may be waiting for pc.
+// the caller's cancellation, other callers may be waiting for pc, but ends
+// when the client closes.
 func (c *Client) connect(ctx context.Context, pc *pooledConn, req DialRequest) {
+	defer c.connecting.Done()
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.DialTimeout)
 	defer cancel()
+	defer context.AfterFunc(c.stop, cancel)()
 	cc, raw, label, err := c.newConn(ctx, req)
 	c.mu.Lock()
-	if err == nil && c.closed {
+	if err == nil && (c.closed || pc.gone) {
+		// Closed, or expired idle while it was set up (every caller gave
+		// up): nobody will use or close it.
 		err = net.ErrClosed
 		raw.Close()
 	}
 	if err != nil {
 		pc.err = err
-		c.removeLocked(pc)
+		if !pc.gone {
+			c.removeLocked(pc)
+		}
 	} else {
 		pc.cc, pc.raw, pc.label = cc, raw, label
 	}
@@ -442,7 +458,7 @@ func (c *Client) Close() error {
 		all = append(all, list...)
 	}
 	for _, pc := range all {
-		if pc.cc != nil { // pending dials see closed and give up themselves
+		if pc.cc != nil { // pending dials are stopped below, and see closed
 			c.removeLocked(pc)
 		}
 	}
@@ -452,5 +468,7 @@ func (c *Client) Close() error {
 			pc.cc.Close()
 		}
 	}
+	c.stopAll()
+	c.connecting.Wait()
 	return nil
 }

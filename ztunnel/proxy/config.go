@@ -41,6 +41,11 @@ type Config struct {
 	HBONEPort uint16
 	// DialTimeout bounds plain TCP dials to workloads and endpoints.
 	DialTimeout time.Duration
+	// AttemptDelay is how long a connection waits for an endpoint to
+	// answer before it tries the next one as well (the first to connect
+	// wins): an endpoint on a dead node, whose SYNs go unanswered, costs
+	// this, not DialTimeout.
+	AttemptDelay time.Duration
 	// EjectionTime is how long an endpoint that failed to connect is tried
 	// last by new connections (it is still tried when every better one
 	// fails; a success ends it).
@@ -67,6 +72,7 @@ func DefaultConfig() Config {
 	return Config{
 		HBONEPort:               defaults.HBONEPort,
 		DialTimeout:             5 * time.Second,
+		AttemptDelay:            250 * time.Millisecond,
 		EjectionTime:            30 * time.Second,
 		SOCKSHandshakeTimeout:   10 * time.Second,
 		MaxClientConns:          16384,
@@ -81,6 +87,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.DialTimeout <= 0 {
 		c.DialTimeout = d.DialTimeout
+	}
+	if c.AttemptDelay <= 0 {
+		c.AttemptDelay = d.AttemptDelay
 	}
 	if c.EjectionTime <= 0 {
 		c.EjectionTime = d.EjectionTime

@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 	clocktesting "k8s.io/utils/clock/testing"
 
+	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
 	"github.com/isthmus-mesh/isthmus/ztunnel/state"
 )
 
@@ -103,4 +104,59 @@ func TestGatewayFailsOverAndEjects(t *testing.T) {
 	// Every endpoint failing: a specific error naming each attempt.
 	_, _, err = m.gw.dial(context.Background(), cands[:1])
 	require.ErrorContains(t, err, "dial "+deadHBONE)
+}
+
+// TestSilentEndpointIsOvertaken: an endpoint whose node is gone without a
+// trace (its SYNs go unanswered, unlike a refused port) holds neither a
+// client connection nor a gateway tunnel for the dial timeout (an hour
+// here; the client gives up after 10 s): after AttemptDelay the next
+// endpoint is dialled too and wins. The gateway's silent dial is
+// cancelled, not timed out; nothing is counted as a refusal, and later
+// connections and tunnels try the silent endpoint last.
+func TestSilentEndpointIsOvertaken(t *testing.T) {
+	silent := nextAddr()
+	m := newMesh(t, func(m *mesh) {
+		m.dialTimeout = time.Hour
+		m.dialer.silence(silent)
+		m.gwDialer.silence(silent)
+	})
+	m.n1.Update(func(tx *state.Tx) {
+		tx.UpsertWorkload(pod("b0", silent, "node-gone", "n1", "c1", "echo"))
+		// b1 moves to another cluster of the same network: b0 (same
+		// cluster as the client) is preferred.
+		tx.UpsertWorkload(pod("b1", m.b1, "node-b", "n1", "c9", "echo"))
+	})
+	silentDialled := func(d *recordingDialer) int {
+		n := 0
+		for _, a := range d.dialed() {
+			if ap, err := netip.ParseAddrPort(a); err == nil && ap.Addr() == silent {
+				n++
+			}
+		}
+		return n
+	}
+	m.echoVia(t, echoHost)
+	require.Equal(t, 1, silentDialled(m.dialer))
+	// (The HBONE pool's own dial to b0 goes on for the pool's timeout:
+	// other waiters may share it.)
+	m.echoVia(t, echoHost)
+	require.Equal(t, 1, silentDialled(m.dialer), "tried last by the next connection")
+	require.Zero(t, m.mOut.RefusedCount(metrics.ReporterSource, ReasonUpstreamUnavailble))
+
+	cands := []state.Endpoint{
+		{Workload: pod("c0", silent, "node-gone", "n2", "c2", "echo"), TargetPort: appPort},
+		{Workload: pod("c1", m.c1, "node-c", "n2", "c2", "echo"), TargetPort: appPort},
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	c, ep, err := m.gw.dial(ctx, cands)
+	require.NoError(t, err, "the gateway waited for the silent endpoint")
+	require.Equal(t, "c1", ep.Workload.UID)
+	require.NoError(t, c.Close())
+	require.Eventually(t, func() bool { return len(m.gwDialer.silentDials()) == 1 }, 10*time.Second, 10*time.Millisecond)
+	require.ErrorIs(t, m.gwDialer.silentDials()[0], context.Canceled, "cancelled once c1 connected")
+	c, _, err = m.gw.dial(ctx, cands)
+	require.NoError(t, err)
+	require.NoError(t, c.Close())
+	require.Equal(t, 1, silentDialled(m.gwDialer), "tried last by the next tunnel")
 }

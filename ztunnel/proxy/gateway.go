@@ -145,26 +145,32 @@ func (g *Gateway) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstre
 }
 
 // dial connects to the first of cands (best first) whose HBONE port
-// answers, trying at most maxAttempts, each for DialTimeout; endpoints
-// that recently failed are tried last.
+// answers, trying at most maxAttempts, each for DialTimeout, the next one
+// once the last failed or after AttemptDelay (see race); endpoints that
+// recently failed, or were overtaken, are tried last.
 func (g *Gateway) dial(ctx context.Context, cands []state.Endpoint) (net.Conn, state.Endpoint, error) {
 	cands = g.ej.demote(cands)
-	var errs []error
-	for _, ep := range cands[:min(len(cands), maxAttempts)] {
-		addr := netip.AddrPortFrom(ep.Workload.Addresses[0], g.cfg.HBONEPort)
-		dctx, cancel := context.WithTimeout(ctx, g.cfg.DialTimeout)
-		c, err := g.deps.Dialer.DialContext(dctx, "tcp", addr.String())
-		cancel()
-		if err == nil {
-			g.ej.succeed(ep.Workload.UID)
-			return c, ep, nil
-		}
-		errs = append(errs, fmt.Errorf("dial %s: %w", addr, err))
-		if ctx.Err() != nil {
-			break
-		}
-		g.ej.fail(ep.Workload.UID)
-		g.deps.Log.Debug("gateway endpoint failed, trying the next", "endpoint", ep.Workload.UID, "err", err)
+	cands = cands[:min(len(cands), maxAttempts)]
+	i, c, err := race(ctx, len(cands), g.cfg.AttemptDelay, g.cfg.DialTimeout,
+		func(actx context.Context, i int) (net.Conn, error) {
+			addr := netip.AddrPortFrom(cands[i].Workload.Addresses[0], g.cfg.HBONEPort)
+			c, err := g.deps.Dialer.DialContext(actx, "tcp", addr.String())
+			if err != nil {
+				return nil, fmt.Errorf("dial %s: %w", addr, err)
+			}
+			return c, nil
+		},
+		func(c net.Conn) { c.Close() },
+		func(i int, err error, _ bool) {
+			if ctx.Err() != nil {
+				return
+			}
+			g.ej.fail(cands[i].Workload.UID)
+			g.deps.Log.Debug("gateway endpoint failed, trying the next", "endpoint", cands[i].Workload.UID, "err", err)
+		})
+	if err != nil {
+		return nil, state.Endpoint{}, err
 	}
-	return nil, state.Endpoint{}, errors.Join(errs...)
+	g.ej.succeed(cands[i].Workload.UID)
+	return c, cands[i], nil
 }

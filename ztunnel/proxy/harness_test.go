@@ -40,18 +40,48 @@ const (
 // nextAddr hands out a distinct loopback address (see testnet).
 var nextAddr = testnet.NextAddr
 
-// recordingDialer dials TCP and remembers every address it dialled.
+// recordingDialer dials TCP and remembers every address it dialled. Dials
+// to a silent address never answer, as to a node gone without a trace (its
+// SYNs are dropped): they end with their context, whose error is kept.
 type recordingDialer struct {
 	d     net.Dialer
 	mu    sync.Mutex
 	addrs []string
+	// silent addresses, and how their dials ended.
+	silent     map[netip.Addr]bool
+	silentEnds []error
+}
+
+func (r *recordingDialer) silence(a netip.Addr) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.silent == nil {
+		r.silent = map[netip.Addr]bool{}
+	}
+	r.silent[a] = true
 }
 
 func (r *recordingDialer) DialContext(ctx context.Context, network, addr string) (net.Conn, error) {
 	r.mu.Lock()
 	r.addrs = append(r.addrs, addr)
+	ap, err := netip.ParseAddrPort(addr)
+	silent := err == nil && r.silent[ap.Addr()]
 	r.mu.Unlock()
+	if silent {
+		<-ctx.Done()
+		r.mu.Lock()
+		r.silentEnds = append(r.silentEnds, ctx.Err())
+		r.mu.Unlock()
+		return nil, ctx.Err()
+	}
 	return r.d.DialContext(ctx, network, addr)
+}
+
+// silentDials returns how the dials to silent addresses ended so far.
+func (r *recordingDialer) silentDials() []error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.silentEnds)
 }
 
 func (r *recordingDialer) dialed() []string {
@@ -150,14 +180,16 @@ type mesh struct {
 	dialer      *recordingDialer
 	gwDialer    *recordingDialer
 	// now, if set before the proxies start (tweak), is their clock.
-	now           func() time.Time
-	out           *Outbound
-	inB, inC      *Inbound
-	gw            *Gateway
-	mOut, mB, mC  *metrics.Metrics
-	mGW           *metrics.Metrics
-	serverConfig  hbone.ServerConfig
-	clientConfig  hbone.ClientConfig
+	now          func() time.Time
+	out          *Outbound
+	inB, inC     *Inbound
+	gw           *Gateway
+	mOut, mB, mC *metrics.Metrics
+	mGW          *metrics.Metrics
+	serverConfig hbone.ServerConfig
+	clientConfig hbone.ClientConfig
+	// dialTimeout, if set (tweak), is the proxies' DialTimeout.
+	dialTimeout   time.Duration
 	withoutRemote bool
 	// gwHostname, if set, is the DNS name network n1 knows the gateway by
 	// (no address); resolver answers it with gwAddr.
@@ -245,7 +277,7 @@ func newMesh(t testing.TB, tweak func(*mesh)) *mesh {
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	cfg := func(node string) Config {
-		return Config{Node: node, Server: m.serverConfig, Client: m.clientConfig}
+		return Config{Node: node, Server: m.serverConfig, Client: m.clientConfig, DialTimeout: m.dialTimeout}
 	}
 	m.inB, err = NewInbound(cfg("node-b"), Deps{Store: m.n1, Certs: m.certs, Metrics: m.mB, Log: testLog(t)})
 	require.NoError(t, err)

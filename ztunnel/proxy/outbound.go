@@ -235,8 +235,10 @@ func (o *Outbound) resolve(snap *state.Snapshot, src *state.Workload, t Target) 
 // Dial connects src (a local workload) to t the way ztunnel would. A
 // service's endpoints are tried in preference order: when one cannot be
 // reached (refused, unreachable, timed out after DialTimeout, or presenting
-// the wrong identity) the next is tried, within this one client connection
-// (at most maxAttempts), and new connections try it last for EjectionTime. Every HBONE hop verifies its peer against the
+// the wrong identity), or has not answered within AttemptDelay, the next is
+// tried too, within this one client connection (at most maxAttempts, see
+// race); the first to connect wins, and new connections try the ones that
+// failed or were overtaken last for EjectionTime. Every HBONE hop verifies its peer against the
 // identities xDS says may answer: a workload's own identity on the same
 // network; through a gateway, one of the gateway's identities for the outer
 // tunnel and one of the remote endpoints' identities end to end.
@@ -245,35 +247,39 @@ func (o *Outbound) Dial(ctx context.Context, src *state.Workload, t Target) (net
 	if err != nil {
 		return nil, metrics.ConnLabels{}, err
 	}
-	var errs []error
-	var labels metrics.ConnLabels
-	for i, ep := range r.cands {
-		actx, cancel := context.WithTimeout(ctx, o.cfg.DialTimeout)
-		var c net.Conn
-		c, labels, err = o.dialEndpoint(actx, src, t, r.svc, ep)
-		cancel()
-		if err == nil {
-			if r.svc != nil {
-				o.ej.succeed(ep.Workload.UID)
-			}
-			return c, labels, nil
-		}
-		errs = append(errs, err)
-		if ctx.Err() != nil {
-			break
-		}
-		if r.svc != nil && endpointFailed(err) {
-			o.ej.fail(ep.Workload.UID)
-		}
-		if i == len(r.cands)-1 {
-			break
-		}
-		// Counted here, as the connection goes on to the next endpoint; a
-		// last failure is counted by the caller.
-		o.deps.Metrics.Refused(metrics.ReporterSource, dialReason(err))
-		o.deps.Log.Debug("endpoint failed, trying the next", "endpoint", ep.Workload.UID, "err", err)
+	type dialed struct {
+		conn   net.Conn
+		labels metrics.ConnLabels
 	}
-	return nil, labels, errors.Join(errs...)
+	i, d, err := race(ctx, len(r.cands), o.cfg.AttemptDelay, o.cfg.DialTimeout,
+		func(actx context.Context, i int) (dialed, error) {
+			c, labels, err := o.dialEndpoint(actx, src, t, r.svc, r.cands[i])
+			return dialed{c, labels}, err
+		},
+		func(d dialed) { d.conn.Close() },
+		func(i int, err error, last bool) {
+			if ctx.Err() != nil {
+				return
+			}
+			ep := r.cands[i]
+			if r.svc != nil && (errors.Is(err, errOvertaken) || endpointFailed(err)) {
+				o.ej.fail(ep.Workload.UID)
+			}
+			if last || errors.Is(err, errOvertaken) {
+				return
+			}
+			// Counted here, as the connection goes on to another endpoint;
+			// a last failure is counted by the caller.
+			o.deps.Metrics.Refused(metrics.ReporterSource, dialReason(err))
+			o.deps.Log.Debug("endpoint failed, trying the next", "endpoint", ep.Workload.UID, "err", err)
+		})
+	if err != nil {
+		return nil, d.labels, err
+	}
+	if r.svc != nil {
+		o.ej.succeed(r.cands[i].Workload.UID)
+	}
+	return d.conn, d.labels, nil
 }
 
 // dialEndpoint connects src to endpoint ep (of svc, nil when t addressed a
