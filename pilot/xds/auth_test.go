@@ -297,6 +297,19 @@ func TestRefusedClaims(t *testing.T) {
 		require.Equal(t, before+1, refusals(t, e.env, xds.RefusedNodeChanged))
 	})
 
+	// A SotW stream whose first request names no node is checked as a
+	// node claiming nothing (no cluster), not served a default class.
+	t.Run("sotw without a node", func(t *testing.T) {
+		cl := e.dialAs(t, e.ca, clientID)
+		sotw, err := discovery.NewAggregatedDiscoveryServiceClient(cl).StreamAggregatedResources(t.Context())
+		require.NoError(t, err)
+		before := refusals(t, e.env, xds.RefusedClusterUnknown)
+		require.NoError(t, sotw.Send(&discovery.DiscoveryRequest{TypeUrl: resource.ClusterType}))
+		_, err = sotw.Recv()
+		require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
+		require.Equal(t, before+1, refusals(t, e.env, xds.RefusedClusterUnknown))
+	})
+
 	// Others are still served.
 	ok := openDelta(t, zt, wildcard(claims("z-after", "c1", "net1", "c1-n1")))
 	ok.apply(ok.next())

@@ -49,8 +49,13 @@ type requestDecoder struct {
 	names map[string][]string
 }
 
+// newRequestDecoder returns a stream's decoder. Until a request carries a
+// node, requests get an empty one, as go-control-plane gives them: a
+// stream is authorized on the node of its first request, so a first
+// request without one must be checked (and refused) as a node claiming
+// nothing, not skip the check.
 func newRequestDecoder() *requestDecoder {
-	return &requestDecoder{names: map[string][]string{}}
+	return &requestDecoder{names: map[string][]string{}, node: &corev3.Node{}}
 }
 
 func badRequest(format string, args ...any) error {
