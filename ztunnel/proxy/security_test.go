@@ -338,18 +338,22 @@ func (a acceptCounter) Accept() (net.Conn, error) {
 	return c, err
 }
 
+// hiddenFromOtherClusters are the ways a service of cluster c2 becomes
+// invisible to other clusters.
+var hiddenFromOtherClusters = []struct {
+	name string
+	mut  func(*state.Service)
+}{
+	{"cluster-local", func(s *state.Service) { s.ClusterLocal = true }},
+	{"not exported by its cluster", func(s *state.Service) { s.LocalClusters = []string{"c2"} }},
+}
+
 // TestGatewayEnforcesVisibility: the gateway refuses to forward a tunnel to
 // a cluster-local service, or to a service its cluster does not export.
 func TestGatewayEnforcesVisibility(t *testing.T) {
 	m := newMesh(t, nil)
 	m.onlyRemote()
-	for _, tc := range []struct {
-		name string
-		mut  func(*state.Service)
-	}{
-		{"cluster-local", func(s *state.Service) { s.ClusterLocal = true }},
-		{"not exported by its cluster", func(s *state.Service) { s.LocalClusters = []string{"c2"} }},
-	} {
+	for _, tc := range hiddenFromOtherClusters {
 		t.Run(tc.name, func(t *testing.T) {
 			svc := &state.Service{Name: "echo", Namespace: "default", VIPs: []netip.Addr{m.vip}, Ports: []uint16{svcPort}}
 			tc.mut(svc)
@@ -372,13 +376,7 @@ func TestGatewayEnforcesVisibility(t *testing.T) {
 // when its service becomes invisible to other clusters, and counted; an
 // unrelated state change closes nothing; the next connection is refused.
 func TestGatewayClosesTunnelsNoLongerVisible(t *testing.T) {
-	for _, tc := range []struct {
-		name string
-		mut  func(*state.Service)
-	}{
-		{"cluster-local", func(s *state.Service) { s.ClusterLocal = true }},
-		{"not exported by its cluster", func(s *state.Service) { s.LocalClusters = []string{"c2"} }},
-	} {
+	for _, tc := range hiddenFromOtherClusters {
 		t.Run(tc.name, func(t *testing.T) {
 			m := newMesh(t, nil)
 			m.onlyRemote()
