@@ -125,7 +125,9 @@ func New(cfg Config, reg Registry, logger *slog.Logger) (*Server, error) {
 
 // Register registers the aggregated (ADS, SotW and delta) and the per-type
 // CDS, EDS, LDS and RDS discovery services on gs. Transport security is the
-// caller's: gs carries whatever credentials it was built with.
+// caller's: gs carries whatever credentials it was built with. gs should be
+// built with ServerOptions (without them, SotW requests are decoded the
+// slow way).
 func (s *Server) Register(gs *grpc.Server) {
 	x := sotwServices{xdsServer: s.xds, sotw: s.sotw}
 	discovery.RegisterAggregatedDiscoveryServiceServer(gs, x)
