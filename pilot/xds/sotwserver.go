@@ -372,5 +372,5 @@ func (s *Server) sotwWatch(req *cache.Request, sub cache.Subscription, deliver f
 	if err != nil {
 		return nil, err
 	}
-	return v.sotwCache(req.GetTypeUrl()).watchSotw(req, sub, deliver)
+	return v.cache(req.GetTypeUrl()).watchSotw(req, sub, deliver)
 }

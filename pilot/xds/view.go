@@ -71,10 +71,7 @@ func groupOf(typeURL string) int {
 }
 
 // cache returns the cache serving type t in v.
-func (v *view) cache(t string) interface {
-	UpdateResources(map[string]types.Resource, []string) error
-	GetResources() map[string]types.Resource
-} {
+func (v *view) cache(t string) *typeCache {
 	if t == WorkloadType {
 		return v.workloads
 	}
@@ -84,14 +81,6 @@ func (v *view) cache(t string) interface {
 // serves reports whether the builder keeps resources of type t up to date
 // in v. The caller holds Server.buildMu.
 func (v *view) serves(t string) bool { return v.building[groupOf(t)] }
-
-// sotwCache returns the cache serving type t in v.
-func (v *view) sotwCache(t string) *typeCache {
-	if t == WorkloadType {
-		return v.workloads
-	}
-	return v.caches[t]
-}
 
 // isReady reports whether v's caches hold the resources of type t.
 func (v *view) isReady(t string) bool { return v.ready[groupOf(t)].Load() }
