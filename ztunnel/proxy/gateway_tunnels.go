@@ -69,15 +69,8 @@ func (g *Gateway) track(ctx context.Context, host, cluster string, conn net.Conn
 // Run closes the open tunnels a state change makes invisible, until ctx
 // ends.
 func (g *Gateway) Run(ctx context.Context) error {
-	for {
-		snap := g.deps.Store.Load()
-		g.recheck(snap)
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-snap.Stale():
-		}
-	}
+	g.deps.Store.Follow(ctx, g.recheck)
+	return nil
 }
 
 // recheck closes the open tunnels snap makes invisible.

@@ -149,15 +149,8 @@ func (in *Inbound) Ready() bool {
 // closes the Inbound.
 func (in *Inbound) Run(ctx context.Context) error {
 	defer in.Close()
-	for {
-		snap := in.deps.Store.Load()
-		in.reconcile(snap)
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-snap.Stale():
-		}
-	}
+	in.deps.Store.Follow(ctx, in.reconcile)
+	return nil
 }
 
 func (in *Inbound) reconcile(snap *state.Snapshot) {

@@ -1,10 +1,12 @@
 package state
 
 import (
+	"context"
 	"net/netip"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 )
@@ -289,4 +291,29 @@ func TestAddressClaims(t *testing.T) {
 	require.False(t, snap.KnownCluster("c9"))
 	snap = st.Update(func(tx *Tx) { tx.RemoveWorkload("ztunnel") })
 	require.False(t, snap.KnownCluster("c1"), "a cluster no workload names is forgotten")
+}
+
+// TestFollowSeesTheLatestSnapshot: Follow hands fn the current snapshot,
+// then a newer one after each update, and returns once ctx ends.
+func TestFollowSeesTheLatestSnapshot(t *testing.T) {
+	st := NewStore()
+	ctx, cancel := context.WithCancel(t.Context())
+	var seen atomic.Uint64
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		st.Follow(ctx, func(s *Snapshot) { seen.Store(s.Version()) })
+	}()
+	require.Eventually(t, func() bool { return seen.Load() == st.Load().Version() }, 5*time.Second, time.Millisecond)
+	for range 3 {
+		st.Update(func(tx *Tx) { tx.UpsertService(svcFoo()) })
+		want := st.Load().Version()
+		require.Eventually(t, func() bool { return seen.Load() == want }, 5*time.Second, time.Millisecond)
+	}
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Follow did not return after ctx ended")
+	}
 }

@@ -2,6 +2,7 @@ package state
 
 import (
 	"cmp"
+	"context"
 	"maps"
 	"net/netip"
 	"slices"
@@ -159,6 +160,21 @@ func NewStore() *Store {
 
 // Load returns the current snapshot.
 func (st *Store) Load() *Snapshot { return st.cur.Load() }
+
+// Follow calls fn with the current snapshot, then with each newer one as
+// it replaces the last (snapshots published in between may be skipped),
+// until ctx ends.
+func (st *Store) Follow(ctx context.Context, fn func(*Snapshot)) {
+	for {
+		snap := st.Load()
+		fn(snap)
+		select {
+		case <-ctx.Done():
+			return
+		case <-snap.Stale():
+		}
+	}
+}
 
 // Tx collects changes for one Update. Later changes to the same key win.
 type Tx struct {
