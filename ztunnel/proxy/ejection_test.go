@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
 	"net/netip"
 	"testing"
@@ -10,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 	clocktesting "k8s.io/utils/clock/testing"
 
+	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
 	"github.com/isthmus-mesh/isthmus/ztunnel/state"
 )
@@ -159,4 +161,41 @@ func TestSilentEndpointIsOvertaken(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, c.Close())
 	require.Equal(t, 1, silentDialled(m.gwDialer), "tried last by the next tunnel")
+}
+
+// gatedCerts holds every certificate request until open is closed.
+type gatedCerts struct {
+	identity.CertSource
+	open chan struct{}
+}
+
+func (g *gatedCerts) Certificate(ctx context.Context, id identity.Identity) (*tls.Certificate, error) {
+	select {
+	case <-g.open:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	return g.CertSource.Certificate(ctx, id)
+}
+
+// TestSlowCertificateOvertakesNothing: a source waiting for its first
+// certificate for longer than AttemptDelay does not set off attempts to
+// the next endpoints (nor eject the first): the attempt delay measures the
+// endpoints, not the source.
+func TestSlowCertificateOvertakesNothing(t *testing.T) {
+	gate := make(chan struct{})
+	const delay = time.Second // well over a loopback connection's setup, even under -race
+	m := newMesh(t, func(m *mesh) {
+		m.attemptDelay = delay
+		m.outCerts = &gatedCerts{CertSource: m.certs, open: gate}
+	})
+	second := nextAddr()
+	m.n1.Update(func(tx *state.Tx) {
+		// b1 (same cluster as the client) is preferred; b2 is next.
+		tx.UpsertWorkload(pod("b2", second, "node-b2", "n1", "c9", "echo"))
+	})
+	time.AfterFunc(3*delay, func() { close(gate) })
+	m.echoVia(t, echoHost)
+	require.False(t, m.dialer.dialedHost(second), "no attempt was made to the next endpoint")
+	require.True(t, m.dialer.dialedHost(m.b1))
 }

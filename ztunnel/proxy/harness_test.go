@@ -188,9 +188,12 @@ type mesh struct {
 	mGW          *metrics.Metrics
 	serverConfig hbone.ServerConfig
 	clientConfig hbone.ClientConfig
-	// dialTimeout, if set (tweak), is the proxies' DialTimeout.
-	dialTimeout   time.Duration
-	withoutRemote bool
+	// outCerts, if set (tweak), is the outbound proxy's certificate
+	// source (certs by default).
+	outCerts identity.CertSource
+	// dialTimeout and attemptDelay, if set (tweak), are the proxies'.
+	dialTimeout, attemptDelay time.Duration
+	withoutRemote             bool
 	// gwHostname, if set, is the DNS name network n1 knows the gateway by
 	// (no address); resolver answers it with gwAddr.
 	gwHostname string
@@ -277,7 +280,7 @@ func newMesh(t testing.TB, tweak func(*mesh)) *mesh {
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	cfg := func(node string) Config {
-		return Config{Node: node, Server: m.serverConfig, Client: m.clientConfig, DialTimeout: m.dialTimeout}
+		return Config{Node: node, Server: m.serverConfig, Client: m.clientConfig, DialTimeout: m.dialTimeout, AttemptDelay: m.attemptDelay}
 	}
 	m.inB, err = NewInbound(cfg("node-b"), Deps{Store: m.n1, Certs: m.certs, Metrics: m.mB, Log: testLog(t)})
 	require.NoError(t, err)
@@ -293,7 +296,11 @@ func newMesh(t testing.TB, tweak func(*mesh)) *mesh {
 	require.NoError(t, err)
 	wg.Go(func() { _ = m.gw.Serve(gln) })
 	wg.Go(func() { _ = m.gw.Run(ctx) })
-	m.out, err = NewOutbound(cfg("node-a"), Deps{Store: m.n1, Certs: m.certs, Metrics: m.mOut, Dialer: m.dialer, Resolver: m.resolver, Now: m.now, Log: testLog(t)}, state.Selector{})
+	outCerts := m.outCerts
+	if outCerts == nil {
+		outCerts = m.certs
+	}
+	m.out, err = NewOutbound(cfg("node-a"), Deps{Store: m.n1, Certs: outCerts, Metrics: m.mOut, Dialer: m.dialer, Resolver: m.resolver, Now: m.now, Log: testLog(t)}, state.Selector{})
 	require.NoError(t, err)
 	sln, err := net.Listen("tcp", m.socksAddr.String())
 	require.NoError(t, err)

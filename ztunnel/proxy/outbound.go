@@ -247,6 +247,14 @@ func (o *Outbound) Dial(ctx context.Context, src *state.Workload, t Target) (net
 	if err != nil {
 		return nil, metrics.ConnLabels{}, err
 	}
+	if needsCertificate(r.cands) {
+		// Fetched (or found cached) before the race: AttemptDelay measures
+		// how long an endpoint takes to answer, and a source waiting for
+		// its first certificate would otherwise set off (and eject) the
+		// next endpoints while the first is not to blame. A failure shows
+		// in the attempts.
+		_, _ = o.deps.Certs.Certificate(ctx, src.Identity())
+	}
 	type dialed struct {
 		conn   net.Conn
 		labels metrics.ConnLabels
@@ -280,6 +288,18 @@ func (o *Outbound) Dial(ctx context.Context, src *state.Workload, t Target) (net
 		o.ej.succeed(r.cands[i].Workload.UID)
 	}
 	return d.conn, d.labels, nil
+}
+
+// needsCertificate reports whether connecting to one of cands needs the
+// source's certificate (an HBONE hop: to an HBONE workload, or through a
+// gateway).
+func needsCertificate(cands []state.Endpoint) bool {
+	for _, ep := range cands {
+		if dst := ep.Workload; dst.Protocol == state.TunnelHBONE || dst.Synthetic() {
+			return true
+		}
+	}
+	return false
 }
 
 // dialEndpoint connects src to endpoint ep (of svc, nil when t addressed a
