@@ -15,10 +15,17 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 )
 
-// pingsPerRequests serves gRPC health checks with opts on loopback, makes n
+// serverFrames is what a gRPC server sent a client: how many PINGs (not
+// ACKs of the client's), and the settings it announced.
+type serverFrames struct {
+	pings    int64
+	settings map[http2.SettingID]uint32
+}
+
+// framesPerRequests serves gRPC health checks with opts on loopback, makes n
 // requests, each a DATA frame the server reads as an ACK would be, and
-// returns how many PINGs (not ACKs of the client's) the server sent.
-func pingsPerRequests(t *testing.T, n int, opts ...grpc.ServerOption) int64 {
+// returns what the server sent.
+func framesPerRequests(t *testing.T, n int, opts ...grpc.ServerOption) serverFrames {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
@@ -32,6 +39,7 @@ func pingsPerRequests(t *testing.T, n int, opts ...grpc.ServerOption) int64 {
 	}()
 
 	var pings atomic.Int64
+	settings := map[http2.SettingID]uint32{}
 	parsed := make(chan struct{})
 	dial := func(ctx context.Context, addr string) (net.Conn, error) {
 		c, err := (&net.Dialer{}).DialContext(ctx, "tcp", addr)
@@ -48,8 +56,16 @@ func pingsPerRequests(t *testing.T, n int, opts ...grpc.ServerOption) int64 {
 					_ = pr.CloseWithError(err)
 					return
 				}
-				if p, ok := f.(*http2.PingFrame); ok && !p.IsAck() {
-					pings.Add(1)
+				switch f := f.(type) {
+				case *http2.PingFrame:
+					if !f.IsAck() {
+						pings.Add(1)
+					}
+				case *http2.SettingsFrame:
+					_ = f.ForeachSetting(func(s http2.Setting) error {
+						settings[s.ID] = s.Val
+						return nil
+					})
 				}
 			}
 		}()
@@ -68,7 +84,7 @@ func pingsPerRequests(t *testing.T, n int, opts ...grpc.ServerOption) int64 {
 	}
 	require.NoError(t, cc.Close())
 	<-parsed
-	return pings.Load()
+	return serverFrames{pings: pings.Load(), settings: settings}
 }
 
 // teeConn copies what it reads to w.
@@ -101,6 +117,17 @@ func (c *teeConn) Close() error {
 // shows the counting works).
 func TestNoPingPerRequest(t *testing.T) {
 	const n = 20
-	require.Greater(t, pingsPerRequests(t, n), int64(n/2), "gRPC's default server pings after most requests")
-	require.Zero(t, pingsPerRequests(t, n, GRPCLimits{}.withDefaults().options(nil, nil)...), "pilot's does not")
+	require.Greater(t, framesPerRequests(t, n).pings, int64(n/2), "gRPC's default server pings after most requests")
+	require.Zero(t, framesPerRequests(t, n, GRPCLimits{}.withDefaults().options(nil, nil)...).pings, "pilot's does not")
+}
+
+// TestNoHeaderTable: pilot's gRPC servers tell clients to index no request
+// headers (HTTP/2's header table size 0), where gRPC's default lets each
+// client fill 4 KB of the server's memory; a stream's headers come once.
+func TestNoHeaderTable(t *testing.T) {
+	_, set := framesPerRequests(t, 1).settings[http2.SettingHeaderTableSize]
+	require.False(t, set, "gRPC's default server keeps HTTP/2's default table (4 KB)")
+	size, set := framesPerRequests(t, 1, GRPCLimits{}.withDefaults().options(nil, nil)...).settings[http2.SettingHeaderTableSize]
+	require.True(t, set, "pilot's announces a table size")
+	require.Zero(t, size, "pilot's announces a table size of 0")
 }
