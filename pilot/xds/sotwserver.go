@@ -108,8 +108,10 @@ type sotwTypeWatch struct {
 }
 
 // outbox queues the responses the caches deliver until the stream's
-// goroutine sends them. deliver never blocks: the caches call it holding
-// their lock.
+// goroutine sends them, and tells it when the stream is to end. deliver
+// never blocks: the caches call it holding their lock. The stream's
+// goroutine waits on wake alone: a select that also waited on the server's
+// context would lock a channel all streams wait on, for every response.
 type outbox struct {
 	mu     sync.Mutex
 	queue  []queued
@@ -117,6 +119,10 @@ type outbox struct {
 	nonce  uint64
 	nonces map[string]string // last nonce per type URL
 	wake   chan struct{}
+	// ended is set, with err (nil: the stream ends cleanly), once the
+	// requests ended or the server stops.
+	ended bool
+	err   error
 }
 
 type queued struct {
@@ -132,10 +138,25 @@ func (o *outbox) deliver(resp cache.Response) {
 	o.nonces[resp.GetRequest().GetTypeUrl()] = n
 	o.queue = append(o.queue, queued{resp: resp, nonce: n})
 	o.mu.Unlock()
+	o.signal()
+}
+
+func (o *outbox) signal() {
 	select {
 	case o.wake <- struct{}{}:
 	default:
 	}
+}
+
+// end tells the stream's goroutine to end the stream with err, once it
+// sent what is queued; the first end counts.
+func (o *outbox) end(err error) {
+	o.mu.Lock()
+	if !o.ended {
+		o.ended, o.err = true, err
+	}
+	o.mu.Unlock()
+	o.signal()
 }
 
 // lastNonce is the nonce of the last response of typeURL delivered.
@@ -145,13 +166,14 @@ func (o *outbox) lastNonce(typeURL string) string {
 	return o.nonces[typeURL]
 }
 
-// take returns the queued responses, oldest first.
-func (o *outbox) take() []queued {
+// take returns the queued responses, oldest first, and whether the stream
+// is to end, with what.
+func (o *outbox) take() (q []queued, ended bool, err error) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	q := o.queue
+	q = o.queue
 	o.queue, o.spare = o.spare[:0], q
-	return q
+	return q, o.ended, o.err
 }
 
 func (x *sotwServer) newStream(st grpc.ServerStream, defaultType string) *sotwStream {
@@ -172,21 +194,25 @@ func (x *sotwServer) serve(st grpc.ServerStream, defaultType string) error {
 	}
 	defer t.OnStreamClosed(s.id, nil)
 	defer s.close()
-	received := make(chan error, 1)
-	go func() { received <- s.receive() }()
-	for {
-		select {
-		case <-x.ctx.Done():
-			return nil
-		case err := <-received:
+	go func() { s.out.end(s.receive()) }()
+	defer context.AfterFunc(x.ctx, func() { s.out.end(errServerStops) })()
+	for range s.out.wake {
+		q, ended, err := s.out.take()
+		if errors.Is(err, errServerStops) {
+			return nil // and sends nothing more
+		}
+		if err := s.send(q); err != nil {
 			return err
-		case <-s.out.wake:
-			if err := s.send(); err != nil {
-				return err
-			}
+		}
+		if ended {
+			return err
 		}
 	}
+	return nil // wake is never closed
 }
+
+// errServerStops ends every stream when the server stops.
+var errServerStops = errors.New("the xDS server stops")
 
 // close cancels the stream's watches; none is opened after.
 func (s *sotwStream) close() {
@@ -199,9 +225,8 @@ func (s *sotwStream) close() {
 	}
 }
 
-// send sends the queued responses.
-func (s *sotwStream) send() error {
-	q := s.out.take()
+// send sends the responses q, taken from the outbox.
+func (s *sotwStream) send(q []queued) error {
 	for _, r := range q {
 		out, err := r.resp.GetDiscoveryResponse()
 		if err != nil {

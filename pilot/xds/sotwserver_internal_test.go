@@ -179,7 +179,8 @@ func TestSotwStreamsShareSubscriptions(t *testing.T) {
 // sentNames returns, per queued response, its nonce and resource names.
 func sentNames(t *testing.T, s *sotwStream) (nonces []string, names [][]string, version string) {
 	t.Helper()
-	for _, q := range s.out.take() {
+	queued, _, _ := s.out.take()
+	for _, q := range queued {
 		out, err := q.resp.GetDiscoveryResponse()
 		require.NoError(t, err)
 		nonces = append(nonces, q.nonce)

@@ -2,13 +2,18 @@ package xds_test
 
 import (
 	"context"
+	"io"
+	"net"
 	"testing"
+	"time"
 
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	endpointservice "github.com/envoyproxy/go-control-plane/envoy/service/endpoint/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -69,4 +74,53 @@ func TestSotwWithGRPCsCodec(t *testing.T) {
 	c.ack(r)
 	c.send(&discovery.DiscoveryRequest{TypeUrl: resource.EndpointType, ResourceNames: []string{clusters[0].GetName()}})
 	require.Len(t, c.next(resource.EndpointType).GetResources(), 1)
+}
+
+// TestSotwStreamsEndWhenTheServerStops: when Server.Run ends, an open SotW
+// stream ends cleanly (the client reads io.EOF) while the gRPC server and
+// the client's connection stay up.
+func TestSotwStreamsEndWhenTheServerStops(t *testing.T) {
+	reg := xdstest.New()
+	twoNetworks(reg)
+	srv, err := xds.New(xds.Config{AllowPlaintext: true, Metrics: prometheus.NewRegistry()}, reg, testLogger(t))
+	require.NoError(t, err)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	gs := grpc.NewServer(xds.ServerOptions()...)
+	srv.Register(gs)
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		_ = gs.Serve(lis)
+	}()
+	t.Cleanup(func() {
+		gs.Stop()
+		<-served
+	})
+	ctx, cancel := context.WithCancel(t.Context())
+	ran := make(chan error, 1)
+	go func() { ran <- srv.Run(ctx) }()
+
+	cc := dial(t, lis.Addr().String())
+	stream, err := discovery.NewAggregatedDiscoveryServiceClient(cc).StreamAggregatedResources(t.Context())
+	require.NoError(t, err)
+	cn := xds.ClusterName(echoHost, 80)
+	require.NoError(t, stream.Send(&discovery.DiscoveryRequest{Node: node("envoy-1", "net1", "c1"), TypeUrl: resource.EndpointType, ResourceNames: []string{cn}}))
+	r, err := stream.Recv()
+	require.NoError(t, err)
+	require.Equal(t, resource.EndpointType, r.GetTypeUrl())
+
+	cancel()
+	require.NoError(t, <-ran)
+	ended := make(chan error, 1)
+	go func() {
+		_, err := stream.Recv()
+		ended <- err
+	}()
+	select {
+	case err := <-ended:
+		require.ErrorIs(t, err, io.EOF, "the stream ends cleanly when the server stops")
+	case <-time.After(waitFor):
+		t.Fatalf("the stream is still open %v after the server stopped", waitFor)
+	}
 }
