@@ -23,6 +23,19 @@ type metrics struct {
 	clients          *prometheus.GaugeVec
 	buildSeconds     prometheus.Histogram
 	resourcesChanged prometheus.Counter
+	// sent are the push counters of each served type URL, looked up once:
+	// every response counts in them.
+	sent map[string]sentCounters
+}
+
+type sentCounters struct{ pushes, bytes prometheus.Counter }
+
+// sentOf returns the push counters of typeURL.
+func (m *metrics) sentOf(typeURL string) sentCounters {
+	if c, ok := m.sent[typeURL]; ok {
+		return c
+	}
+	return sentCounters{m.pushes.WithLabelValues(typeURL), m.pushBytes.WithLabelValues(typeURL)}
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -54,6 +67,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
+	}
+	m.sent = make(map[string]sentCounters, len(allTypes))
+	for _, t := range allTypes {
+		m.sent[t] = sentCounters{m.pushes.WithLabelValues(t), m.pushBytes.WithLabelValues(t)}
 	}
 	return m, nil
 }
@@ -244,8 +261,9 @@ func (cs *ClientStatus) typeStatus(typeURL string) *TypeStatus {
 }
 
 func (t *tracker) response(k streamKey, typeURL, version, nonce string, n int, size int) {
-	t.metrics.pushes.WithLabelValues(typeURL).Inc()
-	t.metrics.pushBytes.WithLabelValues(typeURL).Add(float64(size))
+	sent := t.metrics.sentOf(typeURL)
+	sent.pushes.Inc()
+	sent.bytes.Add(float64(size))
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	cs := t.streams[k]
