@@ -2,8 +2,7 @@
 # Builds istiod (istio.io/istio/pilot/cmd/pilot-discovery) from the Go module proxy only,
 # into a cache folder outside the repository, for side-by-side benchmarks (about 14 minutes
 # on the 2-core VM). No third-party code is written into the repository.
-# BenchmarkXDSFanout does not run istiod: it flips endpoint readiness, which pilot sends as
-# UNHEALTHY and istiod drops from EDS (PILOT_SEND_UNHEALTHY_ENDPOINTS=true did not change that).
+# BenchmarkXDSFanout runs it when ISTHMUS_BENCH_FANOUT_ISTIOD is set.
 #
 # Usage: hack/build-istiod.sh [<out-dir>]
 #   <out-dir> defaults to $(go env GOPATH)/isthmus-istiod. Prints the binary's path on its last line.

@@ -57,6 +57,12 @@ type fanServer struct {
 	goMetric func(b *testing.B, name string) float64
 	// gc makes the process collect garbage (through its pprof handler).
 	gc func(b *testing.B)
+	// flip prepares flipping the readiness of endpoint j of service svc:
+	// it returns the endpoint's address, its readiness after the flip, and
+	// the change itself, which the sample times.
+	flip func(b *testing.B, svc string, j int) (addr string, ready bool, apply func())
+	// sotwOnly servers serve no delta streams.
+	sotwOnly bool
 }
 
 // BenchmarkXDSFanout: one EndpointSlice write -> the EDS update at every one
@@ -73,6 +79,9 @@ type fanServer struct {
 // ISTHMUS_BENCH_FANOUT_BASELINE names a git revision of this repository
 // (e.g. the commit before a change): pilot built from it runs side by side
 // as server "pilot-base", measured in the same run.
+// ISTHMUS_BENCH_FANOUT_ISTIOD (any value) adds istiod as server "istiod",
+// built once per machine by hack/build-istiod.sh and run with its default
+// settings.
 func BenchmarkXDSFanout(b *testing.B) {
 	set, err := framework.Start(framework.Options{Names: []string{clusterName(0)}})
 	require.NoError(b, err)
@@ -84,6 +93,10 @@ func BenchmarkXDSFanout(b *testing.B) {
 	if rev := os.Getenv("ISTHMUS_BENCH_FANOUT_BASELINE"); rev != "" {
 		servers = append([]*fanServer{pilotFanServer(b, c0, "pilot-base", "127.0.61.2", checkout(b, rev))}, servers...)
 	}
+	if os.Getenv("ISTHMUS_BENCH_FANOUT_ISTIOD") != "" {
+		servers = append([]*fanServer{istiodFanServer(b, c0, "127.0.61.3")}, servers...)
+	}
+	servers = append(servers, floorFanServer(b, "127.0.61.4"))
 	sizes := []int{100, 500, 1000}
 	if v := os.Getenv("ISTHMUS_BENCH_FANOUT_N"); v != "" {
 		sizes = nil
@@ -100,8 +113,11 @@ func BenchmarkXDSFanout(b *testing.B) {
 		}
 		for _, n := range sizes {
 			for _, srv := range servers {
+				if delta && srv.sotwOnly {
+					continue
+				}
 				b.Run(fmt.Sprintf("server=%s/proto=%s/N=%d", srv.name, proto, n), func(b *testing.B) {
-					runFanout(b, c0, srv, n, delta)
+					runFanout(b, srv, n, delta)
 				})
 			}
 		}
@@ -178,6 +194,7 @@ func pilotFanServer(b *testing.B, c0 *framework.Cluster, name, ip, src string) *
 		},
 		goMetric: p.metric,
 		gc:       func(b *testing.B) { gcTwice(b, p.debugAddr) },
+		flip:     flipSlice(c0),
 	}
 }
 
@@ -232,7 +249,7 @@ const (
 
 // runFanout connects n clients to srv, measures the server's memory per
 // idle client, then times fanSamples isolated endpoint changes.
-func runFanout(b *testing.B, c0 *framework.Cluster, srv *fanServer, n int, delta bool) {
+func runFanout(b *testing.B, srv *fanServer, n int, delta bool) {
 	srv.gc(b)
 	rss0, heap0, stack0 := settledRSS(b, srv.pid), srv.goMetric(b, heapInuse), srv.goMetric(b, stackInuse)
 	var sample atomic.Pointer[fanSample]
@@ -264,7 +281,7 @@ func runFanout(b *testing.B, c0 *framework.Cluster, srv *fanServer, n int, delta
 	var first, median, last, spread []time.Duration
 	cpu0, clientCPU0 := processCPU(b, srv.pid), processCPU(b, os.Getpid())
 	for i := range fanSamples {
-		s := fanChange(b, c0, clients, &sample, i)
+		s := fanChange(b, srv, clients, &sample, i)
 		arr := slices.Clone(s.arrived)
 		slices.SortFunc(arr, func(a, b time.Time) int { return a.Compare(b) })
 		first = append(first, arr[0].Sub(s.start))
@@ -299,16 +316,10 @@ func runFanout(b *testing.B, c0 *framework.Cluster, srv *fanServer, n int, delta
 // fanChange flips the readiness of one endpoint of service i%fanServices,
 // waits until every client got that service's ClusterLoadAssignment, and
 // checks what each got: the same bytes everywhere, with the new status.
-func fanChange(b *testing.B, c0 *framework.Cluster, clients []*fanClient, cur *atomic.Pointer[fanSample], i int) *fanSample {
+func fanChange(b *testing.B, srv *fanServer, clients []*fanClient, cur *atomic.Pointer[fanSample], i int) *fanSample {
 	b.Helper()
-	ctx := context.Background()
 	svc := fmt.Sprintf("svc-%d", (i*37)%fanServices)
-	es, err := c0.Client.DiscoveryV1().EndpointSlices(fanNamespace).Get(ctx, svc+"-1", metav1.GetOptions{})
-	require.NoError(b, err)
-	j := (i * 7) % len(es.Endpoints)
-	ready := !(es.Endpoints[j].Conditions.Ready == nil || *es.Endpoints[j].Conditions.Ready)
-	es.Endpoints[j].Conditions = discoveryv1.EndpointConditions{Ready: &ready}
-	addr := es.Endpoints[j].Addresses[0]
+	addr, ready, apply := srv.flip(b, svc, (i*7)%fanPerSlice)
 	// A quiet period longer than either server's debounce, so each sample
 	// is an isolated change.
 	time.Sleep(300 * time.Millisecond)
@@ -316,8 +327,7 @@ func fanChange(b *testing.B, c0 *framework.Cluster, clients []*fanClient, cur *a
 	s.left.Store(int64(len(clients)))
 	cur.Store(s)
 	s.start = time.Now()
-	_, err = c0.Client.DiscoveryV1().EndpointSlices(fanNamespace).Update(ctx, es, metav1.UpdateOptions{})
-	require.NoError(b, err)
+	apply()
 	select {
 	case <-s.done:
 	case <-time.After(time.Minute):
@@ -340,6 +350,25 @@ func fanChange(b *testing.B, c0 *framework.Cluster, clients []*fanClient, cur *a
 	}
 	checkHealth(b, s.got[0], addr, ready)
 	return s
+}
+
+// flipSlice is fanServer.flip for servers that watch cluster c: it
+// updates the service's EndpointSlice.
+func flipSlice(c *framework.Cluster) func(b *testing.B, svc string, j int) (string, bool, func()) {
+	return func(b *testing.B, svc string, j int) (string, bool, func()) {
+		ctx := context.Background()
+		es, err := c.Client.DiscoveryV1().EndpointSlices(fanNamespace).Get(ctx, svc+"-1", metav1.GetOptions{})
+		require.NoError(b, err)
+		ready := !(es.Endpoints[j].Conditions.Ready == nil || *es.Endpoints[j].Conditions.Ready)
+		// Serving and not terminating, spelled out: istiod reads a missing
+		// terminating condition as terminating, and drops such endpoints.
+		terminating := false
+		es.Endpoints[j].Conditions = discoveryv1.EndpointConditions{Ready: &ready, Serving: &ready, Terminating: &terminating}
+		return es.Endpoints[j].Addresses[0], ready, func() {
+			_, err := c.Client.DiscoveryV1().EndpointSlices(fanNamespace).Update(ctx, es, metav1.UpdateOptions{})
+			require.NoError(b, err)
+		}
+	}
 }
 
 // checkHealth asserts that the ClusterLoadAssignment cla lists addr with

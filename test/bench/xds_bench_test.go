@@ -322,19 +322,5 @@ func (p *pilotProcess) rss(b *testing.B) (now, peak, file int64) {
 
 // metric reads one unlabelled metric from pilot's /metrics.
 func (p *pilotProcess) metric(b *testing.B, name string) float64 {
-	b.Helper()
-	resp, err := http.Get("http://" + p.monitoringAddr + "/metrics")
-	require.NoError(b, err)
-	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
-	require.NoError(b, err)
-	for _, line := range strings.Split(string(body), "\n") {
-		if v, ok := strings.CutPrefix(line, name+" "); ok {
-			f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
-			require.NoError(b, err)
-			return f
-		}
-	}
-	b.Fatalf("metric %s not found", name)
-	return 0
+	return promMetric(b, p.monitoringAddr, name)
 }
