@@ -65,14 +65,16 @@ type fanServer struct {
 	sotwOnly bool
 }
 
-// BenchmarkXDSFanout: one EndpointSlice write -> the EDS update at every one
-// of N Envoy-style ADS clients (SotW and delta; CDS wildcard, then EDS for
-// every cluster), N = 100, 500 and 1,000, 10,000 endpoints over 100 services
-// in a real cluster. The server runs as its own process (cmd/pilot, default
-// settings), the clients in the benchmark's. Per N: the first, median and
-// last client's latency (p50 and p99 over the samples), the first-to-last
-// spread per client, and the server's RSS, Go heap and goroutine stacks per
-// connected idle client. Every sample asserts that every client got the
+// BenchmarkXDSFanout: one endpoint's readiness change -> the EDS update at
+// every one of N Envoy-style ADS clients (SotW and delta; CDS wildcard, then
+// EDS for every cluster), N = 100, 500 and 1,000, 10,000 endpoints over 100
+// services in a real cluster. Each server runs as its own process, the
+// clients in the benchmark's: pilot (cmd/pilot, default settings; the change
+// is an EndpointSlice write) and the floor (./fanoutfloor, SotW only; the
+// change is a call to it). Per N: the first, median and last client's
+// latency (p50 and p99 over the samples), the first-to-last spread per
+// client, and the server's RSS, Go heap, goroutine stacks and goroutines
+// per connected idle client. Every sample asserts that every client got the
 // changed resource, byte-identical across clients, with the endpoint's new
 // health status. ISTHMUS_BENCH_FANOUT_N overrides the sizes ("100,500"),
 // ISTHMUS_BENCH_FANOUT_PROTO runs one protocol only (sotw or delta).
@@ -80,8 +82,7 @@ type fanServer struct {
 // (e.g. the commit before a change): pilot built from it runs side by side
 // as server "pilot-base", measured in the same run.
 // ISTHMUS_BENCH_FANOUT_ISTIOD (any value) adds istiod as server "istiod",
-// built once per machine by hack/build-istiod.sh and run with its default
-// settings.
+// built once per machine by hack/build-istiod.sh (~14 minutes).
 func BenchmarkXDSFanout(b *testing.B) {
 	set, err := framework.Start(framework.Options{Names: []string{clusterName(0)}})
 	require.NoError(b, err)
@@ -240,11 +241,12 @@ func httpGet(b *testing.B, url string) {
 	resp.Body.Close()
 }
 
-// The Go runtime's heap and goroutine stacks in use, as both servers
-// export them.
+// The Go runtime's heap and goroutine stacks in use, and its goroutines,
+// as every server exports them.
 const (
 	heapInuse  = "go_memstats_heap_inuse_bytes"
 	stackInuse = "go_memstats_stack_inuse_bytes"
+	goroutines = "go_goroutines"
 )
 
 // runFanout connects n clients to srv, measures the server's memory per
@@ -252,6 +254,7 @@ const (
 func runFanout(b *testing.B, srv *fanServer, n int, delta bool) {
 	srv.gc(b)
 	rss0, heap0, stack0 := settledRSS(b, srv.pid), srv.goMetric(b, heapInuse), srv.goMetric(b, stackInuse)
+	goroutines0 := srv.goMetric(b, goroutines)
 	var sample atomic.Pointer[fanSample]
 	ctx, cancel := context.WithCancel(context.Background())
 	clients := make([]*fanClient, 0, n)
@@ -275,6 +278,7 @@ func runFanout(b *testing.B, srv *fanServer, n int, delta bool) {
 	b.Logf("%s: %d clients hold all %d endpoints after %v", srv.name, n, fanServices*fanPerSlice, time.Since(t0).Round(time.Millisecond))
 	srv.gc(b)
 	rss1, heap1, stack1 := settledRSS(b, srv.pid), srv.goMetric(b, heapInuse), srv.goMetric(b, stackInuse)
+	goroutines1 := srv.goMetric(b, goroutines)
 	stopProfile := profileFanout(b, srv, n, delta)
 	defer stopProfile()
 
@@ -301,6 +305,7 @@ func runFanout(b *testing.B, srv *fanServer, n int, delta bool) {
 	b.ReportMetric((float64(rss1)-float64(rss0))/float64(n)/1024, "RSS-KB/client")
 	b.ReportMetric((heap1-heap0)/float64(n)/1024, "heap-KB/client")
 	b.ReportMetric((stack1-stack0)/float64(n)/1024, "stack-KB/client")
+	b.ReportMetric((goroutines1-goroutines0)/float64(n), "goroutines/client")
 	b.ReportMetric(float64(rss1)/(1<<20), "RSS-MiB")
 	// The server's CPU time per change and client: what the spread would
 	// be on an idle core, whatever else the machine runs.
