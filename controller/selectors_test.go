@@ -126,9 +126,13 @@ func TestDiscoverySelectors(t *testing.T) {
 		"ds-b":   {"cluster-1", "cluster-2", "cluster-3"},
 		"ds-off": {"cluster-2"},
 	})
-	s2, _ = f.ctl.Status("cluster-2")
-	assert.Equal(t, "all namespaces", s2.Namespaces)
-	assert.Greater(t, s2.Generation, gen2, "a new generation")
+	// The new generation feeds the registry before it replaces the old one
+	// in the cluster's status: wait for the status too.
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		s2, _ = f.ctl.Status("cluster-2")
+		assert.Equal(c, "all namespaces", s2.Namespaces)
+		assert.Greater(c, s2.Generation, gen2, "a new generation")
+	}, 30*time.Second, 10*time.Millisecond)
 	gen2 = s2.Generation
 
 	// An invalid annotation is reported and keeps the selection.
@@ -160,8 +164,10 @@ func TestDiscoverySelectors(t *testing.T) {
 		"ds-b":   {"cluster-1", "cluster-2", "cluster-3"},
 		"ds-off": {"cluster-2"},
 	})
-	s2, _ = f.ctl.Status("cluster-2")
-	assert.Empty(t, s2.SelectorError)
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		s2, _ = f.ctl.Status("cluster-2")
+		assert.Empty(c, s2.SelectorError)
+	}, 30*time.Second, 10*time.Millisecond)
 	// Relabeling under client-side matching: ds-off gains the mesh label
 	// and leaves cluster-2's selection; ds-a loses it and enters.
 	require.NoError(t, clusters.Cluster("cluster-2").EnsureNamespace(ctx, "ds-off", map[string]string{"mesh": "on"}))
