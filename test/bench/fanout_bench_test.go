@@ -167,10 +167,8 @@ func populateFanout(b *testing.B, c *framework.Cluster) {
 func checkout(b *testing.B, rev string) string {
 	b.Helper()
 	dir := b.TempDir()
-	top, err := exec.Command("git", "rev-parse", "--show-toplevel").Output()
-	require.NoError(b, err)
 	archive := exec.Command("git", "archive", "--format=tar", rev)
-	archive.Dir = strings.TrimSpace(string(top))
+	archive.Dir = repoRoot(b)
 	untar := exec.Command("tar", "-x", "-C", dir)
 	pipe, err := archive.StdoutPipe()
 	require.NoError(b, err)

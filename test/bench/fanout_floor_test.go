@@ -5,13 +5,10 @@ import (
 	"io"
 	"net/http"
 	"net/netip"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
-	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	"github.com/stretchr/testify/require"
@@ -28,29 +25,9 @@ func floorFanServer(b *testing.B, ip string) *fanServer {
 		b.Fatalf("build fanoutfloor: %v\n%s", err, out)
 	}
 	httpAddr := ip + ":8080"
-	logPath := filepath.Join(dir, "floor.log")
-	logf, err := os.Create(logPath)
-	require.NoError(b, err)
 	cmd := exec.Command(bin, "--xds-addr", ip+":15010", "--http-addr", httpAddr,
 		"--services", fmt.Sprint(fanServices), "--endpoints", fmt.Sprint(fanPerSlice), "--suffix", fanSuffix)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	require.NoError(b, cmd.Start())
-	b.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		_ = cmd.Wait()
-		logf.Close()
-	})
-	if !waitFor(time.Minute, func() bool {
-		resp, err := http.Get("http://" + httpAddr + "/metrics")
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return resp.StatusCode == http.StatusOK
-	}) {
-		log, _ := os.ReadFile(logPath)
-		b.Fatalf("fanoutfloor not serving after a minute; its log:\n%s", log)
-	}
+	startServer(b, "floor", cmd, "http://"+httpAddr+"/metrics")
 	notReady := map[[2]int]bool{}
 	return &fanServer{
 		name: "floor", xdsAddr: ip + ":15010", pid: cmd.Process.Pid, debugAddr: httpAddr, sotwOnly: true,

@@ -10,9 +10,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
-	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	"github.com/stretchr/testify/require"
@@ -24,15 +22,13 @@ import (
 // istiodFanServer runs istiod (built by hack/build-istiod.sh from the Go
 // module proxy, once per machine) on ip against cluster c0, with its
 // default settings (but its admission rate), as a server of the fan-out
-// benchmark. Its clients are
-// sidecars of namespace fanNamespace, as istiod's node IDs spell them.
+// benchmark. Its clients are sidecars of namespace fanNamespace, as
+// istiod's node IDs spell them.
 func istiodFanServer(b *testing.B, c0 *framework.Cluster, ip string) *fanServer {
 	b.Helper()
 	const ns = "istio-system"
 	require.NoError(b, c0.EnsureNamespace(context.Background(), ns, nil))
-	top, err := exec.Command("git", "rev-parse", "--show-toplevel").Output()
-	require.NoError(b, err)
-	build := exec.Command(filepath.Join(strings.TrimSpace(string(top)), "hack", "build-istiod.sh"))
+	build := exec.Command(filepath.Join(repoRoot(b), "hack", "build-istiod.sh"))
 	build.Stderr = os.Stderr
 	out, err := build.Output()
 	require.NoError(b, err, "hack/build-istiod.sh")
@@ -44,15 +40,11 @@ func istiodFanServer(b *testing.B, c0 *framework.Cluster, ip string) *fanServer 
 	require.NoError(b, c0.WriteAdminKubeconfig(kc))
 	mesh := filepath.Join(dir, "mesh")
 	require.NoError(b, os.WriteFile(mesh, []byte("trustDomain: cluster.local\n"), 0o600))
-	logPath := filepath.Join(dir, "istiod.log")
-	logf, err := os.Create(logPath)
-	require.NoError(b, err)
 	cmd := exec.Command(bin, "discovery", "--kubeconfig", kc, "--meshConfig", mesh, "--networksConfig", filepath.Join(dir, "none"),
 		"--clusterID", clusterName(0), "--namespace", ns,
 		"--httpAddr", ip+":8080", "--httpsAddr", ip+":15017", "--grpcAddr", ip+":15010", "--secureGRPCAddr", ip+":15012",
 		"--monitoringAddr", ip+":15014", "--ctrlz_address", ip, "--ctrlz_port", "9876", "--log_output_level", "default:warn")
 	cmd.Dir = dir
-	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.Env = append(os.Environ(), "POD_NAMESPACE="+ns, "POD_NAME=istiod-bench", "REVISION=default",
 		// Not a Kubernetes pod: no service account token to read.
 		"JWT_POLICY=first-party-jwt", "PILOT_ENABLE_ANALYSIS=false", "VALIDATION_WEBHOOK_CONFIG_NAME=",
@@ -61,32 +53,8 @@ func istiodFanServer(b *testing.B, c0 *framework.Cluster, ip string) *fanServer 
 		// rest (ResourceExhausted); the benchmark connects its clients in
 		// waves of fanWave, and measures pushes, not admission.
 		"PILOT_MAX_REQUESTS_PER_SECOND=100000")
-	require.NoError(b, cmd.Start())
-	b.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		done := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(15 * time.Second):
-			_ = cmd.Process.Kill()
-			<-done
-		}
-		logf.Close()
-	})
-	ready := func() bool {
-		resp, err := http.Get("http://" + ip + ":8080/ready")
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return resp.StatusCode == http.StatusOK
-	}
-	if !waitFor(2*time.Minute, ready) {
-		log, _ := os.ReadFile(logPath)
-		b.Fatalf("istiod not ready after 2 minutes; its log:\n%s", log)
-	}
 	debugAddr := ip + ":8080"
+	startServer(b, "istiod", cmd, "http://"+debugAddr+"/ready")
 	return &fanServer{
 		name: "istiod", xdsAddr: ip + ":15010", pid: cmd.Process.Pid, debugAddr: debugAddr,
 		node: func(i int) *corev3.Node {
@@ -102,16 +70,6 @@ func istiodFanServer(b *testing.B, c0 *framework.Cluster, ip string) *fanServer 
 		gc:       func(b *testing.B) { gcTwice(b, debugAddr) },
 		flip:     flipSlice(c0),
 	}
-}
-
-// waitFor polls ok every 100 ms until it holds or d passed.
-func waitFor(d time.Duration, ok func() bool) bool {
-	for end := time.Now().Add(d); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
-		if ok() {
-			return true
-		}
-	}
-	return false
 }
 
 // promMetric reads one unlabelled metric from the Prometheus endpoint

@@ -12,7 +12,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -255,39 +254,16 @@ func startPilotProcessAt(b *testing.B, c *framework.Cluster, ns, ip, src string)
 	}
 	kc := filepath.Join(dir, "kubeconfig")
 	require.NoError(b, c.WriteAdminKubeconfig(kc))
-	p := &pilotProcess{logPath: filepath.Join(dir, "pilot.log"), xdsAddr: ip + ":15010", monitoringAddr: ip + ":15014", debugAddr: ip + ":8080"}
-	logf, err := os.Create(p.logPath)
-	require.NoError(b, err)
+	p := &pilotProcess{xdsAddr: ip + ":15010", monitoringAddr: ip + ":15014", debugAddr: ip + ":8080"}
 	p.cmd = exec.Command(bin, "--kubeconfig", kc, "--namespace", ns, "--cluster-id", clusterName(0), "--network", "network-0",
 		// A real TLS address rather than a disabled one: a baseline pilot built
 		// from an older revision spells "disabled" differently.
 		"--xds-addr", ip+":15012", "--xds-plaintext-addr", p.xdsAddr, "--monitoring-addr", p.monitoringAddr, "--debug-addr", p.debugAddr,
 		"--no-leader-election", "--log-level", "warn")
-	p.cmd.Stdout, p.cmd.Stderr = logf, logf
 	// ISTHMUS_BENCH_PILOT_ENV adds "NAME=value" settings (space-separated)
 	// to pilot's environment, e.g. GOMEMLIMIT=140MiB.
 	p.cmd.Env = append(os.Environ(), strings.Fields(os.Getenv("ISTHMUS_BENCH_PILOT_ENV"))...)
-	require.NoError(b, p.cmd.Start())
-	b.Cleanup(func() {
-		_ = p.cmd.Process.Signal(syscall.SIGTERM)
-		done := make(chan struct{})
-		go func() { _ = p.cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(15 * time.Second):
-			_ = p.cmd.Process.Kill()
-			<-done
-		}
-		logf.Close()
-	})
-	require.Eventually(b, func() bool {
-		resp, err := http.Get("http://" + p.monitoringAddr + "/readyz")
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return resp.StatusCode == http.StatusOK
-	}, 2*time.Minute, 100*time.Millisecond, "pilot not ready")
+	p.logPath = startServer(b, "pilot", p.cmd, "http://"+p.monitoringAddr+"/readyz")
 	return p
 }
 
