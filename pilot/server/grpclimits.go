@@ -76,7 +76,7 @@ func (l GRPCLimits) withDefaults() GRPCLimits {
 //
 // Clients are told to index no headers (an HPACK table of 0 bytes): a
 // stream's request headers come once, so the table only held each client's
-// headers for nothing, about 2.5 KB per connection.
+// headers for nothing (about 2 KB per connection in a heap profile).
 func (l GRPCLimits) options(creds credentials.TransportCredentials, failures *prometheus.CounterVec) []grpc.ServerOption {
 	opts := []grpc.ServerOption{
 		grpc.ConnectionTimeout(l.HandshakeTimeout),
