@@ -36,8 +36,11 @@ func startServer(b *testing.B, name string, cmd *exec.Cmd, readyURL string) stri
 		}
 		logf.Close()
 	})
+	// Each poll is bounded: a server that accepts and never answers must
+	// not hold the benchmark past the two minutes.
+	poll := &http.Client{Timeout: 2 * time.Second}
 	if !waitFor(2*time.Minute, func() bool {
-		resp, err := http.Get(readyURL)
+		resp, err := poll.Get(readyURL)
 		if err != nil {
 			return false
 		}
