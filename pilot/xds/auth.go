@@ -174,14 +174,37 @@ func (a *authorizer) authorize(p peerIdentity, node *corev3.Node) error {
 	return nil
 }
 
-// sameClaims reports whether two nodes of one stream claim the same thing.
-func sameClaims(a, b *corev3.Node) bool {
-	if a.GetId() != b.GetId() {
+// nodeClaims is what the first node of a stream claims, as received: its
+// id and the metadata authorization reads. A later node of the stream must
+// claim the same. It keeps copies of those few values, not of the node,
+// whose metadata can run to kilobytes.
+type nodeClaims struct {
+	id     string
+	values [len(claimKeys)]*structpb.Value
+}
+
+// claimKeys are the metadata a stream's nodes may not change.
+var claimKeys = [...]string{MetadataClusterID, MetadataNetwork, MetadataNodeName}
+
+func claimsOf(node *corev3.Node) *nodeClaims {
+	c := &nodeClaims{id: node.GetId()}
+	fields := node.GetMetadata().GetFields()
+	for i, k := range claimKeys {
+		if v := fields[k]; v != nil {
+			c.values[i] = proto.Clone(v).(*structpb.Value)
+		}
+	}
+	return c
+}
+
+// match reports whether node claims the same as c.
+func (c *nodeClaims) match(node *corev3.Node) bool {
+	if c.id != node.GetId() {
 		return false
 	}
-	fa, fb := a.GetMetadata().GetFields(), b.GetMetadata().GetFields()
-	for _, k := range []string{MetadataClusterID, MetadataNetwork, MetadataNodeName} {
-		if !proto.Equal(fa[k], fb[k]) {
+	fields := node.GetMetadata().GetFields()
+	for i, k := range claimKeys {
+		if !proto.Equal(c.values[i], fields[k]) {
 			return false
 		}
 	}

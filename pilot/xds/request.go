@@ -46,7 +46,7 @@ type requestDecoder struct {
 	node    *corev3.Node
 	nodeRaw []byte
 	// names are the resource names of the last request of each type URL.
-	names map[string][]string
+	names byType[[]string]
 }
 
 // newRequestDecoder returns a stream's decoder. Until a request carries a
@@ -55,7 +55,7 @@ type requestDecoder struct {
 // request without one must be checked (and refused) as a node claiming
 // nothing, not skip the check.
 func newRequestDecoder() *requestDecoder {
-	return &requestDecoder{names: map[string][]string{}, node: &corev3.Node{}}
+	return &requestDecoder{node: &corev3.Node{}}
 }
 
 func badRequest(format string, args ...any) error {
@@ -72,20 +72,20 @@ func (d *requestDecoder) decode(raw []byte) (*discovery.DiscoveryRequest, error)
 	}
 	if !fast {
 		req = &discovery.DiscoveryRequest{}
-		if err := proto.Unmarshal(raw, req); err != nil {
+		if err := onFreshStack(func() error { return proto.Unmarshal(raw, req) }); err != nil {
 			return nil, badRequest("%v", err)
 		}
 		if req.Node != nil {
 			d.node, d.nodeRaw = req.Node, nil
 		}
-		if prev := d.names[req.TypeUrl]; slices.Equal(prev, req.ResourceNames) && len(prev) > 0 {
+		if prev := d.names.get(req.TypeUrl); slices.Equal(prev, req.ResourceNames) && len(prev) > 0 {
 			req.ResourceNames = prev
 		}
 	}
 	if req.Node == nil {
 		req.Node = d.node
 	}
-	d.names[req.TypeUrl] = req.ResourceNames
+	d.names.set(req.TypeUrl, req.ResourceNames)
 	return req, nil
 }
 
@@ -179,7 +179,7 @@ func (d *requestDecoder) decodeNode(raw []byte) error {
 		return nil
 	}
 	node := &corev3.Node{}
-	if err := proto.Unmarshal(raw, node); err != nil {
+	if err := onFreshStack(func() error { return proto.Unmarshal(raw, node) }); err != nil {
 		return badRequest("node: %v", err)
 	}
 	d.node, d.nodeRaw = node, slices.Clone(raw)
@@ -193,7 +193,7 @@ func (d *requestDecoder) namesOf(raw []byte, count int, typeURL string) ([]strin
 	if count == 0 {
 		return nil, nil
 	}
-	if prev := d.names[typeURL]; len(prev) == count {
+	if prev := d.names.get(typeURL); len(prev) == count {
 		same := true
 		eachName(raw, func(i int, name []byte) bool {
 			same = string(name) == prev[i]

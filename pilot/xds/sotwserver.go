@@ -95,8 +95,10 @@ type sotwStream struct {
 	// mu guards the watches: the receiving goroutine opens them, the
 	// stream's goroutine closes them all when the stream ends.
 	mu      sync.Mutex
-	watches map[string]*sotwTypeWatch
+	watches byType[*sotwTypeWatch]
 	closed  bool
+	// node is the node of the last request handled.
+	node *corev3.Node
 
 	out outbox
 }
@@ -117,7 +119,7 @@ type outbox struct {
 	queue  []queued
 	spare  []queued
 	nonce  uint64
-	nonces map[string]string // last nonce per type URL
+	nonces byType[string] // last nonce per type URL
 	wake   chan struct{}
 	// ended is set, with err (nil: the stream ends cleanly), once the
 	// requests ended or the server stops.
@@ -135,7 +137,7 @@ func (o *outbox) deliver(resp cache.Response) {
 	o.mu.Lock()
 	o.nonce++
 	n := strconv.FormatUint(o.nonce, 10)
-	o.nonces[resp.GetRequest().GetTypeUrl()] = n
+	o.nonces.set(resp.GetRequest().GetTypeUrl(), n)
 	o.queue = append(o.queue, queued{resp: resp, nonce: n})
 	o.mu.Unlock()
 	o.signal()
@@ -163,7 +165,7 @@ func (o *outbox) end(err error) {
 func (o *outbox) lastNonce(typeURL string) string {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	return o.nonces[typeURL]
+	return o.nonces.get(typeURL)
 }
 
 // take returns the queued responses, oldest first, and whether the stream
@@ -179,8 +181,7 @@ func (o *outbox) take() (q []queued, ended bool, err error) {
 func (x *sotwServer) newStream(st grpc.ServerStream, defaultType string) *sotwStream {
 	return &sotwStream{
 		x: x, st: st, id: x.ids.Add(1), defaultType: defaultType, dec: newRequestDecoder(),
-		watches: map[string]*sotwTypeWatch{},
-		out:     outbox{nonces: map[string]string{}, wake: make(chan struct{}, 1)},
+		out: outbox{wake: make(chan struct{}, 1)},
 	}
 }
 
@@ -220,8 +221,8 @@ func (s *sotwStream) close() {
 	defer s.mu.Unlock()
 	s.closed = true
 	for _, w := range s.watches {
-		w.cancel()
-		w.sub.release()
+		w.v.cancel()
+		w.v.sub.release()
 	}
 }
 
@@ -263,7 +264,8 @@ func (s *sotwStream) receive() error {
 	}
 }
 
-// handle opens the watch a request asks for, replacing the type's last.
+// handle opens the watch a request asks for, replacing the type's last: an
+// ACK in place, any other request on a fresh stack (stacks.go).
 func (s *sotwStream) handle(req *discovery.DiscoveryRequest) error {
 	switch {
 	case req.TypeUrl == "" && s.defaultType == resource.AnyType:
@@ -271,6 +273,23 @@ func (s *sotwStream) handle(req *discovery.DiscoveryRequest) error {
 	case req.TypeUrl == "":
 		req.TypeUrl = s.defaultType
 	}
+	if s.routine(req) {
+		return s.open(req)
+	}
+	return onFreshStack(func() error { return s.open(req) })
+}
+
+// routine reports whether req is an ACK of the stream's last response of
+// its type: same node, same names, a watch already open.
+func (s *sotwStream) routine(req *discovery.DiscoveryRequest) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	w := s.watches.get(req.TypeUrl)
+	return w != nil && req.Node == s.node && sameSlice(req.ResourceNames, w.sub.names())
+}
+
+// open opens the watch req asks for, replacing the type's last.
+func (s *sotwStream) open(req *discovery.DiscoveryRequest) error {
 	if err := s.x.stats.sotwRequest(s.id, req); err != nil {
 		return err
 	}
@@ -279,7 +298,8 @@ func (s *sotwStream) handle(req *discovery.DiscoveryRequest) error {
 	if s.closed {
 		return nil
 	}
-	w := s.watches[req.TypeUrl]
+	s.node = req.Node
+	w := s.watches.get(req.TypeUrl)
 	if w != nil {
 		if n := s.out.lastNonce(req.TypeUrl); n != "" && req.ResponseNonce != n {
 			// Stale: the client has not seen the last response yet.
@@ -289,7 +309,7 @@ func (s *sotwStream) handle(req *discovery.DiscoveryRequest) error {
 		w.cancel = func() {}
 	} else {
 		w = &sotwTypeWatch{sub: newSotwSubscription(s.x.subs, nil), cancel: func() {}}
-		s.watches[req.TypeUrl] = w
+		s.watches.set(req.TypeUrl, w)
 	}
 	if len(req.ResourceNames) > 0 && !sameSlice(req.ResourceNames, w.sub.names()) {
 		// New names (the decoder hands back the last slice when they are
@@ -300,7 +320,7 @@ func (s *sotwStream) handle(req *discovery.DiscoveryRequest) error {
 	// From now on, the stream's requests and the cache hold the shared
 	// names.
 	req.ResourceNames = w.sub.names()
-	s.dec.names[req.TypeUrl] = req.ResourceNames
+	s.dec.names.set(req.TypeUrl, req.ResourceNames)
 	cancel, err := s.x.watch(req, w.sub, s.out.deliver)
 	if err != nil {
 		return err

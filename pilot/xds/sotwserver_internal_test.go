@@ -161,7 +161,7 @@ func TestSotwStreamsShareSubscriptions(t *testing.T) {
 	for _, s := range []*sotwStream{s1, s2} {
 		require.NoError(t, s.handle(&discovery.DiscoveryRequest{TypeUrl: w.typeURL, ResourceNames: edsNames(3)}))
 	}
-	sub1, sub2 := s1.watches[w.typeURL].sub, s2.watches[w.typeURL].sub
+	sub1, sub2 := s1.watches.get(w.typeURL).sub, s2.watches.get(w.typeURL).sub
 	require.Equal(t, 1, x.subs.len())
 	require.True(t, sameSlice(sub1.names(), sub2.names()))
 	require.Equal(t, fmt.Sprintf("%p", sub1.SubscribedResources()), fmt.Sprintf("%p", sub2.SubscribedResources()))

@@ -125,9 +125,9 @@ type ClientStatus struct {
 	Types map[string]*TypeStatus `json:"types"`
 
 	node *corev3.Node
-	// claims is the first node as received, before authorization pinned
-	// its network; later nodes of the stream must claim the same.
-	claims *corev3.Node
+	// claims are the first node's, as received, before authorization
+	// pinned its network; later nodes of the stream must claim the same.
+	claims *nodeClaims
 	peer   peerIdentity
 }
 
@@ -198,10 +198,20 @@ func (t *tracker) admit(k streamKey, node *corev3.Node) error {
 	}
 	claims, p := cs.claims, cs.peer
 	t.mu.Unlock()
-	if claims != nil && !sameClaims(claims, node) {
+	// Authorizing runs deep, and once per stream: on a stack of its own
+	// (onFreshStack).
+	return onFreshStack(func() error { return t.admitNew(cs, claims, p, node) })
+}
+
+// admitNew authorizes a node new to the stream of cs.
+func (t *tracker) admitNew(cs *ClientStatus, claims *nodeClaims, p peerIdentity, node *corev3.Node) error {
+	if claims != nil && !claims.match(node) {
 		return t.refused(refuse(codes.InvalidArgument, RefusedNodeChanged, "a stream's node id, %s, %s and %s may not change", MetadataClusterID, MetadataNetwork, MetadataNodeName), node.GetId(), p)
 	}
-	first := proto.Clone(node).(*corev3.Node)
+	var first *nodeClaims
+	if claims == nil {
+		first = claimsOf(node)
+	}
 	if err := t.auth.authorize(p, node); err != nil {
 		return t.refused(err, node.GetId(), p)
 	}
