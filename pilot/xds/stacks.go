@@ -1,7 +1,11 @@
 package xds
 
 import (
+	clusterservice "github.com/envoyproxy/go-control-plane/envoy/service/cluster/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	endpointservice "github.com/envoyproxy/go-control-plane/envoy/service/endpoint/v3"
+	listenerservice "github.com/envoyproxy/go-control-plane/envoy/service/listener/v3"
+	routeservice "github.com/envoyproxy/go-control-plane/envoy/service/route/v3"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protowire"
@@ -26,12 +30,34 @@ func onFreshStack(f func() error) error {
 }
 
 // DeltaAggregatedResources serves a delta ADS stream with go-control-plane's
-// server, which receives the requests through deltaStream.
+// server, which receives the requests through deltaStream; so do the
+// per-type delta services below.
 func (x sotwServices) DeltaAggregatedResources(st discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
 	return x.xdsServer.DeltaAggregatedResources(deltaStream{st})
 }
 
-// deltaStream decodes a delta stream's requests by protobuf, as gRPC would,
+// DeltaClusters serves a delta CDS stream.
+func (x sotwServices) DeltaClusters(st clusterservice.ClusterDiscoveryService_DeltaClustersServer) error {
+	return x.xdsServer.DeltaClusters(deltaStream{st})
+}
+
+// DeltaEndpoints serves a delta EDS stream.
+func (x sotwServices) DeltaEndpoints(st endpointservice.EndpointDiscoveryService_DeltaEndpointsServer) error {
+	return x.xdsServer.DeltaEndpoints(deltaStream{st})
+}
+
+// DeltaListeners serves a delta LDS stream.
+func (x sotwServices) DeltaListeners(st listenerservice.ListenerDiscoveryService_DeltaListenersServer) error {
+	return x.xdsServer.DeltaListeners(deltaStream{st})
+}
+
+// DeltaRoutes serves a delta RDS stream.
+func (x sotwServices) DeltaRoutes(st routeservice.RouteDiscoveryService_DeltaRoutesServer) error {
+	return x.xdsServer.DeltaRoutes(deltaStream{st})
+}
+
+// deltaStream decodes a delta stream's requests (ADS or one type's: their
+// stream interfaces are the same) by protobuf, as gRPC would,
 // but those that carry more than names and a nonce (a node, initial
 // versions, a NACK's error) on a stack of their own: go-control-plane's
 // receiving goroutine, like a SotW stream's, is parked in RecvMsg about
