@@ -4,6 +4,10 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	clusterservice "github.com/envoyproxy/go-control-plane/envoy/service/cluster/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	endpointservice "github.com/envoyproxy/go-control-plane/envoy/service/endpoint/v3"
@@ -73,4 +77,35 @@ func TestDeltaPerTypeStreams(t *testing.T) {
 	r = recv(cds)
 	require.Equal(t, resource.ClusterType, r.GetTypeUrl())
 	require.NotEmpty(t, r.GetResources())
+}
+
+// bytesCodec sends requests as the bytes given and keeps responses as bytes.
+type bytesCodec struct{}
+
+func (bytesCodec) Name() string                  { return "proto" }
+func (bytesCodec) Marshal(v any) ([]byte, error) { return v.([]byte), nil }
+func (bytesCodec) Unmarshal(b []byte, v any) error {
+	*v.(*[]byte) = append([]byte(nil), b...)
+	return nil
+}
+
+// TestDeltaRefusesMalformedRequests: a delta stream (ADS or per type) whose
+// request is not a DeltaDiscoveryRequest ends with InvalidArgument, not
+// cleanly as go-control-plane would end it.
+func TestDeltaRefusesMalformedRequests(t *testing.T) {
+	reg := xdstest.New()
+	twoNetworks(reg)
+	e := start(t, reg)
+	cc := dial(t, e.addr)
+	for _, method := range []string{
+		"/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources",
+		"/envoy.service.endpoint.v3.EndpointDiscoveryService/DeltaEndpoints",
+	} {
+		st, err := cc.NewStream(t.Context(), &grpc.StreamDesc{ServerStreams: true, ClientStreams: true}, method, grpc.ForceCodec(bytesCodec{}))
+		require.NoError(t, err)
+		require.NoError(t, st.SendMsg([]byte{0x80})) // a truncated tag
+		var out []byte
+		err = st.RecvMsg(&out)
+		require.Equal(t, codes.InvalidArgument, status.Code(err), "%s: %v", method, err)
+	}
 }
