@@ -121,8 +121,10 @@ type ClientStatus struct {
 	Protocol string `json:"protocol"`
 	// Connected is when the stream opened.
 	Connected time.Time `json:"connected"`
-	// Types is the status per type URL.
+	// Types is the status per type URL (set in snapshots; the tracker's
+	// own record keeps types).
 	Types map[string]*TypeStatus `json:"types"`
+	types byType[*TypeStatus]
 
 	node *corev3.Node
 	// claims are the first node's, as received, before authorization
@@ -169,7 +171,7 @@ func (t *tracker) open(ctx context.Context, k streamKey, protocol string) error 
 		return t.refused(err, "", p)
 	}
 	t.mu.Lock()
-	t.streams[k] = &ClientStatus{StreamID: k.id, Protocol: protocol, Connected: time.Now(), Types: map[string]*TypeStatus{}, Identity: p.spiffe, peer: p}
+	t.streams[k] = &ClientStatus{StreamID: k.id, Protocol: protocol, Connected: time.Now(), Identity: p.spiffe, peer: p}
 	t.mu.Unlock()
 	t.metrics.clients.WithLabelValues(protocol).Inc()
 	return nil
@@ -262,10 +264,10 @@ func (t *tracker) request(k streamKey, node *corev3.Node, typeURL, nonce string,
 }
 
 func (cs *ClientStatus) typeStatus(typeURL string) *TypeStatus {
-	ts := cs.Types[typeURL]
+	ts := cs.types.get(typeURL)
 	if ts == nil {
 		ts = &TypeStatus{}
-		cs.Types[typeURL] = ts
+		cs.types.set(typeURL, ts)
 	}
 	return ts
 }
@@ -375,10 +377,11 @@ func (t *tracker) snapshot() []ClientStatus {
 	out := make([]ClientStatus, 0, len(t.streams))
 	for _, cs := range t.streams {
 		c := *cs
-		c.Types = make(map[string]*TypeStatus, len(cs.Types))
-		for k, v := range cs.Types {
-			tv := *v
-			c.Types[k] = &tv
+		c.types = nil
+		c.Types = make(map[string]*TypeStatus, len(cs.types))
+		for _, v := range cs.types {
+			tv := *v.v
+			c.Types[v.typeURL] = &tv
 		}
 		out = append(out, c)
 	}
