@@ -1,8 +1,9 @@
 package xds
 
-// This file pins the behaviour of go-control-plane that typecache.go and
-// sotw.go rely on. If a library upgrade changes it, these tests fail before
-// the caches silently misbehave; see the comments of those files.
+// This file pins the behaviour of the delta server that typecache.go and
+// sotw.go rely on: pilot's own (deltaserver.go), and go-control-plane's,
+// which pilot's follows. If either changes it, these tests fail before the
+// caches silently misbehave; see the comments of those files.
 
 import (
 	"context"
@@ -61,18 +62,36 @@ func (c *recordingCache) waitFor(t *testing.T, delta int) {
 	}, 10*time.Second, 5*time.Millisecond)
 }
 
-func serveRecording(t *testing.T, c *recordingCache) discovery.AggregatedDiscoveryServiceClient {
-	t.Helper()
-	return serveRecordingWith(t, c, nil)
+// deltaServers are the delta servers the contract holds for: pilot's own,
+// and go-control-plane's, which pilot's follows.
+var deltaServers = []string{"pilot", "go-control-plane"}
+
+// pilotDelta serves pilot's delta streams alone.
+type pilotDelta struct {
+	discovery.UnimplementedAggregatedDiscoveryServiceServer
+	x *deltaServer
 }
 
-func serveRecordingWith(t *testing.T, c *recordingCache, cb serverv3.Callbacks) discovery.AggregatedDiscoveryServiceClient {
+func (p pilotDelta) DeltaAggregatedResources(st deltaStreamServer) error {
+	return p.x.serve(st, resource.AnyType)
+}
+
+func serveRecording(t *testing.T, server string, c *recordingCache) discovery.AggregatedDiscoveryServiceClient {
+	t.Helper()
+	return serveRecordingWith(t, server, c, serverv3.CallbackFuncs{})
+}
+
+func serveRecordingWith(t *testing.T, server string, c *recordingCache, cb serverv3.Callbacks) discovery.AggregatedDiscoveryServiceClient {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	srv := grpc.NewServer()
-	discovery.RegisterAggregatedDiscoveryServiceServer(srv, serverv3.NewServer(ctx, c, cb))
+	if server == "pilot" {
+		discovery.RegisterAggregatedDiscoveryServiceServer(srv, pilotDelta{x: &deltaServer{ctx: ctx, watcher: c, callbacks: cb, subs: newSubscriptions()}})
+	} else {
+		discovery.RegisterAggregatedDiscoveryServiceServer(srv, serverv3.NewServer(ctx, c, cb))
+	}
 	go func() { _ = srv.Serve(ln) }()
 	conn, err := grpc.NewClient(ln.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	require.NoError(t, err)
@@ -90,31 +109,35 @@ func serveRecordingWith(t *testing.T, c *recordingCache, cb serverv3.Callbacks) 
 // nothing, except a name that a wildcard stream explicitly subscribed and
 // now unsubscribes, marked with an empty version for a fresh answer.
 func TestContractDeltaMarksFreshAnswers(t *testing.T) {
-	c := &recordingCache{}
-	ads := serveRecording(t, c)
-	st, err := ads.DeltaAggregatedResources(t.Context())
-	require.NoError(t, err)
-	send := func(req *discovery.DeltaDiscoveryRequest) {
-		req.TypeUrl = resource.EndpointType
-		require.NoError(t, st.Send(req))
-		_, err := st.Recv()
-		require.NoError(t, err)
+	for _, server := range deltaServers {
+		t.Run(server, func(t *testing.T) {
+			c := &recordingCache{}
+			ads := serveRecording(t, server, c)
+			st, err := ads.DeltaAggregatedResources(t.Context())
+			require.NoError(t, err)
+			send := func(req *discovery.DeltaDiscoveryRequest) {
+				req.TypeUrl = resource.EndpointType
+				require.NoError(t, st.Send(req))
+				_, err := st.Recv()
+				require.NoError(t, err)
+			}
+			send(&discovery.DeltaDiscoveryRequest{ResourceNamesSubscribe: []string{"*", "a", "b"},
+				InitialResourceVersions: map[string]string{"a": "1", "b": "2"}})
+			c.waitFor(t, 1)
+			send(&discovery.DeltaDiscoveryRequest{ResourceNamesUnsubscribe: []string{"a"}})
+			c.waitFor(t, 2)
+			send(&discovery.DeltaDiscoveryRequest{ResourceNamesUnsubscribe: []string{"*"}})
+			c.waitFor(t, 3)
+			send(&discovery.DeltaDiscoveryRequest{ResourceNamesUnsubscribe: []string{"b"}})
+			c.waitFor(t, 4)
+			c.mu.Lock()
+			defer c.mu.Unlock()
+			require.Equal(t, map[string]string{"a": "1", "b": "2"}, c.delta[0], "the first request: the client's versions")
+			require.Equal(t, map[string]string{"a": ""}, c.delta[1], "wildcard and explicitly subscribed: marked for a fresh answer")
+			require.Empty(t, c.delta[2], "leaving wildcard marks nothing")
+			require.Empty(t, c.delta[3], "not wildcard: an unsubscribed name is not marked")
+		})
 	}
-	send(&discovery.DeltaDiscoveryRequest{ResourceNamesSubscribe: []string{"*", "a", "b"},
-		InitialResourceVersions: map[string]string{"a": "1", "b": "2"}})
-	c.waitFor(t, 1)
-	send(&discovery.DeltaDiscoveryRequest{ResourceNamesUnsubscribe: []string{"a"}})
-	c.waitFor(t, 2)
-	send(&discovery.DeltaDiscoveryRequest{ResourceNamesUnsubscribe: []string{"*"}})
-	c.waitFor(t, 3)
-	send(&discovery.DeltaDiscoveryRequest{ResourceNamesUnsubscribe: []string{"b"}})
-	c.waitFor(t, 4)
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	require.Equal(t, map[string]string{"a": "1", "b": "2"}, c.delta[0], "the first request: the client's versions")
-	require.Equal(t, map[string]string{"a": ""}, c.delta[1], "wildcard and explicitly subscribed: marked for a fresh answer")
-	require.Empty(t, c.delta[2], "leaving wildcard marks nothing")
-	require.Empty(t, c.delta[3], "not wildcard: an unsubscribed name is not marked")
 }
 
 // TestContractCallbacksSeeRequestsFirst pins what Server.internNames
@@ -122,31 +145,35 @@ func TestContractDeltaMarksFreshAnswers(t *testing.T) {
 // before the stream adds its names to the subscription, so names the
 // callback replaces are the strings the subscription keeps.
 func TestContractCallbacksSeeRequestsFirst(t *testing.T) {
-	canonical := string([]byte("outbound|80||a.ns.svc.cluster.local"))
-	c := &recordingCache{}
-	ads := serveRecordingWith(t, c, serverv3.CallbackFuncs{
-		StreamDeltaRequestFunc: func(_ int64, req *discovery.DeltaDiscoveryRequest) error {
-			names := req.GetResourceNamesSubscribe()
-			for i := range names {
-				if names[i] == canonical {
-					names[i] = canonical
-				}
+	for _, server := range deltaServers {
+		t.Run(server, func(t *testing.T) {
+			canonical := string([]byte("outbound|80||a.ns.svc.cluster.local"))
+			c := &recordingCache{}
+			ads := serveRecordingWith(t, server, c, serverv3.CallbackFuncs{
+				StreamDeltaRequestFunc: func(_ int64, req *discovery.DeltaDiscoveryRequest) error {
+					names := req.GetResourceNamesSubscribe()
+					for i := range names {
+						if names[i] == canonical {
+							names[i] = canonical
+						}
+					}
+					return nil
+				},
+			})
+			dst, err := ads.DeltaAggregatedResources(t.Context())
+			require.NoError(t, err)
+			require.NoError(t, dst.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: resource.EndpointType, ResourceNamesSubscribe: []string{canonical}}))
+			_, err = dst.Recv()
+			require.NoError(t, err)
+			c.waitFor(t, 1)
+			c.mu.Lock()
+			defer c.mu.Unlock()
+			subs := c.deltaSubs[0].SubscribedResources()
+			require.Len(t, subs, 1)
+			for k := range subs {
+				require.Equal(t, canonical, k)
+				require.Same(t, unsafe.StringData(canonical), unsafe.StringData(k), "the subscription keeps the string the callback put in the request")
 			}
-			return nil
-		},
-	})
-	dst, err := ads.DeltaAggregatedResources(t.Context())
-	require.NoError(t, err)
-	require.NoError(t, dst.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: resource.EndpointType, ResourceNamesSubscribe: []string{canonical}}))
-	_, err = dst.Recv()
-	require.NoError(t, err)
-	c.waitFor(t, 1)
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	subs := c.deltaSubs[0].SubscribedResources()
-	require.Len(t, subs, 1)
-	for k := range subs {
-		require.Equal(t, canonical, k)
-		require.Same(t, unsafe.StringData(canonical), unsafe.StringData(k), "the subscription keeps the string the callback put in the request")
+		})
 	}
 }

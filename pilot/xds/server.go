@@ -43,6 +43,7 @@ type Server struct {
 	authz *authzServer
 	xds   serverv3.Server
 	sotw  *sotwServer
+	delta *deltaServer
 	stats *tracker
 
 	// ctx bounds every xDS stream; cancel ends them when Run returns.
@@ -120,6 +121,7 @@ func New(cfg Config, reg Registry, logger *slog.Logger) (*Server, error) {
 	s.stats = newTracker(m, logger, s.classOf, newAuthorizer(cfg, reg, s.trustDomainOf), s.internNames)
 	s.xds = serverv3.NewServer(ctx, routerCache{s}, s.stats, sotw.WithLogger(slogAdapter{logger}))
 	s.sotw = &sotwServer{ctx: ctx, stats: s.stats, watch: s.sotwWatch, intern: s.internNames, subs: newSubscriptions()}
+	s.delta = &deltaServer{ctx: ctx, watcher: routerCache{s}, callbacks: s.stats, subs: s.sotw.subs}
 	return s, nil
 }
 
@@ -129,7 +131,7 @@ func New(cfg Config, reg Registry, logger *slog.Logger) (*Server, error) {
 // built with ServerOptions (without them, SotW requests are decoded the
 // slow way).
 func (s *Server) Register(gs *grpc.Server) {
-	x := sotwServices{xdsServer: s.xds, sotw: s.sotw}
+	x := sotwServices{xdsServer: s.xds, sotw: s.sotw, delta: s.delta}
 	discovery.RegisterAggregatedDiscoveryServiceServer(gs, x)
 	clusterservice.RegisterClusterDiscoveryServiceServer(gs, x)
 	endpointservice.RegisterEndpointDiscoveryServiceServer(gs, x)
@@ -426,7 +428,7 @@ func (s *Server) view(c class) *view {
 	return s.views[c]
 }
 
-// routerCache is the cache.Cache given to go-control-plane's server: it
+// routerCache is the cache.Cache the xDS streams watch through: it
 // routes each watch to the view of the requesting node's class, whose
 // MuxCache routes it by type URL to a typeCache.
 type routerCache struct{ s *Server }

@@ -19,7 +19,7 @@ import (
 )
 
 // SotW streams (ADS and the per-type services) are served here, not by
-// go-control-plane's server, which delta streams still use. Per request,
+// go-control-plane's server (delta streams: deltaserver.go). Per request,
 // its server handed each request from a receiving goroutine to the stream's
 // goroutine, rebuilt the subscription's map from the request's names, and
 // picked the next event with a reflect.Select over a channel per watch. Here
@@ -52,11 +52,12 @@ type sotwServer struct {
 	ids  atomic.Int64
 }
 
-// sotwServices registers pilot's SotW streams in front of go-control-plane's
-// server, which keeps the delta streams (and refuses REST fetches).
+// sotwServices registers pilot's SotW and delta streams in front of
+// go-control-plane's server, which is left to refuse REST fetches.
 type sotwServices struct {
 	xdsServer
-	sotw *sotwServer
+	sotw  *sotwServer
+	delta *deltaServer
 }
 
 // StreamAggregatedResources serves a SotW ADS stream.

@@ -76,51 +76,68 @@ func TestSotwWithGRPCsCodec(t *testing.T) {
 	require.Len(t, c.next(resource.EndpointType).GetResources(), 1)
 }
 
-// TestSotwStreamsEndWhenTheServerStops: when Server.Run ends, an open SotW
-// stream ends cleanly (the client reads io.EOF) while the gRPC server and
-// the client's connection stay up.
-func TestSotwStreamsEndWhenTheServerStops(t *testing.T) {
-	reg := xdstest.New()
-	twoNetworks(reg)
-	srv, err := xds.New(xds.Config{AllowPlaintext: true, Metrics: prometheus.NewRegistry()}, reg, testLogger(t))
-	require.NoError(t, err)
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	gs := grpc.NewServer(xds.ServerOptions()...)
-	srv.Register(gs)
-	served := make(chan struct{})
-	go func() {
-		defer close(served)
-		_ = gs.Serve(lis)
-	}()
-	t.Cleanup(func() {
-		gs.Stop()
-		<-served
-	})
-	ctx, cancel := context.WithCancel(t.Context())
-	ran := make(chan error, 1)
-	go func() { ran <- srv.Run(ctx) }()
-
-	cc := dial(t, lis.Addr().String())
-	stream, err := discovery.NewAggregatedDiscoveryServiceClient(cc).StreamAggregatedResources(t.Context())
-	require.NoError(t, err)
+// TestStreamsEndWhenTheServerStops: when Server.Run ends, an open SotW or
+// delta stream ends cleanly (the client reads io.EOF) while the gRPC server
+// and the client's connection stay up.
+func TestStreamsEndWhenTheServerStops(t *testing.T) {
 	cn := xds.ClusterName(echoHost, 80)
-	require.NoError(t, stream.Send(&discovery.DiscoveryRequest{Node: node("envoy-1", "net1", "c1"), TypeUrl: resource.EndpointType, ResourceNames: []string{cn}}))
-	r, err := stream.Recv()
-	require.NoError(t, err)
-	require.Equal(t, resource.EndpointType, r.GetTypeUrl())
+	for _, c := range []struct {
+		name string
+		// open opens a stream, gets a first response, and returns a receive.
+		open func(t *testing.T, cc *grpc.ClientConn) func() error
+	}{
+		{"sotw", func(t *testing.T, cc *grpc.ClientConn) func() error {
+			stream, err := discovery.NewAggregatedDiscoveryServiceClient(cc).StreamAggregatedResources(t.Context())
+			require.NoError(t, err)
+			require.NoError(t, stream.Send(&discovery.DiscoveryRequest{Node: node("envoy-1", "net1", "c1"), TypeUrl: resource.EndpointType, ResourceNames: []string{cn}}))
+			r, err := stream.Recv()
+			require.NoError(t, err)
+			require.Equal(t, resource.EndpointType, r.GetTypeUrl())
+			return func() error { _, err := stream.Recv(); return err }
+		}},
+		{"delta", func(t *testing.T, cc *grpc.ClientConn) func() error {
+			stream, err := discovery.NewAggregatedDiscoveryServiceClient(cc).DeltaAggregatedResources(t.Context())
+			require.NoError(t, err)
+			require.NoError(t, stream.Send(&discovery.DeltaDiscoveryRequest{Node: node("envoy-1", "net1", "c1"), TypeUrl: resource.EndpointType, ResourceNamesSubscribe: []string{cn}}))
+			r, err := stream.Recv()
+			require.NoError(t, err)
+			require.Equal(t, resource.EndpointType, r.GetTypeUrl())
+			return func() error { _, err := stream.Recv(); return err }
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			reg := xdstest.New()
+			twoNetworks(reg)
+			srv, err := xds.New(xds.Config{AllowPlaintext: true, Metrics: prometheus.NewRegistry()}, reg, testLogger(t))
+			require.NoError(t, err)
+			lis, err := net.Listen("tcp", "127.0.0.1:0")
+			require.NoError(t, err)
+			gs := grpc.NewServer(xds.ServerOptions()...)
+			srv.Register(gs)
+			served := make(chan struct{})
+			go func() {
+				defer close(served)
+				_ = gs.Serve(lis)
+			}()
+			t.Cleanup(func() {
+				gs.Stop()
+				<-served
+			})
+			ctx, cancel := context.WithCancel(t.Context())
+			ran := make(chan error, 1)
+			go func() { ran <- srv.Run(ctx) }()
 
-	cancel()
-	require.NoError(t, <-ran)
-	ended := make(chan error, 1)
-	go func() {
-		_, err := stream.Recv()
-		ended <- err
-	}()
-	select {
-	case err := <-ended:
-		require.ErrorIs(t, err, io.EOF, "the stream ends cleanly when the server stops")
-	case <-time.After(waitFor):
-		t.Fatalf("the stream is still open %v after the server stopped", waitFor)
+			recv := c.open(t, dial(t, lis.Addr().String()))
+			cancel()
+			require.NoError(t, <-ran)
+			ended := make(chan error, 1)
+			go func() { ended <- recv() }()
+			select {
+			case err := <-ended:
+				require.ErrorIs(t, err, io.EOF, "the stream ends cleanly when the server stops")
+			case <-time.After(waitFor):
+				t.Fatalf("the stream is still open %v after the server stopped", waitFor)
+			}
+		})
 	}
 }

@@ -3,11 +3,7 @@ package xds
 import (
 	"sync/atomic"
 
-	clusterservice "github.com/envoyproxy/go-control-plane/envoy/service/cluster/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
-	endpointservice "github.com/envoyproxy/go-control-plane/envoy/service/endpoint/v3"
-	listenerservice "github.com/envoyproxy/go-control-plane/envoy/service/listener/v3"
-	routeservice "github.com/envoyproxy/go-control-plane/envoy/service/route/v3"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protowire"
@@ -31,57 +27,14 @@ func onFreshStack(f func() error) error {
 	return <-done
 }
 
-// DeltaAggregatedResources serves a delta ADS stream with go-control-plane's
-// server, which receives the requests through deltaStream; so do the
-// per-type delta services below.
-func (x sotwServices) DeltaAggregatedResources(st deltaServer) error {
-	return serveDelta(st, x.xdsServer.DeltaAggregatedResources)
-}
-
-// DeltaClusters serves a delta CDS stream.
-func (x sotwServices) DeltaClusters(st clusterservice.ClusterDiscoveryService_DeltaClustersServer) error {
-	return serveDelta(st, func(d deltaServer) error { return x.xdsServer.DeltaClusters(d) })
-}
-
-// DeltaEndpoints serves a delta EDS stream.
-func (x sotwServices) DeltaEndpoints(st endpointservice.EndpointDiscoveryService_DeltaEndpointsServer) error {
-	return serveDelta(st, func(d deltaServer) error { return x.xdsServer.DeltaEndpoints(d) })
-}
-
-// DeltaListeners serves a delta LDS stream.
-func (x sotwServices) DeltaListeners(st listenerservice.ListenerDiscoveryService_DeltaListenersServer) error {
-	return serveDelta(st, func(d deltaServer) error { return x.xdsServer.DeltaListeners(d) })
-}
-
-// DeltaRoutes serves a delta RDS stream.
-func (x sotwServices) DeltaRoutes(st routeservice.RouteDiscoveryService_DeltaRoutesServer) error {
-	return serveDelta(st, func(d deltaServer) error { return x.xdsServer.DeltaRoutes(d) })
-}
-
-// deltaServer is the server side of a delta stream, ADS or one type's:
-// their interfaces are the same.
-type deltaServer = discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer
-
-// serveDelta serves st with serve, one of go-control-plane's delta
-// handlers, receiving through a deltaStream. go-control-plane ends a
-// stream cleanly (OK) on any error receiving a request; a request refused
-// as malformed ends it with the refusal instead.
-func serveDelta(st deltaServer, serve func(deltaServer) error) error {
-	d := &deltaStream{deltaServer: st}
-	err := serve(d)
-	if refused := d.refused.Load(); err == nil && refused != nil {
-		return *refused
-	}
-	return err
-}
-
 // deltaStream decodes a delta stream's requests by protobuf, as gRPC
 // would, but those that carry more than names and a nonce (a node,
-// initial versions, a NACK's error) on a stack of their own:
-// go-control-plane's receiving goroutine, like a SotW stream's, is parked
-// in RecvMsg about 2 KB deep (onFreshStack).
+// initial versions, a NACK's error) on a stack of their own: the stream's
+// receiving goroutine, like a SotW stream's, is parked in RecvMsg about
+// 2 KB deep (onFreshStack). A malformed request is refused, and the
+// stream ends with the refusal (deltaServer.serve).
 type deltaStream struct {
-	deltaServer
+	deltaStreamServer
 	// refused is the error of a request refused as malformed.
 	refused atomic.Pointer[error]
 }

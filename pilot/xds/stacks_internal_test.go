@@ -53,7 +53,7 @@ func TestDeltaStreamDecodes(t *testing.T) {
 		raw, err := proto.Marshal(c.req)
 		require.NoError(t, err)
 		require.Equal(t, c.shallow, shallowDelta(raw), c.name)
-		got, err := (&deltaStream{deltaServer: &rawDeltaStream{raw: [][]byte{raw}}}).Recv()
+		got, err := (&deltaStream{deltaStreamServer: &rawDeltaStream{raw: [][]byte{raw}}}).Recv()
 		require.NoError(t, err, c.name)
 		require.True(t, proto.Equal(c.req, got), "%s: got %v", c.name, got)
 	}
@@ -69,7 +69,7 @@ func TestDeltaStreamDecodes(t *testing.T) {
 		{"invalid UTF-8", []byte{0x12, 0x02, 0xff, 0xfe}, true},
 	} {
 		require.Equal(t, c.shallow, shallowDelta(c.raw), c.name)
-		_, err := (&deltaStream{deltaServer: &rawDeltaStream{raw: [][]byte{c.raw}}}).Recv()
+		_, err := (&deltaStream{deltaStreamServer: &rawDeltaStream{raw: [][]byte{c.raw}}}).Recv()
 		require.Equal(t, codes.InvalidArgument, status.Code(err), "%s: %v", c.name, err)
 	}
 }
