@@ -249,12 +249,14 @@ func (p *deltaProcess) watch(req *discovery.DeltaDiscoveryRequest) error {
 }
 
 // deltaSubscription is what a delta stream subscribes to of one type, as
-// go-control-plane's stream.Subscription has it, except that its set of
-// names is shared (subscriptions.go) and replaced, never modified, when
-// the names change.
+// go-control-plane's stream.Subscription has it, except that a set of up
+// to maxSharedNames names is shared (subscriptions.go) and replaced, never
+// modified, when the names change.
 type deltaSubscription struct {
 	tab    *subscriptions
-	shared *sharedNames // sorted; nil while none
+	shared *sharedNames // sorted; nil while none, or while own
+	// own is a set larger than maxSharedNames, the stream's own.
+	own map[string]struct{}
 	// wildcard: every resource. legacy: no name subscribed yet, which is
 	// wildcard until one is.
 	wildcard, legacy bool
@@ -264,6 +266,13 @@ type deltaSubscription struct {
 	// version for a fresh answer.
 	returned map[string]string
 }
+
+// maxSharedNames bounds the sets delta subscriptions share. Changing a
+// shared set copies and sorts it: a stream that subscribes to a large set
+// name by name, each request a few bytes, would make each cost the whole
+// set. A larger set (rarely the same across streams) is the stream's own
+// and edited in place, as go-control-plane's.
+const maxSharedNames = memoMaxNames
 
 var _ cache.Subscription = (*deltaSubscription)(nil)
 
@@ -284,17 +293,12 @@ func (s *deltaSubscription) update(subscribe, unsubscribe []string) {
 		}
 		s.legacy = false
 	}
-	var set map[string]struct{}
-	if s.shared != nil {
-		set = s.shared.set
-	}
-	changed := false
+	set, owned, changed := s.SubscribedResources(), s.own != nil, false
 	edit := func() {
-		if !changed {
-			set, changed = maps.Clone(set), true
-			if set == nil {
-				set = map[string]struct{}{}
-			}
+		changed = true
+		if !owned {
+			set, owned = make(map[string]struct{}, len(set)+len(subscribe)), true
+			maps.Copy(set, s.SubscribedResources())
 		}
 	}
 	for _, name := range subscribe {
@@ -326,29 +330,31 @@ func (s *deltaSubscription) update(subscribe, unsubscribe []string) {
 	if !changed {
 		return
 	}
-	names := make([]string, 0, len(set))
-	for name := range set {
-		names = append(names, name)
-	}
-	slices.Sort(names)
 	old := s.shared
-	s.shared = s.tab.acquire(names)
+	if len(set) > maxSharedNames {
+		s.shared, s.own = nil, set
+	} else {
+		s.shared, s.own = s.tab.acquire(slices.Sorted(maps.Keys(set))), nil
+	}
 	s.tab.release(old)
 }
 
 // release gives the subscription's names back to the table.
 func (s *deltaSubscription) release() {
 	s.tab.release(s.shared)
-	s.shared = nil
+	s.shared, s.own = nil, nil
 }
 
 func (s *deltaSubscription) ReturnedResources() map[string]string { return s.returned }
 
 func (s *deltaSubscription) SubscribedResources() map[string]struct{} {
-	if s.shared == nil {
-		return noNames
+	switch {
+	case s.own != nil:
+		return s.own
+	case s.shared != nil:
+		return s.shared.set
 	}
-	return s.shared.set
+	return noNames
 }
 
 func (s *deltaSubscription) IsWildcard() bool { return s.wildcard }

@@ -1,6 +1,7 @@
 package xds
 
 import (
+	"fmt"
 	"maps"
 	"math/rand/v2"
 	"slices"
@@ -13,24 +14,36 @@ import (
 // TestDeltaSubscriptionFollowsGoControlPlane: over random sequences of
 // requests (names, "*", initial versions) and responses, a
 // deltaSubscription says what go-control-plane's stream.Subscription says:
-// wildcard or not, the names subscribed and the versions returned; and
-// streams with the same names share one set.
+// wildcard or not, the names subscribed and the versions returned; a set
+// past maxSharedNames is the stream's own; and streams with the same names
+// share one set.
 func TestDeltaSubscriptionFollowsGoControlPlane(t *testing.T) {
 	tab := newSubscriptions()
 	r := rand.New(rand.NewPCG(1, 2))
-	alphabet := []string{"a", "b", "c", "d", "*"}
-	pick := func() []string {
-		var out []string
-		for range r.IntN(3) {
-			out = append(out, alphabet[r.IntN(len(alphabet))])
-		}
-		return out
+	// A few names, shared sets; and more than maxSharedNames, the
+	// stream's own set past that size.
+	small := []string{"a", "b", "c", "d", "*"}
+	large := []string{"*"}
+	for i := range maxSharedNames + 20 {
+		large = append(large, fmt.Sprint("n", i))
 	}
+	owned := 0
 	for seq := range 2000 {
-		sub, unsub := pick(), pick()
+		alphabet, most := small, 3
+		if seq%4 == 0 {
+			alphabet, most = large, 2*len(large)
+		}
+		pick := func(most int) []string {
+			var out []string
+			for range r.IntN(most) {
+				out = append(out, alphabet[r.IntN(len(alphabet))])
+			}
+			return out
+		}
+		sub, unsub := pick(most), pick(most/3+1)
 		var initial map[string]string
 		if r.IntN(2) == 0 {
-			initial = map[string]string{"a": "1", "c": "3"}
+			initial = map[string]string{"a": "1", "c": "3", "n1": "1"}
 		}
 		want := stream.NewDeltaSubscription(sub, unsub, maps.Clone(initial), true)
 		got := newDeltaSubscription(tab, sub, unsub, maps.Clone(initial))
@@ -38,6 +51,10 @@ func TestDeltaSubscriptionFollowsGoControlPlane(t *testing.T) {
 			require.Equal(t, want.IsWildcard(), got.IsWildcard(), "seq %d step %d: wildcard", seq, step)
 			require.Equal(t, sorted(want.SubscribedResources()), sorted(got.SubscribedResources()), "seq %d step %d: names", seq, step)
 			require.Equal(t, want.ReturnedResources(), got.ReturnedResources(), "seq %d step %d: returned", seq, step)
+			require.Equal(t, len(got.SubscribedResources()) > maxSharedNames, got.own != nil, "seq %d step %d: own past maxSharedNames", seq, step)
+			if got.own != nil {
+				owned++
+			}
 			if r.IntN(3) == 0 {
 				// A response: the cache's next versions.
 				next := map[string]string{}
@@ -48,12 +65,13 @@ func TestDeltaSubscriptionFollowsGoControlPlane(t *testing.T) {
 				got.returned = maps.Clone(next)
 				continue
 			}
-			sub, unsub := pick(), pick()
+			sub, unsub := pick(most), pick(most/3+1)
 			want.UpdateResourceSubscriptions(sub, unsub)
 			got.update(sub, unsub)
 		}
 		got.release()
 	}
+	require.NotZero(t, owned, "some sets grew past maxSharedNames")
 	require.Zero(t, tab.len(), "every set released")
 
 	s1 := newDeltaSubscription(tab, []string{"b", "a"}, nil, nil)
