@@ -64,6 +64,9 @@ type fanServer struct {
 	flip func(b *testing.B, svc string, j int) (addr string, ready bool, apply func())
 	// sotwOnly servers serve no delta streams.
 	sotwOnly bool
+	// tcp servers serve length-prefixed messages over plain TCP (the
+	// raw-TCP floor), not gRPC.
+	tcp bool
 }
 
 // BenchmarkXDSFanout: one endpoint's readiness change -> the EDS update at
@@ -98,7 +101,7 @@ func BenchmarkXDSFanout(b *testing.B) {
 	if os.Getenv("ISTHMUS_BENCH_FANOUT_ISTIOD") != "" {
 		servers = append([]*fanServer{istiodFanServer(b, c0, "127.0.61.3")}, servers...)
 	}
-	servers = append(servers, floorFanServer(b, "127.0.61.4"))
+	servers = append(servers, floorFanServer(b, "127.0.61.4", false), floorFanServer(b, "127.0.61.5", true))
 	sizes := []int{100, 500, 1000}
 	if v := os.Getenv("ISTHMUS_BENCH_FANOUT_N"); v != "" {
 		sizes = nil
@@ -278,7 +281,7 @@ func runFanout(b *testing.B, srv *fanServer, n int, delta bool) {
 	connect := func(from, to int) {
 		for w := from; w < to; w += fanWave {
 			for i := w; i < min(to, w+fanWave); i++ {
-				c, err := dialFanClient(ctx, srv.xdsAddr, i, delta, srv.node(i), fanSuffix, fanServices*fanPerSlice, &sample)
+				c, err := dialFanClient(ctx, srv.xdsAddr, srv.tcp, i, delta, srv.node(i), fanSuffix, fanServices*fanPerSlice, &sample)
 				require.NoError(b, err)
 				clients = append(clients, c)
 			}

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"slices"
 	"strings"
 	"sync"
@@ -18,6 +20,8 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/isthmus-mesh/isthmus/test/bench/tcpframe"
 )
 
 // An Envoy-style client of the fan-out benchmark: one gRPC connection and
@@ -182,9 +186,9 @@ type fanClient struct {
 	idx    int
 	delta  bool
 	node   *corev3.Node
-	suffix string // EDS clusters counted: names ending in it
-	cc     *grpc.ClientConn
-	stream grpc.ClientStream
+	suffix string    // EDS clusters counted: names ending in it
+	conn   io.Closer // the gRPC client or the TCP connection
+	stream fanStream
 	sample *atomic.Pointer[fanSample]
 
 	mu sync.Mutex
@@ -198,10 +202,68 @@ type fanClient struct {
 	err    error
 }
 
-// dialFanClient connects client idx to addr and sends its first CDS request.
-func dialFanClient(ctx context.Context, addr string, idx int, delta bool, node *corev3.Node, suffix string, want int, sample *atomic.Pointer[fanSample]) (*fanClient, error) {
+// fanStream is what a client needs of its stream: a gRPC stream, or the
+// raw-TCP floor's connection (tcpFanStream).
+type fanStream interface {
+	SendMsg(m any) error
+	RecvMsg(m any) error
+}
+
+// tcpFanStream is a client's stream to the raw-TCP floor: the same
+// messages, each prefixed by its length, on a plain TCP connection.
+type tcpFanStream struct {
+	*tcpframe.Conn
+	codec fanCodec
+}
+
+func (s tcpFanStream) SendMsg(m any) error {
+	b, err := proto.Marshal(m.(proto.Message))
+	if err != nil {
+		return err
+	}
+	return s.Write(b)
+}
+
+func (s tcpFanStream) RecvMsg(m any) error {
+	b, err := s.Read()
+	if err != nil {
+		return err
+	}
+	return s.codec.Unmarshal(b, m)
+}
+
+// dialFanClient connects client idx to addr (over gRPC, or plain TCP to
+// the raw-TCP floor) and sends its first CDS request.
+func dialFanClient(ctx context.Context, addr string, tcp bool, idx int, delta bool, node *corev3.Node, suffix string, want int, sample *atomic.Pointer[fanSample]) (*fanClient, error) {
 	c := &fanClient{idx: idx, delta: delta, node: node, suffix: suffix, sample: sample, counts: map[string]int{},
 		ready: make(chan struct{}), want: want, done: make(chan struct{})}
+	if tcp {
+		var d net.Dialer
+		conn, err := d.DialContext(ctx, "tcp", addr)
+		if err != nil {
+			return nil, err
+		}
+		fc := tcpframe.New(conn)
+		c.conn, c.stream = fc, tcpFanStream{fc, fanCodec{delta: delta}}
+	} else if err := c.dialGRPC(ctx, addr, delta); err != nil {
+		return nil, err
+	}
+	var err error
+	if delta {
+		err = c.stream.SendMsg(&discovery.DeltaDiscoveryRequest{Node: node, TypeUrl: resource.ClusterType})
+	} else {
+		err = c.stream.SendMsg(&discovery.DiscoveryRequest{Node: node, TypeUrl: resource.ClusterType})
+	}
+	if err != nil {
+		_ = c.conn.Close()
+		return nil, err
+	}
+	go c.run()
+	return c, nil
+}
+
+// dialGRPC opens the client's gRPC connection and ADS stream.
+func (c *fanClient) dialGRPC(ctx context.Context, addr string, delta bool) error {
 	// Fixed receive windows, as Envoy has (its HTTP/2 defaults are 256 MiB):
 	// grpc-go's default would instead answer most responses with a
 	// bandwidth-estimation PING that no Envoy or ztunnel sends, and that
@@ -209,9 +271,9 @@ func dialFanClient(ctx context.Context, addr string, idx int, delta bool, node *
 	cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithStaticStreamWindowSize(fanClientWindow), grpc.WithStaticConnWindowSize(fanClientWindow))
 	if err != nil {
-		return nil, err
+		return err
 	}
-	c.cc = cc
+	c.conn = cc
 	method, name := "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources", "StreamAggregatedResources"
 	if delta {
 		method, name = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources", "DeltaAggregatedResources"
@@ -220,23 +282,12 @@ func dialFanClient(ctx context.Context, addr string, idx int, delta bool, node *
 		grpc.ForceCodec(fanCodec{delta: delta}), grpc.MaxCallRecvMsgSize(64<<20))
 	if err != nil {
 		_ = cc.Close()
-		return nil, err
 	}
-	if delta {
-		err = c.stream.SendMsg(&discovery.DeltaDiscoveryRequest{Node: node, TypeUrl: resource.ClusterType})
-	} else {
-		err = c.stream.SendMsg(&discovery.DiscoveryRequest{Node: node, TypeUrl: resource.ClusterType})
-	}
-	if err != nil {
-		_ = cc.Close()
-		return nil, err
-	}
-	go c.run()
-	return c, nil
+	return err
 }
 
 func (c *fanClient) close() {
-	_ = c.cc.Close()
+	_ = c.conn.Close()
 	<-c.done
 }
 
@@ -263,7 +314,7 @@ func (c *fanClient) run() {
 		}
 		if err != nil {
 			c.err = err
-			_ = c.cc.Close()
+			_ = c.conn.Close()
 			return
 		}
 	}

@@ -16,8 +16,10 @@ import (
 
 // floorFanServer runs the fan-out benchmark's floor (./fanoutfloor: grpc-go
 // pushing bytes encoded once, nothing else) on ip as server "floor", SotW
-// only: what any grpc-go xDS server costs per client on the machine.
-func floorFanServer(b *testing.B, ip string) *fanServer {
+// only: what any grpc-go xDS server costs per client on the machine. With
+// tcp it is server "floor-tcp", the same exchange over plain TCP: what the
+// kernel costs, whatever the transport.
+func floorFanServer(b *testing.B, ip string, tcp bool) *fanServer {
 	b.Helper()
 	dir := b.TempDir()
 	bin := filepath.Join(dir, "fanoutfloor")
@@ -25,12 +27,16 @@ func floorFanServer(b *testing.B, ip string) *fanServer {
 		b.Fatalf("build fanoutfloor: %v\n%s", err, out)
 	}
 	httpAddr := ip + ":8080"
-	cmd := exec.Command(bin, "--xds-addr", ip+":15010", "--http-addr", httpAddr,
+	name := "floor"
+	if tcp {
+		name = "floor-tcp"
+	}
+	cmd := exec.Command(bin, "--xds-addr", ip+":15010", "--http-addr", httpAddr, fmt.Sprintf("--tcp=%t", tcp),
 		"--services", fmt.Sprint(fanServices), "--endpoints", fmt.Sprint(fanPerSlice), "--suffix", fanSuffix)
-	startServer(b, "floor", cmd, "http://"+httpAddr+"/metrics")
+	startServer(b, name, cmd, "http://"+httpAddr+"/metrics")
 	notReady := map[[2]int]bool{}
 	return &fanServer{
-		name: "floor", xdsAddr: ip + ":15010", pid: cmd.Process.Pid, debugAddr: httpAddr, sotwOnly: true,
+		name: name, xdsAddr: ip + ":15010", pid: cmd.Process.Pid, debugAddr: httpAddr, sotwOnly: true, tcp: tcp,
 		node:     func(i int) *corev3.Node { return &corev3.Node{Id: fmt.Sprintf("envoy-%d", i)} },
 		goMetric: func(b *testing.B, name string) float64 { return promMetric(b, httpAddr, name) },
 		gc:       func(b *testing.B) { gcTwice(b, httpAddr) },

@@ -6,6 +6,11 @@
 // per-client state, no Kubernetes), so what it costs per client is what
 // grpc-go and the kernel cost on the machine.
 //
+// With --tcp it serves the same exchange over plain TCP instead, each
+// message prefixed by its length (package tcpframe): no HTTP/2 and no gRPC,
+// so what it costs per client is what the kernel and Go's network poller
+// cost, the part no transport can save.
+//
 // POST /flip?service=S&endpoint=J flips the readiness of endpoint J of
 // service S (0-based) and pushes the service's ClusterLoadAssignment; it
 // answers with the endpoint's address and new readiness ("10.200.3.7
@@ -34,6 +39,8 @@ import (
 	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
+
+	"github.com/isthmus-mesh/isthmus/test/bench/tcpframe"
 )
 
 func main() {
@@ -42,6 +49,7 @@ func main() {
 	services := flag.Int("services", 100, "services (EDS clusters)")
 	endpoints := flag.Int("endpoints", 100, "endpoints per service")
 	suffix := flag.String("suffix", ".fan.svc.cluster.local", "service host suffix")
+	tcp := flag.Bool("tcp", false, "serve length-prefixed messages over plain TCP, not gRPC")
 	flag.Parse()
 
 	f := newFloor(*services, *endpoints, *suffix)
@@ -49,18 +57,22 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
+	http.Handle("/metrics", promhttp.Handler())
+	http.HandleFunc("/flip", f.flip)
+	go func() { log.Fatal(http.ListenAndServe(*httpAddr, nil)) }()
+	if *tcp {
+		log.Fatal(f.serveTCP(lis))
+	}
 	gs := grpc.NewServer(grpc.ForceServerCodecV2(rawCodec{}),
 		grpc.StaticStreamWindowSize(1<<20), grpc.StaticConnWindowSize(1<<20), grpc.HeaderTableSize(0))
 	gs.RegisterService(&grpc.ServiceDesc{
 		ServiceName: "envoy.service.discovery.v3.AggregatedDiscoveryService",
 		HandlerType: (*any)(nil),
 		Streams: []grpc.StreamDesc{{
-			StreamName: "StreamAggregatedResources", Handler: f.serve, ServerStreams: true, ClientStreams: true,
+			StreamName: "StreamAggregatedResources", ServerStreams: true, ClientStreams: true,
+			Handler: func(_ any, st grpc.ServerStream) error { return f.serve(st) },
 		}},
 	}, nil)
-	http.Handle("/metrics", promhttp.Handler())
-	http.HandleFunc("/flip", f.flip)
-	go func() { log.Fatal(http.ListenAndServe(*httpAddr, nil)) }()
 	log.Fatal(gs.Serve(lis))
 }
 
@@ -142,9 +154,15 @@ func response(typeURL, version string, ms ...proto.Message) []byte {
 	return b
 }
 
+// stream is what serve needs of a gRPC stream or a TCP connection.
+type stream interface {
+	SendMsg(m any) error
+	RecvMsg(m any) error
+}
+
 // serve answers a stream's first request (CDS) and second (EDS), then
 // sends every push; a second goroutine reads and discards the ACKs.
-func (f *floor) serve(_ any, st grpc.ServerStream) error {
+func (f *floor) serve(st stream) error {
 	var req struct{}
 	for _, resp := range [][]byte{f.cds, f.eds} {
 		if err := st.RecvMsg(&req); err != nil {
@@ -206,6 +224,32 @@ func (f *floor) flip(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	fmt.Fprintf(w, "%s %t", address(s, j), f.ready[s][j])
+}
+
+// serveTCP serves every connection lis accepts as one stream.
+func (f *floor) serveTCP(lis net.Listener) error {
+	for {
+		c, err := lis.Accept()
+		if err != nil {
+			return err
+		}
+		go func() {
+			conn := tcpStream{tcpframe.New(c)}
+			defer conn.Close()
+			_ = f.serve(conn)
+		}()
+	}
+}
+
+// tcpStream is a stream over a TCP connection: it sends responses as
+// encoded and reads requests undecoded.
+type tcpStream struct{ *tcpframe.Conn }
+
+func (s tcpStream) SendMsg(m any) error { return s.Write(m.([]byte)) }
+
+func (s tcpStream) RecvMsg(any) error {
+	_, err := s.Read()
+	return err
 }
 
 // rawCodec sends responses as encoded and discards requests undecoded.
