@@ -88,6 +88,7 @@ FUZZ_TARGETS := \
 	./ztunnel/hbone:FuzzServerRequest \
 	./ztunnel/xdsclient:FuzzDecodeApply \
 	./multicluster:FuzzSanitizeKubeconfig \
+	./pilot/xds:FuzzDecodeRequest \
 	./pilot/ca:FuzzCreateCertificate \
 	./pilot/ca:FuzzParseIdentity \
 	./pilot/ca:FuzzBearerToken \

@@ -173,9 +173,11 @@ func eachName(raw []byte, f func(i int, name []byte) bool) {
 }
 
 // decodeNode sets the stream's node from its encoding, keeping the node
-// decoded before when the encoding is the same.
+// decoded before when the encoding is the same. A node protobuf decoded
+// (decode's full path) has no encoding kept (nil), and equals none: an
+// empty encoding, an empty node, must not keep it.
 func (d *requestDecoder) decodeNode(raw []byte) error {
-	if d.node != nil && bytes.Equal(raw, d.nodeRaw) {
+	if d.nodeRaw != nil && bytes.Equal(raw, d.nodeRaw) {
 		return nil
 	}
 	node := &corev3.Node{}
