@@ -46,6 +46,22 @@ func FuzzDecodeRequest(f *testing.F) {
 		f.Add(raw, prime)
 		// Two encodings of the node, which protobuf merges.
 		f.Add(prime, append(raw, protowire.AppendBytes(protowire.AppendTag(nil, reqNode, protowire.BytesType), []byte{0x0a, 0x01, 'x'})...))
+		// A second version (the last counts), and one that is not UTF-8.
+		f.Add(prime, protowire.AppendString(protowire.AppendTag(raw, reqVersion, protowire.BytesType), "v-9"))
+		f.Add(prime, protowire.AppendString(protowire.AppendTag(raw, reqVersion, protowire.BytesType), "\xff"))
+	}
+	// As many names as the last request, one of them other.
+	other := append(names[:len(names)-1:len(names)-1], "other")
+	for _, pair := range [][2][]string{{names, other}, {other, names}} {
+		prime, err := proto.Marshal(&discovery.DiscoveryRequest{Node: node, TypeUrl: resource.EndpointType, ResourceNames: pair[0]})
+		if err != nil {
+			f.Fatal(err)
+		}
+		raw, err := proto.Marshal(&discovery.DiscoveryRequest{TypeUrl: resource.EndpointType, ResourceNames: pair[1], ResponseNonce: "1"})
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(prime, raw)
 	}
 	f.Fuzz(func(t *testing.T, prime, raw []byte) {
 		d := newRequestDecoder()
