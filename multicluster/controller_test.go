@@ -3,7 +3,6 @@ package multicluster_test
 import (
 	"bytes"
 	"context"
-	"flag"
 	"fmt"
 	"log/slog"
 	"os"
@@ -29,10 +28,6 @@ import (
 var clusters *framework.ClusterSet
 
 func TestMain(m *testing.M) {
-	flag.Parse()
-	if fuzzOnly() {
-		os.Exit(m.Run())
-	}
 	code := framework.Main(m, framework.Options{Names: []string{"config", "remote-1", "remote-2"}}, &clusters)
 	if code == 0 {
 		if err := goleak.Find(); err != nil {
@@ -41,14 +36,6 @@ func TestMain(m *testing.M) {
 		}
 	}
 	os.Exit(code)
-}
-
-// fuzzOnly reports whether this run only fuzzes (go test -run '^$' -fuzz
-// X, as make fuzz does): no test runs then, so no cluster is started (nor in
-// each fuzz worker process).
-func fuzzOnly() bool {
-	fuzz, run := flag.Lookup("test.fuzz"), flag.Lookup("test.run")
-	return fuzz != nil && fuzz.Value.String() != "" && run != nil && run.Value.String() == "^$"
 }
 
 // sink stands in for the federated registry: per cluster it serves the
