@@ -203,6 +203,8 @@ func (p *deltaProcess) handle(req *discovery.DeltaDiscoveryRequest, defaultType 
 			return err
 		}
 	}
+	// The stream keeps only what pilot reads of a node (node.go).
+	req.Node = keptNode(req.GetNode())
 	if err := p.x.callbacks.OnStreamDeltaRequest(p.id, req); err != nil {
 		return err
 	}

@@ -1,7 +1,7 @@
 package xds
 
 import (
-	"bytes"
+	"hash/maphash"
 	"slices"
 	"sync"
 	"unicode/utf8"
@@ -43,8 +43,12 @@ const (
 // requestDecoder decodes one stream's SotW requests. It is used by one
 // goroutine.
 type requestDecoder struct {
+	// node is what the stream keeps of its last node (keptNode); nodeSum
+	// and nodeLen identify the encoding it was decoded from (nodeLen -1:
+	// none, protobuf decoded it).
 	node    *corev3.Node
-	nodeRaw []byte
+	nodeSum uint64
+	nodeLen int
 	// names are the resource names of the last request of each type URL.
 	names byType[[]string]
 }
@@ -55,7 +59,7 @@ type requestDecoder struct {
 // request without one must be checked (and refused) as a node claiming
 // nothing, not skip the check.
 func newRequestDecoder() *requestDecoder {
-	return &requestDecoder{node: &corev3.Node{}}
+	return &requestDecoder{node: &corev3.Node{}, nodeLen: -1}
 }
 
 func badRequest(format string, args ...any) error {
@@ -76,7 +80,8 @@ func (d *requestDecoder) decode(raw []byte) (*discovery.DiscoveryRequest, error)
 			return nil, badRequest("%v", err)
 		}
 		if req.Node != nil {
-			d.node, d.nodeRaw = req.Node, nil
+			d.node, d.nodeLen = keptNode(req.Node), -1
+			req.Node = d.node
 		}
 		if prev := d.names.get(req.TypeUrl); slices.Equal(prev, req.ResourceNames) && len(prev) > 0 {
 			req.ResourceNames = prev
@@ -173,20 +178,25 @@ func eachName(raw []byte, f func(i int, name []byte) bool) {
 }
 
 // decodeNode sets the stream's node from its encoding, keeping the node
-// decoded before when the encoding is the same. A node protobuf decoded
-// (decode's full path) has no encoding kept (nil), and equals none: an
-// empty encoding, an empty node, must not keep it.
+// decoded before when the encoding is the same (by length and a 64-bit
+// hash with a seed of the process's: a collision could only keep a
+// stream on its own earlier node). A node protobuf decoded (decode's full
+// path) has no encoding kept, and equals none: an empty encoding, an
+// empty node, must not keep it.
 func (d *requestDecoder) decodeNode(raw []byte) error {
-	if d.nodeRaw != nil && bytes.Equal(raw, d.nodeRaw) {
+	sum := maphash.Bytes(nodeSeed, raw)
+	if len(raw) == d.nodeLen && sum == d.nodeSum {
 		return nil
 	}
 	node := &corev3.Node{}
 	if err := onFreshStack(func() error { return proto.Unmarshal(raw, node) }); err != nil {
 		return badRequest("node: %v", err)
 	}
-	d.node, d.nodeRaw = node, slices.Clone(raw)
+	d.node, d.nodeSum, d.nodeLen = keptNode(node), sum, len(raw)
 	return nil
 }
+
+var nodeSeed = maphash.MakeSeed()
 
 // namesOf returns the count names in raw: the previous request's slice of
 // typeURL when they are the same names, else new strings, checked to be
