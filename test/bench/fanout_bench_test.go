@@ -27,6 +27,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/isthmus-mesh/isthmus/pilot/xds"
+	"github.com/isthmus-mesh/isthmus/test/envoynode"
 	"github.com/isthmus-mesh/isthmus/test/framework"
 )
 
@@ -87,6 +88,10 @@ type fanServer struct {
 // as server "pilot-base", measured in the same run.
 // ISTHMUS_BENCH_FANOUT_ISTIOD (any value) adds istiod as server "istiod",
 // built once per machine by hack/build-istiod.sh (~14 minutes).
+// ISTHMUS_BENCH_FANOUT_NODE=envoy gives each client the node a real
+// sidecar's Envoy sends (test/envoynode: 26 KB, most of it the extensions
+// compiled in), with the server's metadata; by default a client's node
+// holds its id and that metadata only.
 func BenchmarkXDSFanout(b *testing.B) {
 	set, err := framework.Start(framework.Options{Names: []string{clusterName(0)}})
 	require.NoError(b, err)
@@ -127,6 +132,20 @@ func BenchmarkXDSFanout(b *testing.B) {
 			}
 		}
 	}
+}
+
+// fanNode returns the node of srv's client i (see
+// ISTHMUS_BENCH_FANOUT_NODE).
+func fanNode(srv *fanServer, i int) *corev3.Node {
+	n := srv.node(i)
+	if os.Getenv("ISTHMUS_BENCH_FANOUT_NODE") != "envoy" {
+		return n
+	}
+	md := map[string]string{}
+	for k, v := range n.GetMetadata().GetFields() {
+		md[k] = v.GetStringValue()
+	}
+	return envoynode.Sidecar(n.GetId(), md)
 }
 
 // populateFanout writes fanServices selector-less services, each with one
@@ -281,7 +300,7 @@ func runFanout(b *testing.B, srv *fanServer, n int, delta bool) {
 	connect := func(from, to int) {
 		for w := from; w < to; w += fanWave {
 			for i := w; i < min(to, w+fanWave); i++ {
-				c, err := dialFanClient(ctx, srv.xdsAddr, srv.tcp, i, delta, srv.node(i), fanSuffix, fanServices*fanPerSlice, &sample)
+				c, err := dialFanClient(ctx, srv.xdsAddr, srv.tcp, i, delta, fanNode(srv, i), fanSuffix, fanServices*fanPerSlice, &sample)
 				require.NoError(b, err)
 				clients = append(clients, c)
 			}
