@@ -310,6 +310,18 @@ func TestRefusedClaims(t *testing.T) {
 		require.Equal(t, before+1, refusals(t, e.env, xds.RefusedClusterUnknown))
 	})
 
+	// So is a delta stream's (it was served, unchecked).
+	t.Run("delta without a node", func(t *testing.T) {
+		cl := e.dialAs(t, e.ca, clientID)
+		delta, err := discovery.NewAggregatedDiscoveryServiceClient(cl).DeltaAggregatedResources(t.Context())
+		require.NoError(t, err)
+		before := refusals(t, e.env, xds.RefusedClusterUnknown)
+		require.NoError(t, delta.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: resource.ClusterType}))
+		_, err = delta.Recv()
+		require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
+		require.Equal(t, before+1, refusals(t, e.env, xds.RefusedClusterUnknown))
+	})
+
 	// Others are still served.
 	ok := openDelta(t, zt, wildcard(claims("z-after", "c1", "net1", "c1-n1")))
 	ok.apply(ok.next())

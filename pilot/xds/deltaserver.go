@@ -203,15 +203,17 @@ func (p *deltaProcess) handle(req *discovery.DeltaDiscoveryRequest, defaultType 
 			return err
 		}
 	}
-	// The stream keeps only what pilot reads of a node (node.go).
-	req.Node = keptNode(req.GetNode())
+	// Only the first request need carry the node; the others get the
+	// stream's, and so does a first request that names none: it is
+	// authorized as the empty node it is (refused over TLS), as SotW does,
+	// not served unchecked. The stream keeps only what pilot reads of a
+	// node (node.go).
+	if req.GetNode() != nil {
+		p.node = keptNode(req.GetNode())
+	}
+	req.Node = p.node
 	if err := p.x.callbacks.OnStreamDeltaRequest(p.id, req); err != nil {
 		return err
-	}
-	if req.GetNode() != nil {
-		p.node = req.GetNode()
-	} else {
-		req.Node = p.node
 	}
 	switch {
 	case req.GetTypeUrl() == "" && defaultType == resource.AnyType:
