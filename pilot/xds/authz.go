@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"sync"
+	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
@@ -138,8 +139,11 @@ func (a *authzServer) createDeltaWatch(req *cache.DeltaRequest, sub cache.Subscr
 			}
 		}, nil
 	}
+	// The watch opens under mu: apply must not drop the cache between
+	// nodeCache and the watch, which would park it on a cache no change
+	// reaches any more.
+	defer a.mu.Unlock()
 	c, err := a.nodeCache(key)
-	a.mu.Unlock()
 	if err != nil {
 		return nil, err
 	}
@@ -240,7 +244,7 @@ func (a *authzServer) apply(workloads map[string]struct{}, policiesChanged bool)
 		if c == nil {
 			continue
 		}
-		if len(a.locals[k]) == 0 && !c.connected() {
+		if len(a.locals[k]) == 0 && !c.inUse() {
 			delete(a.nodes, k) // a node gone, with no ztunnel left
 			continue
 		}
@@ -338,13 +342,18 @@ func (a *authzServer) nodeResources(key nodeKey) ([]string, bool) {
 	return names, true
 }
 
-// connected reports whether a client of the cache is connected (not
-// orphaned).
-func (w *typeCache) connected() bool {
+// inUse reports whether a client of the cache is watching, or was within
+// orphanAfter: a client between two watches (its ACK cancels the last
+// before it opens the next) or resuming after a reconnect is still in
+// the middle of its updates, and dropping the cache then would make its
+// next watch start from a new cache, which tells it nothing of what was
+// removed meanwhile.
+func (w *typeCache) inUse() bool {
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	now := time.Now()
 	for _, c := range w.clients {
-		if c.orphaned.IsZero() {
+		if c.orphaned.IsZero() || now.Sub(c.orphaned) <= orphanAfter {
 			return true
 		}
 	}
