@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"fmt"
 	"sync"
-	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
@@ -351,7 +350,7 @@ func (a *authzServer) nodeResources(key nodeKey) ([]string, bool) {
 func (w *typeCache) inUse() bool {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	now := time.Now()
+	now := w.now()
 	for _, c := range w.clients {
 		if c.orphaned.IsZero() || now.Sub(c.orphaned) <= orphanAfter {
 			return true

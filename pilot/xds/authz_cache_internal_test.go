@@ -3,10 +3,13 @@ package xds
 import (
 	"log/slog"
 	"testing"
+	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/structpb"
 	"istio.io/api/security/v1beta1"
@@ -76,4 +79,35 @@ func TestAuthzNodeCacheOutlivesAnACK(t *testing.T) {
 	default:
 		t.Fatal("the ztunnel is not told of the deleted policy")
 	}
+}
+
+// TestClosedStreamsLeaveQuietCaches: a closed stream's client (and the
+// responses its channel holds) is dropped orphanAfter after it closed, on
+// the next cancelled watch, not only on the type's next update, which a
+// quiet cache may never get: clients reconnecting against a quiet mesh
+// used to pile up in it.
+func TestClosedStreamsLeaveQuietCaches(t *testing.T) {
+	w := newTypeCache(resource.ClusterType, "v", slogAdapter{slog.New(slog.DiscardHandler)})
+	now := time.Unix(1e9, 0)
+	w.now = func() time.Time { return now }
+	require.NoError(t, w.UpdateResources(map[string]types.Resource{"a": rawString(t, "A")}, nil))
+	stream := func() {
+		ch := make(chan cache.DeltaResponse, deltaTypes)
+		cancel, err := w.CreateDeltaWatch(&discovery.DeltaDiscoveryRequest{TypeUrl: resource.ClusterType}, newDeltaSubscription(nil, nil, nil, nil), ch)
+		require.NoError(t, err)
+		require.Len(t, ch, 1) // its response, never read
+		cancel()              // the stream closes
+	}
+	clients := func() int {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		return len(w.clients)
+	}
+	for range 100 {
+		stream()
+	}
+	require.Equal(t, 100, clients(), "kept for orphanAfter: they may resume")
+	now = now.Add(orphanAfter + time.Second)
+	stream()
+	require.Equal(t, 1, clients(), "dropped by the next closed stream, with no update")
 }

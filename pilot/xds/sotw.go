@@ -248,7 +248,8 @@ func (w *typeCache) sotwCanceller(key unsafe.Pointer, watch *sotwWatch) func() {
 			return
 		}
 		c.parked = nil
-		c.orphaned = time.Now()
+		c.orphaned = w.now()
+		w.sweep()
 	}
 }
 

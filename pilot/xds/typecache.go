@@ -77,6 +77,8 @@ type typeCache struct {
 	deltaBodies, sotwBodies bodyMemo
 	// lastSweep is when orphaned clients were last dropped.
 	lastSweep time.Time
+	// now is the clock of orphaning and sweeping (time.Now).
+	now func() time.Time
 	// canon maps each resource name to the cache's own copy of it, for
 	// the types clients subscribe to by name (EDS and RDS); nil for the
 	// others. See intern.
@@ -133,6 +135,7 @@ func newTypeCache(typeURL, prefix string, logger slogAdapter) *typeCache {
 		resources: map[string]encoded{},
 		clients:   map[chan cache.DeltaResponse]*syncedClient{},
 		sotw:      map[unsafe.Pointer]*sotwClient{},
+		now:       time.Now,
 		fullState: cache.ResourceRequiresFullStateInSotw(typeURL),
 	}
 }
@@ -203,9 +206,11 @@ func (w *typeCache) intern(names []string) {
 }
 
 // sweep drops clients orphaned for longer than orphanAfter, at most every
-// orphanAfter. The caller holds mu.
+// orphanAfter. It runs on every update and every cancelled watch, so that
+// closed streams leave a quiet cache too (with the responses their
+// channels hold). The caller holds mu.
 func (w *typeCache) sweep() {
-	now := time.Now()
+	now := w.now()
 	if now.Sub(w.lastSweep) < orphanAfter {
 		return
 	}
@@ -428,8 +433,9 @@ func (w *typeCache) canceller(ch chan cache.DeltaResponse) func() {
 		defer w.mu.Unlock()
 		if c := w.clients[ch]; c != nil {
 			c.parked = nil
-			c.orphaned = time.Now()
+			c.orphaned = w.now()
 		}
+		w.sweep()
 	}
 }
 
