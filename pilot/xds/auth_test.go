@@ -297,35 +297,42 @@ func TestRefusedClaims(t *testing.T) {
 		require.Equal(t, before+1, refusals(t, e.env, xds.RefusedNodeChanged))
 	})
 
-	// A SotW stream whose first request names no node is checked as a
-	// node claiming nothing (no cluster), not served a default class.
-	t.Run("sotw without a node", func(t *testing.T) {
-		cl := e.dialAs(t, e.ca, clientID)
-		sotw, err := discovery.NewAggregatedDiscoveryServiceClient(cl).StreamAggregatedResources(t.Context())
-		require.NoError(t, err)
-		before := refusals(t, e.env, xds.RefusedClusterUnknown)
-		require.NoError(t, sotw.Send(&discovery.DiscoveryRequest{TypeUrl: resource.ClusterType}))
-		_, err = sotw.Recv()
-		require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
-		require.Equal(t, before+1, refusals(t, e.env, xds.RefusedClusterUnknown))
-	})
-
-	// So is a delta stream's (it was served, unchecked).
-	t.Run("delta without a node", func(t *testing.T) {
-		cl := e.dialAs(t, e.ca, clientID)
-		delta, err := discovery.NewAggregatedDiscoveryServiceClient(cl).DeltaAggregatedResources(t.Context())
-		require.NoError(t, err)
-		before := refusals(t, e.env, xds.RefusedClusterUnknown)
-		require.NoError(t, delta.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: resource.ClusterType}))
-		_, err = delta.Recv()
-		require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
-		require.Equal(t, before+1, refusals(t, e.env, xds.RefusedClusterUnknown))
-	})
-
 	// Others are still served.
 	ok := openDelta(t, zt, wildcard(claims("z-after", "c1", "net1", "c1-n1")))
 	ok.apply(ok.next())
 	require.Contains(t, ok.state, "c1/default/local")
+}
+
+// TestStreamWithoutNodeIsChecked: a stream whose first request names no
+// node, SotW or delta, is checked as a node claiming nothing (no cluster),
+// not served a default class (a delta stream was served, unchecked).
+func TestStreamWithoutNodeIsChecked(t *testing.T) {
+	e := startTLS(t, authRegistry())
+	for name, first := range map[string]func(ads discovery.AggregatedDiscoveryServiceClient) (func() error, error){
+		"sotw": func(ads discovery.AggregatedDiscoveryServiceClient) (func() error, error) {
+			st, err := ads.StreamAggregatedResources(t.Context())
+			if err == nil {
+				err = st.Send(&discovery.DiscoveryRequest{TypeUrl: resource.ClusterType})
+			}
+			return func() error { _, err := st.Recv(); return err }, err
+		},
+		"delta": func(ads discovery.AggregatedDiscoveryServiceClient) (func() error, error) {
+			st, err := ads.DeltaAggregatedResources(t.Context())
+			if err == nil {
+				err = st.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: resource.ClusterType})
+			}
+			return func() error { _, err := st.Recv(); return err }, err
+		},
+	} {
+		t.Run(name+" without a node", func(t *testing.T) {
+			before := refusals(t, e.env, xds.RefusedClusterUnknown)
+			recv, err := first(discovery.NewAggregatedDiscoveryServiceClient(e.dialAs(t, e.ca, clientID)))
+			require.NoError(t, err)
+			err = recv()
+			require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
+			require.Equal(t, before+1, refusals(t, e.env, xds.RefusedClusterUnknown))
+		})
+	}
 }
 
 // TestPlaintextRefusedUnlessAllowed proves a server not configured for the
