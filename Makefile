@@ -89,6 +89,7 @@ FUZZ_TARGETS := \
 	./ztunnel/xdsclient:FuzzDecodeApply \
 	./multicluster:FuzzSanitizeKubeconfig \
 	./pilot/xds:FuzzDecodeRequest \
+	./pilot/xds:FuzzDecodeKeptNode \
 	./pilot/policy:FuzzConvertAuthorizationPolicy \
 	./pilot/ca:FuzzCreateCertificate \
 	./pilot/ca:FuzzParseIdentity \

@@ -188,11 +188,11 @@ func (d *requestDecoder) decodeNode(raw []byte) error {
 	if len(raw) == d.nodeLen && sum == d.nodeSum {
 		return nil
 	}
-	node := &corev3.Node{}
-	if err := onFreshStack(func() error { return proto.Unmarshal(raw, node) }); err != nil {
+	var node *corev3.Node
+	if err := onFreshStack(func() (err error) { node, err = decodeKeptNode(raw); return err }); err != nil {
 		return badRequest("node: %v", err)
 	}
-	d.node, d.nodeSum, d.nodeLen = keptNode(node), sum, len(raw)
+	d.node, d.nodeSum, d.nodeLen = node, sum, len(raw)
 	return nil
 }
 
