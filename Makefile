@@ -90,6 +90,7 @@ FUZZ_TARGETS := \
 	./multicluster:FuzzSanitizeKubeconfig \
 	./pilot/xds:FuzzDecodeRequest \
 	./pilot/xds:FuzzDecodeKeptNode \
+	./pilot/xds:FuzzDecodeDeltaRequest \
 	./pilot/policy:FuzzConvertAuthorizationPolicy \
 	./pilot/ca:FuzzCreateCertificate \
 	./pilot/ca:FuzzParseIdentity \

@@ -39,29 +39,20 @@ const (
 	valueBool, valueStruct, valueList   protowire.Number = 4, 5, 6
 )
 
-// decodeKeptNode returns keptNode of the node encoded in raw.
-func decodeKeptNode(raw []byte) (*corev3.Node, error) {
-	if err := validate(nodeDescriptor, raw, protowire.DefaultRecursionLimit); err != nil {
-		return nil, err
+// decodeKeptNode returns keptNode of the node encoded in parts: one
+// encoding, or those of a node field sent several times, which protobuf
+// checks one by one and merges.
+func decodeKeptNode(parts ...[]byte) (*corev3.Node, error) {
+	for _, raw := range parts {
+		if err := validate(nodeDescriptor, raw, protowire.DefaultRecursionLimit); err != nil {
+			return nil, err
+		}
 	}
 	var id, cluster []byte
 	var kept [len(keptMetadata)]keptValue
-	eachBytesField(raw, func(num protowire.Number, v []byte) {
-		switch num {
-		case nodeID:
-			id = v
-		case nodeCluster:
-			cluster = v
-		case nodeMetadata:
-			// A message field sent twice merges: its map entries add up,
-			// the last of a key replacing the others.
-			eachBytesField(v, func(num protowire.Number, entry []byte) {
-				if num == structFields {
-					keepEntry(entry, &kept)
-				}
-			})
-		}
-	})
+	for _, raw := range parts {
+		keepFields(raw, &id, &cluster, &kept)
+	}
 	out := &corev3.Node{Id: string(id), Cluster: string(cluster)}
 	for i, k := range kept {
 		if !k.present {
@@ -73,6 +64,28 @@ func decodeKeptNode(raw []byte) (*corev3.Node, error) {
 		out.Metadata.Fields[keptMetadata[i]] = structpb.NewStringValue(string(k.s))
 	}
 	return out, nil
+}
+
+// keepFields reads what a stream keeps from one encoding of a node, over
+// what earlier ones gave: the last id and cluster, the last entry of each
+// kept metadata key.
+func keepFields(raw []byte, id, cluster *[]byte, kept *[len(keptMetadata)]keptValue) {
+	eachBytesField(raw, func(num protowire.Number, v []byte) {
+		switch num {
+		case nodeID:
+			*id = v
+		case nodeCluster:
+			*cluster = v
+		case nodeMetadata:
+			// A message field sent twice merges: its map entries add up,
+			// the last of a key replacing the others.
+			eachBytesField(v, func(num protowire.Number, entry []byte) {
+				if num == structFields {
+					keepEntry(entry, kept)
+				}
+			})
+		}
+	})
 }
 
 // keptValue is a kept metadata key's value: present, and its string (empty

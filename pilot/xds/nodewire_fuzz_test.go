@@ -4,6 +4,10 @@ import (
 	"testing"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/structpb"
@@ -58,6 +62,42 @@ func FuzzDecodeKeptNode(f *testing.F) {
 		}
 		if k := keptNode(want); !proto.Equal(k, got) {
 			t.Fatalf("%x decodes to\n%v\nkeptNode of protobuf's:\n%v", raw, got, k)
+		}
+	})
+}
+
+// FuzzDecodeDeltaRequest: a delta request, from any client, is decoded by
+// protobuf but for its node, which goes to decodeKeptNode (stacks.go). It
+// must be refused exactly when protobuf refuses it, and otherwise be what
+// protobuf decodes, with keptNode of its node.
+func FuzzDecodeDeltaRequest(f *testing.F) {
+	for _, req := range []*discovery.DeltaDiscoveryRequest{
+		{Node: realNode("envoy-1"), TypeUrl: resource.ClusterType},
+		{Node: testNode("ztunnel-1"), TypeUrl: resource.EndpointType, ResourceNamesSubscribe: []string{"a", "b"}, InitialResourceVersions: map[string]string{"a": "1"}},
+		{TypeUrl: resource.EndpointType, ResponseNonce: "3", ResourceNamesUnsubscribe: []string{"c"}},
+		{Node: &corev3.Node{}},
+	} {
+		b, err := proto.Marshal(req)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+	}
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		got, err := (&deltaStream{deltaStreamServer: &rawDeltaStream{raw: [][]byte{raw}}}).Recv()
+		want := &discovery.DeltaDiscoveryRequest{}
+		if werr := proto.Unmarshal(raw, want); werr != nil {
+			if status.Code(err) != codes.InvalidArgument {
+				t.Fatalf("protobuf refuses %x (%v); the stream decoded %v, %v", raw, werr, got, err)
+			}
+			return
+		}
+		if err != nil {
+			t.Fatalf("protobuf decodes %x; the stream refused it: %v", raw, err)
+		}
+		want.Node = keptNode(want.Node)
+		if !proto.Equal(want, got) {
+			t.Fatalf("%x decodes to\n%v\nprotobuf's, node kept:\n%v", raw, got, want)
 		}
 	})
 }

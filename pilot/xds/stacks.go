@@ -42,6 +42,7 @@ type deltaStream struct {
 // Fields of envoy.service.discovery.v3.DeltaDiscoveryRequest that a
 // request decodes in place: the type URL, names and the nonce.
 const (
+	deltaNode        protowire.Number = 1
 	deltaType        protowire.Number = 2
 	deltaSubscribe   protowire.Number = 3
 	deltaUnsubscribe protowire.Number = 4
@@ -56,7 +57,21 @@ func (s *deltaStream) Recv() (*discovery.DeltaDiscoveryRequest, error) {
 	}
 	defer m.release()
 	raw, req := m.bytes(), &discovery.DeltaDiscoveryRequest{}
-	decode := func() error { return proto.Unmarshal(raw, req) }
+	decode := func() error {
+		// The node, if any, goes straight to what the stream keeps of it
+		// (nodewire.go): a message field sent twice merges, as its
+		// contents one after the other would decode.
+		rest, nodes := splitDeltaNode(raw)
+		if err := proto.Unmarshal(rest, req); err != nil {
+			return err
+		}
+		if nodes == nil {
+			return nil
+		}
+		var err error
+		req.Node, err = decodeKeptNode(nodes...)
+		return err
+	}
 	var err error
 	if shallowDelta(raw) {
 		err = decode()
@@ -86,4 +101,38 @@ func shallowDelta(raw []byte) bool {
 		b = b[n:]
 	}
 	return true
+}
+
+// splitDeltaNode returns raw without its node fields, and their contents
+// (nil: none). Malformed wire data is left in rest, for protobuf to
+// refuse; a node field of another wire type too (an unknown field to
+// protobuf).
+func splitDeltaNode(raw []byte) (rest []byte, nodes [][]byte) {
+	var spans [][3]int // field start, content start, end
+	for off := 0; off < len(raw); {
+		num, typ, n := protowire.ConsumeTag(raw[off:])
+		if n < 0 {
+			break
+		}
+		m := protowire.ConsumeFieldValue(num, typ, raw[off+n:])
+		if m < 0 {
+			break
+		}
+		if num == deltaNode && typ == protowire.BytesType {
+			spans = append(spans, [3]int{off, off + n, off + n + m})
+		}
+		off += n + m
+	}
+	if len(spans) == 0 {
+		return raw, nil
+	}
+	rest = make([]byte, 0, len(raw))
+	prev := 0
+	for _, sp := range spans {
+		content, _ := protowire.ConsumeBytes(raw[sp[1]:sp[2]])
+		nodes = append(nodes, content)
+		rest = append(rest, raw[prev:sp[0]]...)
+		prev = sp[2]
+	}
+	return append(rest, raw[prev:]...), nodes
 }

@@ -57,6 +57,28 @@ func TestDeltaStreamDecodes(t *testing.T) {
 		require.NoError(t, err, c.name)
 		require.True(t, proto.Equal(c.req, got), "%s: got %v", c.name, got)
 	}
+	// A node is decoded into what the stream keeps of it; one sent twice
+	// merges; an empty one is a node.
+	envoy := realNode("envoy-1")
+	for name, c := range map[string]struct {
+		nodes []*corev3.Node
+		want  *corev3.Node
+	}{
+		"real node":  {[]*corev3.Node{envoy}, keptNode(envoy)},
+		"node twice": {[]*corev3.Node{{Id: "a"}, {Cluster: "c"}}, &corev3.Node{Id: "a", Cluster: "c"}},
+		"empty node": {[]*corev3.Node{{}}, &corev3.Node{}},
+	} {
+		raw, err := proto.Marshal(&discovery.DeltaDiscoveryRequest{TypeUrl: resource.ClusterType, ResponseNonce: "1"})
+		require.NoError(t, err)
+		for _, n := range c.nodes {
+			b, err := proto.Marshal(&discovery.DeltaDiscoveryRequest{Node: n})
+			require.NoError(t, err)
+			raw = append(raw, b...)
+		}
+		got, err := (&deltaStream{deltaStreamServer: &rawDeltaStream{raw: [][]byte{raw}}}).Recv()
+		require.NoError(t, err, name)
+		require.True(t, proto.Equal(&discovery.DeltaDiscoveryRequest{Node: c.want, TypeUrl: resource.ClusterType, ResponseNonce: "1"}, got), "%s: got %v", name, got)
+	}
 	good, err := proto.Marshal(&discovery.DeltaDiscoveryRequest{TypeUrl: resource.ClusterType})
 	require.NoError(t, err)
 	for _, c := range []struct {
@@ -67,6 +89,7 @@ func TestDeltaStreamDecodes(t *testing.T) {
 		{"truncated", good[:len(good)-1], false},
 		{"bad tag", []byte{0x80}, false},
 		{"invalid UTF-8", []byte{0x12, 0x02, 0xff, 0xfe}, true},
+		{"node id not UTF-8", []byte{0x0a, 0x04, 0x0a, 0x02, 0xff, 0xfe}, false},
 	} {
 		require.Equal(t, c.shallow, shallowDelta(c.raw), c.name)
 		_, err := (&deltaStream{deltaStreamServer: &rawDeltaStream{raw: [][]byte{c.raw}}}).Recv()
