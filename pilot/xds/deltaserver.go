@@ -206,10 +206,10 @@ func (p *deltaProcess) handle(req *discovery.DeltaDiscoveryRequest, defaultType 
 	// Only the first request need carry the node; the others get the
 	// stream's, and so does a first request that names none: it is
 	// authorized as the empty node it is (refused over TLS), as SotW does,
-	// not served unchecked. The stream keeps only what pilot reads of a
-	// node (node.go).
+	// not served unchecked. deltaStream.Recv decoded the node into what
+	// the stream keeps of it (nodewire.go).
 	if req.GetNode() != nil {
-		p.node = keptNode(req.GetNode())
+		p.node = req.GetNode()
 	}
 	req.Node = p.node
 	if err := p.x.callbacks.OnStreamDeltaRequest(p.id, req); err != nil {

@@ -60,7 +60,11 @@ func TestStreamsKeepLittleOfTheirNode(t *testing.T) {
 	watches := &noWatches{}
 	x := &deltaServer{ctx: t.Context(), watcher: watches, callbacks: rec, subs: newSubscriptions()}
 	p := &deltaProcess{x: x, id: 1, responses: make(chan cache.DeltaResponse, deltaTypes), node: &corev3.Node{}}
-	require.NoError(t, p.handle(&discovery.DeltaDiscoveryRequest{Node: realNode("ztunnel-1"), TypeUrl: resource.ClusterType}, resource.AnyType))
+	rawDelta, err := proto.Marshal(&discovery.DeltaDiscoveryRequest{Node: realNode("ztunnel-1"), TypeUrl: resource.ClusterType})
+	require.NoError(t, err)
+	firstDelta, err := (&deltaStream{deltaStreamServer: &rawDeltaStream{raw: [][]byte{rawDelta}}}).Recv()
+	require.NoError(t, err)
+	require.NoError(t, p.handle(firstDelta, resource.AnyType))
 	requireKept(t, "ztunnel-1", rec.nodes[0])
 	require.Same(t, rec.nodes[0], p.node)
 	require.NoError(t, p.handle(&discovery.DeltaDiscoveryRequest{TypeUrl: resource.EndpointType}, resource.AnyType))
