@@ -86,7 +86,7 @@ func TestAddressOwnership(t *testing.T) {
 		Losers: []AddressLoser{{Workload: claim.Workload.UID, Reason: ReasonOtherNamespace, Dropped: true}}}}, reg.AddressConflicts())
 	assert.Equal(t, 1.0, conflicts(ReasonOtherNamespace))
 	published()
-	assert.Subset(t, changesSince(rec, before), []model.Change{
+	announced(t, rec, before, []model.Change{
 		{Kind: model.WorkloadChange, Op: model.Updated, Key: claim.Workload.UID},
 		{Kind: model.ServiceChange, Op: model.Updated, Key: "ext.tenant.svc.cluster.local"},
 	})
@@ -103,11 +103,11 @@ func TestAddressOwnership(t *testing.T) {
 	assert.True(t, reg.OwnsAddresses(twin.UID), "the other claimant takes over")
 	assert.Empty(t, reg.Service("ext.tenant.svc.cluster.local").Shards["c1"], "still another namespace's pod address")
 	published()
-	require.Len(t, rec.all()[before:], 1, "one change set")
-	assert.Subset(t, changesSince(rec, before), []model.Change{
+	announced(t, rec, before, []model.Change{
 		{Kind: model.WorkloadChange, Op: model.Removed, Key: victim.UID},
 		{Kind: model.WorkloadChange, Op: model.Updated, Key: twin.UID},
 	})
+	require.Len(t, rec.all()[before:], 1, "one change set")
 	assert.Equal(t, 0.0, conflicts(ReasonDuplicatePod))
 
 	// The pod goes: the slice address is the owner and back in its service.
@@ -150,6 +150,15 @@ func TestAddressOwnershipSameNamespace(t *testing.T) {
 		{Network: "net1", Address: "10.2.0.1", Owner: older.Workload.UID, Losers: []AddressLoser{{Workload: younger.Workload.UID, Reason: ReasonDuplicateSlice}}},
 	}, reg.AddressConflicts(), "the slice address naming its pod is not listed")
 	assert.Equal(t, map[string]int{ReasonPodAddress: 1, ReasonDuplicateSlice: 1}, reg.ConflictCounts())
+}
+
+// announced waits until the change sets recorded since the i-th hold want:
+// the feed clears its pending changes before its subscriber records them.
+func announced(t *testing.T, rec *recorder, i int, want []model.Change) {
+	t.Helper()
+	assert.EventuallyWithT(t, func(c *assert.CollectT) {
+		assert.Subset(c, changesSince(rec, i), want)
+	}, time.Second, time.Millisecond)
 }
 
 func changesSince(rec *recorder, i int) []model.Change {
