@@ -278,7 +278,7 @@ func (m *Manager) start(info inpod.Pod, ns *os.File, id netns.ID) (_ *pod, err e
 		}
 	}()
 	deps := proxy.Deps{Store: m.deps.Store, Certs: m.deps.Certs, Metrics: m.deps.Metrics, Authorizer: m.deps.Authorizer,
-		Log: m.log.With("pod", info.Namespace+"/"+info.Name),
+		Log: m.log.With("pod", info.Namespace+"/"+info.Name), Self: m.self(p),
 		// Every connection made for the pod leaves from its namespace,
 		// marked so that its rules do not capture it again.
 		Dialer: &netns.Dialer{NetNS: ns, Mark: m.cfg.Mark}}
@@ -329,6 +329,31 @@ func (m *Manager) start(info inpod.Pod, ns *os.File, id netns.ID) (_ *pod, err e
 		})
 	}
 	return p, nil
+}
+
+// self returns what is ztunnel inside p's namespace: ztunnel's in-pod
+// ports on the pod's own addresses (those of its enrolment and those xDS
+// gives its workload) and on loopback, and the node's addresses. The pod's
+// proxies check every dial against it: a connection sent to one of those
+// ports would otherwise be dialled again from inside the pod, arrive at
+// ztunnel's listener once more, and loop.
+func (m *Manager) self(p *pod) *proxy.Self {
+	return proxy.NewSelf(proxy.SelfConfig{
+		NodeIPs: m.cfg.Proxy.NodeIPs,
+		Local:   func(a netip.Addr) bool { return m.ownAddr(p, a) },
+		Ports: []uint16{m.cfg.OutboundPort, m.cfg.InboundPlaintextPort, m.cfg.Proxy.HBONEPort, m.cfg.DNSPort},
+		HBONEPort: m.cfg.Proxy.HBONEPort,
+	})
+}
+
+// ownAddr reports whether a is one of p's own addresses.
+func (m *Manager) ownAddr(p *pod, a netip.Addr) bool {
+	a = a.Unmap()
+	if slices.Contains(p.info.IPs, a) {
+		return true
+	}
+	w, ok := m.deps.Store.Load().Workload(p.uid)
+	return ok && slices.Contains(w.Addresses, a)
 }
 
 // dnsServer makes the pod's DNS proxy on UDP and TCP DNSPort in ns; the
