@@ -339,9 +339,9 @@ func (m *Manager) start(info inpod.Pod, ns *os.File, id netns.ID) (_ *pod, err e
 // ztunnel's listener once more, and loop.
 func (m *Manager) self(p *pod) *proxy.Self {
 	return proxy.NewSelf(proxy.SelfConfig{
-		NodeIPs: m.cfg.Proxy.NodeIPs,
-		Local:   func(a netip.Addr) bool { return m.ownAddr(p, a) },
-		Ports: []uint16{m.cfg.OutboundPort, m.cfg.InboundPlaintextPort, m.cfg.Proxy.HBONEPort, m.cfg.DNSPort},
+		NodeIPs:   m.cfg.Proxy.NodeIPs,
+		Local:     func(a netip.Addr) bool { return m.ownAddr(p, a) },
+		Ports:     []uint16{m.cfg.OutboundPort, m.cfg.InboundPlaintextPort, m.cfg.Proxy.HBONEPort, m.cfg.DNSPort},
 		HBONEPort: m.cfg.Proxy.HBONEPort,
 	})
 }
