@@ -467,9 +467,11 @@ func (n *Node) Close() error {
 }
 
 // serveNodeDNS serves the DNS proxy on the node address listeners, for
-// clients identified by their address.
+// clients identified by their address: the node's pods, and nobody else.
 func (n *Node) serveNodeDNS(ctx context.Context, g *errgroup.Group, lns *listeners) error {
-	cat := &dns.StoreCatalog{Store: n.store, Domain: n.cfg.DNSDomain, Network: n.cfg.Network}
+	// Only this node's pods are clients (ClientFor): anyone else who
+	// reaches the node address gets no answer, nothing forwarded.
+	cat := &dns.StoreCatalog{Store: n.store, Domain: n.cfg.DNSDomain, Network: n.cfg.Network, Node: n.cfg.NodeName}
 	srv, err := dns.New(dns.Config{Domain: n.cfg.DNSDomain, Upstreams: n.cfg.DNSUpstreams}, dns.Deps{
 		Catalog: cat, Client: cat.ClientFor, Ready: n.xds.HasSynced,
 		PacketConns: []net.PacketConn{lns.dnsUDP}, Listeners: []net.Listener{lns.dnsTCP},
