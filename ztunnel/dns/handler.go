@@ -69,7 +69,8 @@ func (h *handler) ServeDNS(w mdns.ResponseWriter, req *mdns.Msg) {
 }
 
 // admit reports whether the source a of a query is a client (Deps.Client);
-// a stranger's query is counted and gets no answer.
+// a stranger's query is counted and gets no answer. Safe for concurrent
+// use.
 func (h *handler) admit(a net.Addr) bool {
 	src, _ := remote(a)
 	if src.IsValid() {
@@ -77,8 +78,7 @@ func (h *handler) admit(a net.Addr) bool {
 			return true
 		}
 	}
-	h.metrics.refuse(RefusedUnknownClient)
-	h.log.Debug("DNS query from a stranger dropped", "source", src)
+	h.metrics.refuse(RefusedUnknownClient) // counted, not logged: a flood must not flood the log
 	return false
 }
 
