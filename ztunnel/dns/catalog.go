@@ -75,6 +75,8 @@ type StoreCatalog struct {
 	// Network is the node's network, the default for clients of unknown
 	// network.
 	Network string
+	// Node is this ztunnel's node: ClientFor knows only its pods.
+	Node string
 	// Attributes gives a service's attributes; nil takes them from the
 	// service as xDS describes it (tests may override them).
 	Attributes func(*state.Service) Attributes
@@ -142,11 +144,13 @@ func podAddrs(eps []*state.Workload, name Name, network string, attr Attributes)
 }
 
 // ClientFor identifies a client by the workload owning src in the store:
-// its namespace and network. Use it as Deps.Client for a listener shared by
-// many pods (a node address).
+// its namespace and network. Only pods of Node are clients: any other
+// source (another node's pod, a hostNetwork workload, an address the mesh
+// does not know, and anyone when Node is empty) is a stranger. Use it as
+// Deps.Client for a listener shared by the node's pods (a node address).
 func (c *StoreCatalog) ClientFor(src netip.Addr) (Client, bool) {
-	w, ok := c.Store.Load().WorkloadByAddr(src)
-	if !ok {
+	w, ok := c.Store.Load().WorkloadByAddr(src.Unmap())
+	if !ok || c.Node == "" || w.Node != c.Node || w.Synthetic() || w.HostNetwork {
 		return Client{}, false
 	}
 	return Client{Namespace: w.Namespace, Network: w.Network}, true

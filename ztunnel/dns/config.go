@@ -86,10 +86,12 @@ func DefaultConfig() Config {
 type Deps struct {
 	// Catalog answers mesh names (required).
 	Catalog Catalog
-	// Client identifies the client of a query by its source address; nil or
-	// ok=false means an unknown client: no search path, the catalog's
-	// default network. An in-pod listener passes a function returning its
-	// pod.
+	// Client identifies the client of a query by its source address
+	// (required). ok=false means a stranger: whatever it sends is dropped
+	// unread, with no answer (not even FORMERR) and nothing forwarded, and
+	// counted in isthmus_dns_refused_total. A node listener passes
+	// StoreCatalog.ClientFor (the node's pods); an in-pod listener a
+	// function that knows only its own pod.
 	Client func(src netip.Addr) (Client, bool)
 	// Ready reports whether the catalog holds the mesh (the first snapshot
 	// has been applied); until then unknown mesh names are forwarded rather
@@ -176,6 +178,9 @@ func (d Deps) validate() error {
 	var errs []error
 	if d.Catalog == nil {
 		errs = append(errs, errors.New("Catalog is required"))
+	}
+	if d.Client == nil {
+		errs = append(errs, errors.New("Client is required (it says who may ask)"))
 	}
 	if len(d.PacketConns)+len(d.Listeners) == 0 {
 		errs = append(errs, errors.New("nothing to serve: no PacketConns and no Listeners"))

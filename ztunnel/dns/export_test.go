@@ -2,6 +2,7 @@ package dns
 
 import (
 	"context"
+	"net"
 	"net/netip"
 
 	mdns "github.com/miekg/dns"
@@ -12,6 +13,9 @@ import (
 // unpack, FORMERR on failure) and then by the handler. It returns the
 // packed answer (nil when none is sent) and its kind.
 func (s *Server) Answer(ctx context.Context, raw []byte, src netip.Addr, tcp bool) ([]byte, Kind, error) {
+	if !s.h.admit(&net.UDPAddr{IP: src.AsSlice()}) {
+		return nil, "", nil // a stranger: read by nobody
+	}
 	var dh mdns.Header
 	req := new(mdns.Msg)
 	if err := req.Unpack(raw); err != nil {

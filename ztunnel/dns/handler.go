@@ -68,6 +68,20 @@ func (h *handler) ServeDNS(w mdns.ResponseWriter, req *mdns.Msg) {
 	}
 }
 
+// admit reports whether the source a of a query is a client (Deps.Client);
+// a stranger's query is counted and gets no answer. Safe for concurrent
+// use.
+func (h *handler) admit(a net.Addr) bool {
+	src, _ := remote(a)
+	if src.IsValid() {
+		if _, ok := h.client(src); ok {
+			return true
+		}
+	}
+	h.metrics.refuse(RefusedUnknownClient) // counted, not logged: a flood must not flood the log
+	return false
+}
+
 // remote returns the client address of a query and whether it came over TCP.
 func remote(a net.Addr) (netip.Addr, bool) {
 	switch a := a.(type) {
@@ -93,7 +107,7 @@ func (h *handler) answer(ctx context.Context, req *mdns.Msg, src netip.Addr, tcp
 	q := req.Question[0]
 	if q.Qclass == mdns.ClassINET || q.Qclass == mdns.ClassANY {
 		client, known := Client{}, false
-		if h.client != nil && src.IsValid() {
+		if src.IsValid() {
 			client, known = h.client(src)
 		}
 		if resp, kind, ok := h.mesh(req, q, client, known); ok {

@@ -30,13 +30,17 @@ var (
 	extAddr     = netip.MustParseAddr("192.0.2.80")
 )
 
+// testNode is the node of the DNS proxy and of the mesh's client pods.
+const testNode = "node-1"
+
 // mesh is a state store with:
 //   - echo.demo: VIPs in n1, exported;
 //   - remote.demo: no VIP in n1 (it runs on n2 only), allocated addresses;
 //   - db.demo: headless, pods db-0 and db-1 on n1 (db-2 not ready), plus
 //     endpoints on n2 behind a gateway; allocated address;
 //   - far.demo: headless, endpoints on n2 only; exported;
-//   - a client pod in namespace demo and one in namespace other.
+//   - a client pod in namespace demo and one in namespace other (all pods
+//     on testNode).
 type mesh struct {
 	store         *state.Store
 	catalog       *dns.StoreCatalog
@@ -61,7 +65,7 @@ func newMesh() *mesh {
 	gw := &state.NetworkGateway{Network: "n2", Address: testnet.NextAddr(), HBONEPort: 15008}
 	pod := func(name, ns string, a netip.Addr, st state.Status, svcs ...string) *state.Workload {
 		w := &state.Workload{UID: "c1/" + ns + "/" + name, Name: name, Namespace: ns, Addresses: []netip.Addr{a},
-			Network: "n1", Cluster: "c1", Status: st, Protocol: state.TunnelHBONE, Services: map[string]state.PortMap{}}
+			Network: "n1", Cluster: "c1", Node: testNode, Status: st, Protocol: state.TunnelHBONE, Services: map[string]state.PortMap{}}
 		for _, s := range svcs {
 			w.Services[state.ServiceKey("demo", host(s))] = nil
 		}
@@ -83,7 +87,7 @@ func newMesh() *mesh {
 				Services: map[string]state.PortMap{state.ServiceKey("demo", host(s)): nil}})
 		}
 	})
-	m.catalog = &dns.StoreCatalog{Store: m.store, Network: "n1",
+	m.catalog = &dns.StoreCatalog{Store: m.store, Network: "n1", Node: testNode,
 		Attributes: func(s *state.Service) dns.Attributes { return m.attrs[s.Hostname] }}
 	return m
 }
@@ -202,11 +206,15 @@ func exchange(t testing.TB, net_, server string, src netip.Addr, name string, qt
 }
 
 func tryExchange(net_, server string, src netip.Addr, name string, qtype uint16, edns uint16) (*mdns.Msg, error) {
+	return tryExchangeTimeout(net_, server, src, name, qtype, edns, 10*time.Second)
+}
+
+func tryExchangeTimeout(net_, server string, src netip.Addr, name string, qtype uint16, edns uint16, timeout time.Duration) (*mdns.Msg, error) {
 	var local net.Addr = &net.UDPAddr{IP: src.AsSlice()}
 	if net_ == "tcp" {
 		local = &net.TCPAddr{IP: src.AsSlice()}
 	}
-	c := &mdns.Client{Net: net_, Timeout: 10 * time.Second, Dialer: &net.Dialer{LocalAddr: local, Timeout: 10 * time.Second}}
+	c := &mdns.Client{Net: net_, Timeout: timeout, Dialer: &net.Dialer{LocalAddr: local, Timeout: timeout}}
 	m := new(mdns.Msg)
 	m.SetQuestion(name, qtype)
 	if edns > 0 {

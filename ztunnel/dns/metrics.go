@@ -23,10 +23,15 @@ const (
 
 var kinds = []Kind{KindMesh, KindForwarded, KindNXDomain, KindServFail, KindFormErr}
 
+// RefusedUnknownClient is the one reason of isthmus_dns_refused_total: the
+// source is not a client this server answers (Deps.Client said no).
+const RefusedUnknownClient = "unknown_client"
+
 // Metrics counts DNS queries by answer kind and times upstream exchanges.
 // Methods are safe for concurrent use.
 type Metrics struct {
 	queries  *prometheus.CounterVec
+	refused  *prometheus.CounterVec
 	upstream prometheus.Histogram
 }
 
@@ -38,6 +43,10 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "isthmus_dns_queries_total",
 			Help: "DNS queries answered by ztunnel's DNS proxy, by answer kind (mesh, forwarded, nxdomain, servfail, formerr).",
 		}, []string{"kind"}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "isthmus_dns_refused_total",
+			Help: "DNS queries dropped unanswered, by reason (unknown_client: not a client of this DNS proxy).",
+		}, []string{"reason"}),
 		upstream: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "isthmus_dns_upstream_duration_seconds",
 			Help:    "Duration of forwarded DNS exchanges, TCP retries included.",
@@ -47,8 +56,9 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	for _, k := range kinds {
 		m.queries.WithLabelValues(string(k)) // export zeros
 	}
+	m.refused.WithLabelValues(RefusedUnknownClient)
 	if reg != nil {
-		for _, c := range []prometheus.Collector{m.queries, m.upstream} {
+		for _, c := range []prometheus.Collector{m.queries, m.refused, m.upstream} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}
@@ -58,3 +68,5 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 }
 
 func (m *Metrics) count(k Kind) { m.queries.WithLabelValues(string(k)).Inc() }
+
+func (m *Metrics) refuse(reason string) { m.refused.WithLabelValues(reason).Inc() }

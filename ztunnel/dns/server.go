@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"sync"
+	"time"
 
 	mdns "github.com/miekg/dns"
 )
@@ -65,17 +67,62 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		return a
 	}
 	invalid := func([]byte, error) { m.count(KindFormErr) }
+	decorate := func(r mdns.Reader) mdns.Reader { return &filter{Reader: r, admit: s.h.admit} }
 	for _, pc := range deps.PacketConns {
 		s.servers = append(s.servers, &mdns.Server{PacketConn: pc, Handler: s.h, UDPSize: int(cfg.UDPSize),
-			MsgAcceptFunc: accept, MsgInvalidFunc: invalid})
+			MsgAcceptFunc: accept, MsgInvalidFunc: invalid, DecorateReader: decorate})
 		s.conns = append(s.conns, pc)
 	}
 	for _, ln := range deps.Listeners {
 		s.servers = append(s.servers, &mdns.Server{Listener: ln, Handler: s.h,
-			MsgAcceptFunc: accept, MsgInvalidFunc: invalid})
+			MsgAcceptFunc: accept, MsgInvalidFunc: invalid, DecorateReader: decorate})
 		s.conns = append(s.conns, ln)
 	}
 	return s, nil
+}
+
+// errStranger ends a TCP connection from a source that is no client.
+var errStranger = errors.New("dns: not a client of this server")
+
+// filter drops what strangers send before miekg's server reads it as DNS:
+// they get no answer at all (not even FORMERR), and nothing is forwarded
+// for them: the proxy is no open resolver, nor a reflector.
+type filter struct {
+	mdns.Reader
+	admit func(net.Addr) bool
+}
+
+// ReadTCP implements mdns.Reader: a stranger's connection is closed unread.
+func (f *filter) ReadTCP(conn net.Conn, timeout time.Duration) ([]byte, error) {
+	if !f.admit(conn.RemoteAddr()) {
+		return nil, errStranger
+	}
+	return f.Reader.ReadTCP(conn, timeout)
+}
+
+// ReadUDP implements mdns.Reader: strangers' datagrams are skipped.
+func (f *filter) ReadUDP(conn *net.UDPConn, timeout time.Duration) ([]byte, *mdns.SessionUDP, error) {
+	for {
+		m, s, err := f.Reader.ReadUDP(conn, timeout)
+		if err != nil || f.admit(s.RemoteAddr()) {
+			return m, s, err
+		}
+	}
+}
+
+// ReadPacketConn implements mdns.PacketConnReader (packet connections other
+// than *net.UDPConn) like ReadUDP.
+func (f *filter) ReadPacketConn(conn net.PacketConn, timeout time.Duration) ([]byte, net.Addr, error) {
+	pr, ok := f.Reader.(mdns.PacketConnReader)
+	if !ok {
+		return nil, nil, errors.New("dns: reader cannot read packet connections")
+	}
+	for {
+		m, a, err := pr.ReadPacketConn(conn, timeout)
+		if err != nil || f.admit(a) {
+			return m, a, err
+		}
+	}
 }
 
 // Run serves until ctx ends or Close is called, then stops every listener

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/isthmus-mesh/isthmus/ztunnel/dns"
+	"github.com/isthmus-mesh/isthmus/ztunnel/internal/testnet"
 	"github.com/isthmus-mesh/isthmus/ztunnel/state"
 )
 
@@ -159,15 +160,71 @@ func TestForwarding(t *testing.T) {
 	require.Equal(t, []netip.Addr{extAddr}, addrs(t, r, 1234))
 	require.Equal(t, int64(1), up.tcp.Load(), "a TCP query is forwarded over TCP")
 
-	// A single label that is no service of the client's namespace, and a
-	// single label from an unknown client, are forwarded.
-	unknown := netip.MustParseAddr("127.0.0.1")
+	// A single label that is no service of the client's namespace is
+	// forwarded.
 	r = exchange(t, "udp", p.addr, m.client, "nosuch.", mdns.TypeA, 0)
 	require.Equal(t, mdns.RcodeNameError, r.Rcode)
-	r = exchange(t, "udp", p.addr, unknown, "echo.", mdns.TypeA, 0)
-	require.Equal(t, mdns.RcodeNameError, r.Rcode, "an unknown client has no search path")
-	require.Equal(t, int64(3), up.udp.Load())
-	require.Equal(t, float64(4), count(t, p, dns.KindForwarded))
+	require.Equal(t, int64(2), up.udp.Load())
+	require.Equal(t, float64(3), count(t, p, dns.KindForwarded))
+}
+
+func refusedCount(t *testing.T, p *proxy) float64 {
+	t.Helper()
+	mfs, err := p.reg.Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		if mf.GetName() != "isthmus_dns_refused_total" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			if m.GetLabel()[0].GetValue() == dns.RefusedUnknownClient {
+				return m.GetCounter().GetValue()
+			}
+		}
+	}
+	return 0
+}
+
+// TestStrangersGetNoAnswer: a node's DNS proxy answers only the node's
+// pods. An address the mesh does not know, a pod of another node and a
+// hostNetwork workload (the node's address) ask, over UDP and TCP, for a
+// mesh name, an external name (which an open resolver would forward and
+// reflect) and with a malformed query: none gets any answer (the client
+// times out), nothing reaches the upstream, and each is counted.
+func TestStrangersGetNoAnswer(t *testing.T) {
+	m, up := newMesh(), startUpstream(t)
+	elsewhere, host := testnet.NextAddr(), testnet.NextAddr()
+	m.store.Update(func(tx *state.Tx) {
+		tx.UpsertWorkload(&state.Workload{UID: "c1/demo/elsewhere", Name: "elsewhere", Namespace: "demo",
+			Addresses: []netip.Addr{elsewhere}, Network: "n1", Cluster: "c1", Node: "node-2", Status: state.StatusReady})
+		tx.UpsertWorkload(&state.Workload{UID: "c1/kube-system/host", Name: "host", Namespace: "kube-system",
+			Addresses: []netip.Addr{host}, Network: "n1", Cluster: "c1", Node: testNode, HostNetwork: true, Status: state.StatusReady})
+	})
+	p := startProxy(t, dns.Config{Upstreams: []string{up.addr}}, meshDeps(m))
+	refused := 0.0
+	for _, src := range []netip.Addr{testnet.NextAddr(), elsewhere, host} {
+		for _, proto := range []string{"udp", "tcp"} {
+			for _, name := range []string{"echo.demo.svc.cluster.local.", "ext.example."} {
+				_, err := tryExchangeTimeout(proto, p.addr, src, name, mdns.TypeA, 1232, 300*time.Millisecond)
+				require.Error(t, err, "%s asked %s over %s", src, name, proto)
+				refused++
+			}
+		}
+		c, err := (&net.Dialer{LocalAddr: &net.UDPAddr{IP: src.AsSlice()}}).Dial("udp", p.addr)
+		require.NoError(t, err)
+		_, err = c.Write([]byte{0x12, 0x34, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0, 5, 'e', 'c'})
+		require.NoError(t, err)
+		require.NoError(t, c.SetReadDeadline(time.Now().Add(300*time.Millisecond)))
+		_, err = c.Read(make([]byte, 512))
+		require.ErrorIs(t, err, os.ErrDeadlineExceeded, "not even FORMERR for %s", src)
+		c.Close()
+		refused++
+	}
+	require.Equal(t, int64(0), up.udp.Load()+up.tcp.Load(), "nothing forwarded for strangers")
+	require.Equal(t, refused, refusedCount(t, p))
+	require.Equal(t, float64(0), count(t, p, dns.KindFormErr))
+	r := exchange(t, "udp", p.addr, m.client, "echo.demo.svc.cluster.local.", mdns.TypeA, 0)
+	require.Equal(t, []netip.Addr{echoVIP}, addrs(t, r, 30), "the node's pods are answered")
 }
 
 // TestTruncation proves a truncated UDP answer from the upstream is asked
@@ -216,7 +273,7 @@ func TestUpstreamFailure(t *testing.T) {
 func TestMalformed(t *testing.T) {
 	m, up := newMesh(), startUpstream(t)
 	p := startProxy(t, dns.Config{Upstreams: []string{up.addr}}, meshDeps(m))
-	c, err := net.Dial("udp", p.addr)
+	c, err := (&net.Dialer{LocalAddr: &net.UDPAddr{IP: m.client.AsSlice()}}).Dial("udp", p.addr)
 	require.NoError(t, err)
 	defer c.Close()
 	send := func(b []byte) *mdns.Msg {
@@ -315,7 +372,7 @@ func TestLifecycle(t *testing.T) {
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
 		require.NoError(t, err)
 		s, err := dns.New(dns.Config{Upstreams: []string{"127.0.0.1:53"}},
-			dns.Deps{Catalog: m.catalog, PacketConns: []net.PacketConn{pc}, Listeners: []net.Listener{ln}})
+			dns.Deps{Catalog: m.catalog, Client: m.catalog.ClientFor, PacketConns: []net.PacketConn{pc}, Listeners: []net.Listener{ln}})
 		require.NoError(t, err)
 		return s
 	}
@@ -343,6 +400,7 @@ func TestLifecycle(t *testing.T) {
 
 	_, err := dns.New(dns.Config{Upstreams: []string{"not-an-ip"}}, dns.Deps{})
 	require.ErrorContains(t, err, "Catalog is required")
+	require.ErrorContains(t, err, "Client is required")
 	require.ErrorContains(t, err, "not an IP address")
 	require.ErrorContains(t, err, "nothing to serve")
 	_, err = dns.New(dns.Config{ResolvConf: "/nonexistent/resolv.conf"}, dns.Deps{})

@@ -108,9 +108,10 @@ type Config struct {
 	// --loopback mode).
 	InPodSocket string
 	// DNSListen serves the DNS proxy on a node address (UDP and TCP), for
-	// clients identified by their address; Disabled turns it off (the
-	// default). In-pod DNS (15053 inside each enrolled pod) is on unless
-	// DisablePodDNS.
+	// clients identified by their address: the node's pods only, nobody
+	// else gets an answer; Disabled turns it off (the default). In-pod DNS
+	// (15053 on loopback inside each enrolled pod, answering that pod only)
+	// is on unless DisablePodDNS.
 	DNSListen     string
 	DisablePodDNS bool
 	// DNSUpstreams are the resolvers the DNS proxy forwards other names to

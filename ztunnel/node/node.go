@@ -58,6 +58,7 @@ type Node struct {
 	out   *proxy.Outbound // node mode
 	gw    *proxy.Gateway  // gateway mode
 	authz *authz.Enforcer // node mode, unless Config.NoAuthorization
+	self  *proxy.Self     // the node namespace's listeners and addresses
 
 	pods  *podproxy.Manager // node mode with InPodSocket
 	inpod *inpod.Client
@@ -166,7 +167,10 @@ func (n *Node) buildProxies() error {
 		return fmt.Errorf("ztunnel metrics: %w", err)
 	}
 	pcfg := proxy.Config{Node: n.cfg.NodeName, HBONEPort: n.cfg.HBONEPort, NodeIPs: n.cfg.NodeIPs}
-	pdeps := proxy.Deps{Store: n.store, Certs: n.certs, Metrics: m, Log: n.log, Listen: n.deps.Listen}
+	// One Self for the node's namespace: every proxy knows every listener
+	// (and the node's addresses) as ztunnel, never to be dialled.
+	n.self = proxy.NewSelf(proxy.SelfConfig{NodeIPs: n.cfg.NodeIPs})
+	pdeps := proxy.Deps{Store: n.store, Certs: n.certs, Metrics: m, Log: n.log, Listen: n.deps.Listen, Self: n.self}
 	if n.authz != nil {
 		pdeps.Authorizer = n.authz
 	}
@@ -360,9 +364,7 @@ func (n *Node) serveHTTP(g *errgroup.Group, lns *listeners) []*http.Server {
 		if ln == nil {
 			return
 		}
-		if n.out != nil {
-			n.out.AddSelf(ln.Addr())
-		}
+		n.self.Add(ln.Addr())
 		srv := &http.Server{Handler: h, ErrorLog: slog.NewLogLogger(n.log.Handler(), slog.LevelWarn),
 			ReadHeaderTimeout: n.cfg.HTTPReadHeaderTimeout, IdleTimeout: n.cfg.HTTPIdleTimeout, MaxHeaderBytes: 64 << 10}
 		servers = append(servers, srv)
@@ -465,9 +467,11 @@ func (n *Node) Close() error {
 }
 
 // serveNodeDNS serves the DNS proxy on the node address listeners, for
-// clients identified by their address.
+// clients identified by their address: the node's pods, and nobody else.
 func (n *Node) serveNodeDNS(ctx context.Context, g *errgroup.Group, lns *listeners) error {
-	cat := &dns.StoreCatalog{Store: n.store, Domain: n.cfg.DNSDomain, Network: n.cfg.Network}
+	// Only this node's pods are clients (ClientFor): anyone else who
+	// reaches the node address gets no answer, nothing forwarded.
+	cat := &dns.StoreCatalog{Store: n.store, Domain: n.cfg.DNSDomain, Network: n.cfg.Network, Node: n.cfg.NodeName}
 	srv, err := dns.New(dns.Config{Domain: n.cfg.DNSDomain, Upstreams: n.cfg.DNSUpstreams}, dns.Deps{
 		Catalog: cat, Client: cat.ClientFor, Ready: n.xds.HasSynced,
 		PacketConns: []net.PacketConn{lns.dnsUDP}, Listeners: []net.Listener{lns.dnsTCP},
@@ -476,6 +480,8 @@ func (n *Node) serveNodeDNS(ctx context.Context, g *errgroup.Group, lns *listene
 	if err != nil {
 		return fmt.Errorf("dns on %s: %w", n.cfg.DNSListen, err)
 	}
+	n.self.Add(lns.dnsTCP.Addr())
+	n.self.Add(lns.dnsUDP.LocalAddr())
 	lns.dnsTCP, lns.dnsUDP = nil, nil // the DNS server owns them now
 	g.Go(func() error { return srv.Run(ctx) })
 	return nil

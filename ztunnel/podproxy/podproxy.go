@@ -1,8 +1,13 @@
 // Package podproxy serves every enrolled pod from inside its own network
 // namespace. For each pod the CNI node agent hands over (through
 // ztunnel/inpod), it opens the pod's listeners in the pod's namespace —
-// 15001 outbound capture, 15006 inbound plaintext, 15008 HBONE, 15053 DNS
-// (UDP and TCP) — and serves them with the node's proxies. Connections
+// 15001 outbound capture, 15006 inbound plaintext, 15008 HBONE (on the
+// wildcard address, where the pod's rules redirect) and 15053 DNS (UDP and
+// TCP, on loopback only: 127.0.0.1 and [::1]) — and serves them with the
+// node's proxies. None of those listeners is ever a destination: each
+// pod's proxies share a proxy.Self that refuses ztunnel's ports on the
+// pod's own addresses on every dial path. The DNS proxy answers only the
+// pod itself. Connections
 // ztunnel makes for the pod (outbound tunnels, inbound to the application)
 // leave from inside the pod's namespace with ztunnel's socket mark, so the
 // pod's rules let them through. The pod's identity comes from its
@@ -241,7 +246,9 @@ func (m *Manager) Close() error {
 }
 
 // listen opens a TCP listener on port inside ns: on every address (IPv6
-// and IPv4), or IPv4 only where the namespace has no IPv6.
+// and IPv4), or IPv4 only where the namespace has no IPv6. For 15001,
+// 15006 and 15008: the pod's rules redirect inbound connections to the
+// pod's address on the interface they arrived on.
 func listen(ns *os.File, port uint16) (net.Listener, error) {
 	ln, err := netns.Listen(context.Background(), ns, "tcp", netip.AddrPortFrom(netip.IPv6Unspecified(), port).String(), nil)
 	if err != nil {
@@ -250,12 +257,44 @@ func listen(ns *os.File, port uint16) (net.Listener, error) {
 	return ln, err
 }
 
-func listenPacket(ns *os.File, port uint16) (net.PacketConn, error) {
-	pc, err := netns.ListenPacket(context.Background(), ns, "udp", netip.AddrPortFrom(netip.IPv6Unspecified(), port).String(), nil)
-	if err != nil {
-		pc, err = netns.ListenPacket(context.Background(), ns, "udp4", netip.AddrPortFrom(netip.IPv4Unspecified(), port).String(), nil)
+// listenLoopback opens the DNS listeners on port inside ns, on loopback
+// only: UDP and TCP on 127.0.0.1 and, where the namespace has IPv6, [::1].
+// The pod's rules redirect its DNS there (nat output "redirect" sends to
+// the loopback address of the packet's family); nothing outside the pod
+// can reach them.
+func listenLoopback(ns *os.File, port uint16) (pcs []net.PacketConn, lns []net.Listener, err error) {
+	defer func() {
+		if err != nil {
+			for _, pc := range pcs {
+				pc.Close()
+			}
+			for _, ln := range lns {
+				ln.Close()
+			}
+		}
+	}()
+	ctx := context.Background()
+	for i, lo := range []netip.Addr{netip.AddrFrom4([4]byte{127, 0, 0, 1}), netip.IPv6Loopback()} {
+		udp, tcp := "udp4", "tcp4"
+		if lo.Is6() {
+			udp, tcp = "udp6", "tcp6"
+		}
+		addr := netip.AddrPortFrom(lo, port).String()
+		pc, perr := netns.ListenPacket(ctx, ns, udp, addr, nil)
+		if perr != nil {
+			if i > 0 { // no IPv6 in the pod
+				break
+			}
+			return pcs, lns, fmt.Errorf("listen on udp %s in the pod: %w", addr, perr)
+		}
+		pcs = append(pcs, pc)
+		ln, lerr := netns.Listen(ctx, ns, tcp, addr, nil)
+		if lerr != nil {
+			return pcs, lns, fmt.Errorf("listen on tcp %s in the pod: %w", addr, lerr)
+		}
+		lns = append(lns, ln)
 	}
-	return pc, err
+	return pcs, lns, nil
 }
 
 // start opens p's listeners in ns and serves them.
@@ -278,7 +317,7 @@ func (m *Manager) start(info inpod.Pod, ns *os.File, id netns.ID) (_ *pod, err e
 		}
 	}()
 	deps := proxy.Deps{Store: m.deps.Store, Certs: m.deps.Certs, Metrics: m.deps.Metrics, Authorizer: m.deps.Authorizer,
-		Log: m.log.With("pod", info.Namespace+"/"+info.Name),
+		Log: m.log.With("pod", info.Namespace+"/"+info.Name), Self: m.self(p),
 		// Every connection made for the pod leaves from its namespace,
 		// marked so that its rules do not capture it again.
 		Dialer: &netns.Dialer{NetNS: ns, Mark: m.cfg.Mark}}
@@ -331,31 +370,61 @@ func (m *Manager) start(info inpod.Pod, ns *os.File, id netns.ID) (_ *pod, err e
 	return p, nil
 }
 
-// dnsServer makes the pod's DNS proxy on UDP and TCP DNSPort in ns; the
-// client of every query is the pod.
-func (m *Manager) dnsServer(p *pod, ns *os.File) (*dns.Server, error) {
-	pc, err := listenPacket(ns, m.cfg.DNSPort)
-	if err != nil {
-		return nil, fmt.Errorf("listen on udp %d in the pod: %w", m.cfg.DNSPort, err)
+// self returns what is ztunnel inside p's namespace: ztunnel's in-pod
+// ports on the pod's own addresses (those of its enrolment and those xDS
+// gives its workload) and on loopback, and the node's addresses. The pod's
+// proxies check every dial against it: a connection sent to one of those
+// ports would otherwise be dialled again from inside the pod, arrive at
+// ztunnel's listener once more, and loop.
+func (m *Manager) self(p *pod) *proxy.Self {
+	return proxy.NewSelf(proxy.SelfConfig{
+		NodeIPs:   m.cfg.Proxy.NodeIPs,
+		Local:     func(a netip.Addr) bool { return m.ownAddr(p, a) },
+		Ports:     []uint16{m.cfg.OutboundPort, m.cfg.InboundPlaintextPort, m.cfg.Proxy.HBONEPort, m.cfg.DNSPort},
+		HBONEPort: m.cfg.Proxy.HBONEPort,
+	})
+}
+
+// ownAddr reports whether a is one of p's own addresses.
+func (m *Manager) ownAddr(p *pod, a netip.Addr) bool {
+	a = a.Unmap()
+	if slices.Contains(p.info.IPs, a) {
+		return true
 	}
-	ln, err := listen(ns, m.cfg.DNSPort)
+	w, ok := m.deps.Store.Load().Workload(p.uid)
+	return ok && slices.Contains(w.Addresses, a)
+}
+
+// dnsServer makes the pod's DNS proxy on UDP and TCP DNSPort on the pod's
+// loopback addresses in ns; the client of every query is the pod. A query
+// from any other source (which the loopback listeners should never see) is
+// dropped unanswered: the pod's own queries, redirected there, come from
+// loopback or from the pod's own address (a redirect in the output hook
+// keeps the source the pod's routing chose).
+func (m *Manager) dnsServer(p *pod, ns *os.File) (*dns.Server, error) {
+	pcs, lns, err := listenLoopback(ns, m.cfg.DNSPort)
 	if err != nil {
-		pc.Close()
-		return nil, fmt.Errorf("listen on tcp %d in the pod: %w", m.cfg.DNSPort, err)
+		return nil, err
 	}
 	client := dns.Client{Namespace: p.info.Namespace, Network: m.cfg.Network}
 	srv, err := dns.New(m.cfg.DNS, dns.Deps{
-		Catalog:     &dns.StoreCatalog{Store: m.deps.Store, Domain: m.cfg.DNS.Domain, Network: m.cfg.Network},
-		Client:      func(netip.Addr) (dns.Client, bool) { return client, true },
+		Catalog: &dns.StoreCatalog{Store: m.deps.Store, Domain: m.cfg.DNS.Domain, Network: m.cfg.Network},
+		Client: func(src netip.Addr) (dns.Client, bool) {
+			return client, src.IsLoopback() || m.ownAddr(p, src)
+		},
 		Ready:       m.deps.Ready,
-		PacketConns: []net.PacketConn{pc},
-		Listeners:   []net.Listener{ln},
+		PacketConns: pcs,
+		Listeners:   lns,
 		Metrics:     m.deps.DNSMetrics,
 		Log:         m.log,
 	})
 	if err != nil {
-		pc.Close()
-		ln.Close()
+		for _, pc := range pcs {
+			pc.Close()
+		}
+		for _, ln := range lns {
+			ln.Close()
+		}
 		return nil, err
 	}
 	return srv, nil

@@ -57,7 +57,7 @@ type Gateway struct {
 // NewGateway returns a Gateway.
 func NewGateway(cfg GatewayConfig, deps Deps, sel state.Selector) (*Gateway, error) {
 	cfg.Config = cfg.Config.withDefaults()
-	deps, err := deps.withDefaults()
+	deps, err := deps.withDefaults(cfg.Config)
 	if err != nil {
 		return nil, err
 	}
@@ -80,7 +80,11 @@ func NewGateway(cfg GatewayConfig, deps Deps, sel state.Selector) (*Gateway, err
 }
 
 // Serve serves outer HBONE on ln until ln or the gateway is closed.
-func (g *Gateway) Serve(ln net.Listener) error { return g.srv.Serve(ln) }
+func (g *Gateway) Serve(ln net.Listener) error {
+	g.deps.Self.AddHBONE(ln.Addr())
+	defer g.deps.Self.Remove(ln.Addr())
+	return g.srv.Serve(ln)
+}
 
 // Close stops the gateway and waits for its connections; idempotent.
 func (g *Gateway) Close() error { return g.srv.Close() }
@@ -154,6 +158,9 @@ func (g *Gateway) dial(ctx context.Context, cands []state.Endpoint) (net.Conn, s
 	i, c, err := race(ctx, len(cands), g.cfg.AttemptDelay, g.cfg.DialTimeout,
 		func(actx context.Context, i int) (net.Conn, error) {
 			addr := netip.AddrPortFrom(cands[i].Workload.Addresses[0], g.cfg.HBONEPort)
+			if err := g.deps.Self.CheckTunnel(addr); err != nil {
+				return nil, err
+			}
 			c, err := g.deps.Dialer.DialContext(actx, "tcp", addr.String())
 			if err != nil {
 				return nil, fmt.Errorf("dial %s: %w", addr, err)

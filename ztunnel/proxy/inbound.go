@@ -51,6 +51,10 @@ type Deps struct {
 	Authorizer Authorizer
 	// Now is the clock (endpoint ejections); time.Now by default.
 	Now func() time.Time
+	// Self is what is ztunnel itself, never dialled (see Self): share one
+	// between the proxies of a namespace so that each knows the others'
+	// listeners. Nil: a Self of the proxy's own, knowing Config.NodeIPs.
+	Self *Self
 }
 
 // Resolver looks up the addresses of a DNS name.
@@ -58,9 +62,12 @@ type Resolver interface {
 	LookupNetIP(ctx context.Context, network, host string) ([]netip.Addr, error)
 }
 
-func (d Deps) withDefaults() (Deps, error) {
+func (d Deps) withDefaults(cfg Config) (Deps, error) {
 	if d.Store == nil || d.Certs == nil {
 		return d, errors.New("proxy: Store and Certs are required")
+	}
+	if d.Self == nil {
+		d.Self = NewSelf(SelfConfig{NodeIPs: cfg.NodeIPs})
 	}
 	if d.Log == nil {
 		d.Log = slog.New(slog.DiscardHandler)
@@ -105,7 +112,7 @@ type Inbound struct {
 // NewInbound returns an Inbound.
 func NewInbound(cfg Config, deps Deps) (*Inbound, error) {
 	cfg = cfg.withDefaults()
-	deps, err := deps.withDefaults()
+	deps, err := deps.withDefaults(cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -136,7 +143,11 @@ func NewPodInbound(cfg Config, deps Deps, uid string) (*Inbound, error) {
 
 // Serve serves HBONE on ln (an enrolled pod's 15008) until ln or the
 // Inbound is closed.
-func (in *Inbound) Serve(ln net.Listener) error { return in.srv.Serve(ln) }
+func (in *Inbound) Serve(ln net.Listener) error {
+	in.deps.Self.AddHBONE(ln.Addr())
+	defer in.deps.Self.Remove(ln.Addr())
+	return in.srv.Serve(ln)
+}
 
 // Ready reports whether the listeners match the state at least once.
 func (in *Inbound) Ready() bool {
@@ -167,6 +178,7 @@ func (in *Inbound) reconcile(snap *state.Snapshot) {
 	defer in.mu.Unlock()
 	for a, ln := range in.lns {
 		if !want[a] {
+			in.deps.Self.Remove(ln.Addr())
 			ln.Close()
 			delete(in.lns, a)
 		}
@@ -182,6 +194,7 @@ func (in *Inbound) reconcile(snap *state.Snapshot) {
 			continue
 		}
 		in.lns[a] = ln
+		in.deps.Self.AddHBONE(ln.Addr())
 		in.wg.Go(func() {
 			if err := in.srv.Serve(ln); err != nil {
 				in.deps.Log.Error("inbound serve ended", "addr", addr, "err", err)
@@ -197,6 +210,7 @@ func (in *Inbound) Close() error {
 		in.srv.Close()
 		in.mu.Lock()
 		for a, ln := range in.lns {
+			in.deps.Self.Remove(ln.Addr())
 			ln.Close()
 			delete(in.lns, a)
 		}
@@ -253,6 +267,12 @@ func (in *Inbound) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstr
 	}
 	if target != req.Local.Addr() {
 		return hbone.Upstream{}, hbone.Refuse(http.StatusMisdirectedRequest, ReasonDestinationMismatch, "connection for %s asked for %s", req.Local.Addr(), target)
+	}
+	if err := in.deps.Self.Check(netip.AddrPortFrom(target, uint16(port))); err != nil {
+		// One of ztunnel's listeners (the pod's 15001, 15006, 15008 or
+		// 15053, a node address): dialling it would bring the connection
+		// back into ztunnel, again and again.
+		return hbone.Upstream{}, hbone.Refuse(http.StatusForbidden, ReasonSelfDestination, "%v", err)
 	}
 	if !tw.ServesPort(uint16(port)) {
 		return hbone.Upstream{}, hbone.Refuse(http.StatusForbidden, ReasonPortNotAllowed, "%s has no port %d", tw.Name, port)

@@ -10,7 +10,6 @@ import (
 	"net/netip"
 	"slices"
 	"strconv"
-	"sync"
 
 	"github.com/isthmus-mesh/isthmus/internal/conntrack"
 	"github.com/isthmus-mesh/isthmus/ztunnel/hbone"
@@ -87,16 +86,13 @@ type Outbound struct {
 	sel    state.Selector
 	t      *conntrack.Tracker
 	ej     *ejections
-
-	selfMu sync.RWMutex
-	self   map[netip.AddrPort]bool // ztunnel's own listeners
 }
 
 // NewOutbound returns an Outbound. sel customises endpoint selection (its
 // zero value is fine).
 func NewOutbound(cfg Config, deps Deps, sel state.Selector) (*Outbound, error) {
 	cfg = cfg.withDefaults()
-	deps, err := deps.withDefaults()
+	deps, err := deps.withDefaults(cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -104,49 +100,15 @@ func NewOutbound(cfg Config, deps Deps, sel state.Selector) (*Outbound, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Outbound{cfg: cfg, deps: deps, client: client, sel: sel, self: map[netip.AddrPort]bool{},
+	return &Outbound{cfg: cfg, deps: deps, client: client, sel: sel,
 		ej: newEjections(cfg.EjectionTime, deps.Now),
 		t:  conntrack.New(conntrack.Limits{MaxConns: cfg.MaxClientConns, MaxPerPeer: cfg.MaxClientConnsPerSource})}, nil
 }
 
-// AddSelf records the address of one of ztunnel's own listeners: Outbound
-// never dials it (the listeners it serves are recorded by themselves).
-func (o *Outbound) AddSelf(addr net.Addr) {
-	ap, ok := hbone.AddrPortOf(addr)
-	if !ok {
-		return
-	}
-	o.selfMu.Lock()
-	o.self[ap] = true
-	o.selfMu.Unlock()
-}
-
-// isSelf reports whether dialling ap would reach this node or ztunnel: a
-// node address, a listener's address, or a loopback address with the port
-// of a listener bound to all addresses.
-func (o *Outbound) isSelf(ap netip.AddrPort) bool {
-	a := ap.Addr().Unmap()
-	if slices.Contains(o.cfg.NodeIPs, a) {
-		return true
-	}
-	o.selfMu.RLock()
-	defer o.selfMu.RUnlock()
-	if o.self[netip.AddrPortFrom(a, ap.Port())] {
-		return true
-	}
-	if a.IsLoopback() || a.IsUnspecified() {
-		return o.self[netip.AddrPortFrom(netip.IPv4Unspecified(), ap.Port())] || o.self[netip.AddrPortFrom(netip.IPv6Unspecified(), ap.Port())]
-	}
-	return false
-}
-
-// checkDial refuses a destination that is this node or ztunnel itself.
-func (o *Outbound) checkDial(ap netip.AddrPort) error {
-	if o.isSelf(ap) {
-		return fmt.Errorf("%w: %s", ErrSelfDestination, ap)
-	}
-	return nil
-}
+// AddSelf records the address of one of ztunnel's own listeners in the
+// Outbound's Self: it is never dialled (the listeners Outbound serves are
+// recorded by themselves).
+func (o *Outbound) AddSelf(addr net.Addr) { o.deps.Self.Add(addr) }
 
 // Client returns the pooled HBONE client (for stats).
 func (o *Outbound) Client() *hbone.Client { return o.client }
@@ -178,7 +140,8 @@ func (o *Outbound) source(c net.Conn) (*state.Workload, error) {
 // serve accepts client connections on ln through the tracker (with its
 // caps, counted when hit) and records ln as one of ztunnel's own.
 func (o *Outbound) serve(ln net.Listener, handle func(net.Conn)) error {
-	o.AddSelf(ln.Addr())
+	o.deps.Self.Add(ln.Addr())
+	defer o.deps.Self.Remove(ln.Addr())
 	return o.t.Serve(ln, handle, func(c net.Conn, err error) {
 		reason := ReasonConnLimit
 		if errors.Is(err, conntrack.ErrPeerLimit) {
@@ -325,10 +288,11 @@ func (o *Outbound) dialEndpoint(ctx context.Context, src *state.Workload, t Targ
 		return nil, labels, fmt.Errorf("%w: workload %s has no address", ErrNoRoute, dst.UID)
 	}
 	addr := netip.AddrPortFrom(dst.Addresses[0], ep.TargetPort)
+	if err := o.deps.Self.Check(addr); err != nil {
+		// Whatever carries it there, the connection would end at ztunnel.
+		return nil, labels, err
+	}
 	if dst.Protocol != state.TunnelHBONE {
-		if err := o.checkDial(addr); err != nil {
-			return nil, labels, err
-		}
 		c, err := o.deps.Dialer.DialContext(ctx, "tcp", addr.String())
 		return c, labels, err
 	}
@@ -337,7 +301,7 @@ func (o *Outbound) dialEndpoint(ctx context.Context, src *state.Workload, t Targ
 		return nil, labels, fmt.Errorf("%w: workload %s", ErrNoPeerIdentity, dst.UID)
 	}
 	hboneAddr := netip.AddrPortFrom(dst.Addresses[0], o.cfg.HBONEPort)
-	if err := o.checkDial(hboneAddr); err != nil {
+	if err := o.deps.Self.CheckTunnel(hboneAddr); err != nil {
 		return nil, labels, err
 	}
 	c, err := o.client.Dial(ctx, hbone.DialRequest{
@@ -407,7 +371,7 @@ func (o *Outbound) dialVia(ctx context.Context, src, dst *state.Workload, gw *st
 		if err != nil {
 			return nil, "", err
 		}
-		if err := o.checkDial(gwAddr); err != nil {
+		if err := o.deps.Self.CheckTunnel(gwAddr); err != nil {
 			return nil, "", err
 		}
 		s, err := o.client.Dial(ctx, hbone.DialRequest{

@@ -49,7 +49,7 @@ type PlaintextInbound struct {
 // workload uid; deps.Dialer reaches the application from inside the pod.
 func NewPlaintextInbound(cfg Config, deps Deps, uid string, policy PlaintextPolicy) (*PlaintextInbound, error) {
 	cfg = cfg.withDefaults()
-	deps, err := deps.withDefaults()
+	deps, err := deps.withDefaults(cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -59,6 +59,8 @@ func NewPlaintextInbound(cfg Config, deps Deps, uid string, policy PlaintextPoli
 
 // Serve serves ln until ln or p is closed.
 func (p *PlaintextInbound) Serve(ln net.Listener) error {
+	p.deps.Self.Add(ln.Addr())
+	defer p.deps.Self.Remove(ln.Addr())
 	return p.t.Serve(ln, p.handle, func(net.Conn, error) {
 		p.deps.Metrics.Refused(metrics.ReporterDestination, ReasonConnLimit)
 	})
@@ -77,6 +79,15 @@ func (p *PlaintextInbound) handle(c net.Conn) {
 	w, known := p.deps.Store.Load().Workload(p.pod)
 	if err != nil || !ok || !known || !slices.Contains(w.Addresses, dst.Addr()) {
 		p.deps.Metrics.Refused(metrics.ReporterDestination, ReasonUnknownDestination)
+		return
+	}
+	if err := p.deps.Self.Check(dst); err != nil {
+		// Sent to one of ztunnel's in-pod ports (arriving redirected, with
+		// that as its original destination): dialling it from inside the
+		// pod would bring the connection back into ztunnel, again and
+		// again.
+		p.deps.Metrics.Refused(metrics.ReporterDestination, ReasonSelfDestination)
+		p.deps.Log.Debug("plaintext inbound to ztunnel itself refused", "pod", p.pod, "dst", dst)
 		return
 	}
 	var upMu sync.Mutex
