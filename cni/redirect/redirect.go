@@ -11,6 +11,7 @@ import (
 	"slices"
 
 	"github.com/google/nftables"
+	"github.com/google/nftables/binaryutil"
 	"github.com/google/nftables/expr"
 	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"golang.org/x/sys/unix"
@@ -51,8 +52,28 @@ const (
 	NodeTable = "isthmus-node"
 )
 
+// MaxCgroupLevel is the deepest cgroup v2 level (below the agent's cgroup
+// namespace root) at which the pod rules look for ztunnel's cgroup: one
+// rule per level 0..MaxCgroupLevel.
+const MaxCgroupLevel = 16
+
+// ztunnelSet is the pod table's set of ztunnel cgroup ids.
+const ztunnelSet = "ztunnels"
+
 // Options shape the pod rules.
 type Options struct {
+	// ZtunnelCgroups are the cgroup v2 ids (the inode numbers of the
+	// cgroup directories) of the ztunnels serving the node. A socket is
+	// left uncaptured only when it carries Mark AND was opened by a
+	// process of one of these cgroups (or below). Empty, and MarkOnly
+	// false: no socket is exempt (no ztunnel is known; captured traffic
+	// fails closed).
+	ZtunnelCgroups []uint64
+	// MarkOnly exempts every socket carrying Mark, whatever its cgroup:
+	// for a ztunnel that reports no cgroup (Istio's, or a cgroup v1-only
+	// node). Any process with CAP_NET_RAW can set that mark, so capture
+	// can then be left from inside the pod.
+	MarkOnly bool
 	// RedirectDNS sends the pod's UDP and TCP port 53 to DNSPort. Off until
 	// ztunnel serves DNS.
 	RedirectDNS bool
@@ -81,6 +102,16 @@ func Apply(ns *os.File, opts Options) error {
 		return fmt.Errorf("redirect: nftables in %s: %w", nsName(ns), err)
 	}
 	t := replaceTable(c, PodTable)
+	if !opts.MarkOnly && len(opts.ZtunnelCgroups) > 0 {
+		set := &nftables.Set{Table: t, Name: ztunnelSet, KeyType: nftables.TypeCGroupV2}
+		var elems []nftables.SetElement
+		for _, id := range opts.ZtunnelCgroups {
+			elems = append(elems, nftables.SetElement{Key: binaryutil.NativeEndian.PutUint64(id)})
+		}
+		if err := c.AddSet(set, elems); err != nil {
+			return fmt.Errorf("redirect: set %s: %w", ztunnelSet, err)
+		}
+	}
 	pre := c.AddChain(&nftables.Chain{Name: "prerouting", Table: t, Type: nftables.ChainTypeNAT,
 		Hooknum: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityNATDest})
 	out := c.AddChain(&nftables.Chain{Name: "output", Table: t, Type: nftables.ChainTypeNAT,
@@ -122,10 +153,19 @@ func inboundRules() [][]expr.Any {
 }
 
 func outboundRules(opts Options) [][]expr.Any {
-	rules := [][]expr.Any{
-		append(markEq(Mark, MarkMask), ret()),
-		append(ifIndex(false, loopbackIndex), ret()),
+	var rules [][]expr.Any
+	switch {
+	case opts.MarkOnly:
+		rules = append(rules, append(markEq(Mark, MarkMask), ret()))
+	case len(opts.ZtunnelCgroups) > 0:
+		// The level of a socket's cgroup is unknown (ztunnel runs in a
+		// container, in its own cgroup namespace); cgroup ids are unique,
+		// so "ztunnel's id at some level" is "in ztunnel's subtree".
+		for level := uint32(0); level <= MaxCgroupLevel; level++ {
+			rules = append(rules, concat(markEq(Mark, MarkMask), socketCgroupIn(level, ztunnelSet), []expr.Any{ret()}))
+		}
 	}
+	rules = append(rules, append(ifIndex(false, loopbackIndex), ret()))
 	for _, p := range opts.ExcludeDestinations {
 		rules = append(rules, append(addrIn(false, p), ret()))
 	}
