@@ -46,10 +46,12 @@ var (
 	ProbeAddr6 = netip.MustParseAddr("fd16:9254:7127:1337:ffff:ffff:ffff:ffff")
 )
 
-// Table names (family inet) owned by this package.
+// Table names owned by this package: family inet, but NodeBridgeTable
+// (family bridge).
 const (
-	PodTable  = "isthmus-inpod"
-	NodeTable = "isthmus-node"
+	PodTable        = "isthmus-inpod"
+	NodeTable       = "isthmus-node"
+	NodeBridgeTable = "isthmus-node-bridge"
 )
 
 // MaxCgroupLevel is the deepest cgroup v2 level (below the agent's cgroup
@@ -217,11 +219,15 @@ func ExpectedRules(opts Options) int {
 }
 
 func hasTable(ns *os.File, name string) (bool, error) {
+	return hasTableOf(ns, nftables.TableFamilyINet, name)
+}
+
+func hasTableOf(ns *os.File, family nftables.TableFamily, name string) (bool, error) {
 	c, err := conn(ns)
 	if err != nil {
 		return false, fmt.Errorf("redirect: nftables in %s: %w", nsName(ns), err)
 	}
-	tables, err := c.ListTablesOfFamily(nftables.TableFamilyINet)
+	tables, err := c.ListTablesOfFamily(family)
 	runtime.KeepAlive(ns)
 	if err != nil {
 		return false, fmt.Errorf("redirect: list tables in %s: %w", nsName(ns), err)
@@ -230,7 +236,11 @@ func hasTable(ns *os.File, name string) (bool, error) {
 }
 
 func removeTable(ns *os.File, name string) error {
-	ok, err := hasTable(ns, name)
+	return removeTableOf(ns, nftables.TableFamilyINet, name)
+}
+
+func removeTableOf(ns *os.File, family nftables.TableFamily, name string) error {
+	ok, err := hasTableOf(ns, family, name)
 	if err != nil || !ok {
 		return err
 	}
@@ -238,7 +248,7 @@ func removeTable(ns *os.File, name string) error {
 	if err != nil {
 		return err
 	}
-	c.DelTable(inetTable(name))
+	c.DelTable(&nftables.Table{Name: name, Family: family})
 	err = c.Flush()
 	runtime.KeepAlive(ns)
 	if err != nil && !errors.Is(err, unix.ENOENT) {
