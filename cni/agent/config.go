@@ -51,8 +51,12 @@ type Config struct {
 	// PluginSocket is where the agent serves the plugin, a path the same
 	// on the node and in the agent (the plugin runs on the node).
 	PluginSocket string
-	// ZtunnelSocket is where the agent serves ztunnel (cni/zds).
+	// ZtunnelSocket is where the agent serves ztunnel (cni/zds), mode
+	// 0600.
 	ZtunnelSocket string
+	// ZtunnelUIDs may connect to ZtunnelSocket besides the agent's own uid
+	// (a ztunnel running as another user); every other peer is refused.
+	ZtunnelUIDs []uint32
 	// PluginTimeout is written into the conflist entry: the plugin's bound
 	// on its exchange with the agent.
 	PluginTimeout time.Duration

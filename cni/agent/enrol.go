@@ -39,7 +39,8 @@ const (
 )
 
 func (a *Agent) redirectOptions() redirect.Options {
-	return redirect.Options{RedirectDNS: a.cfg.RedirectDNS, ExcludeDestinations: a.excluded}
+	return redirect.Options{RedirectDNS: a.cfg.RedirectDNS, ExcludeDestinations: a.excluded,
+		ZtunnelCgroups: a.capture.Cgroups, MarkOnly: a.capture.MarkOnly}
 }
 
 // enrol captures the pod's traffic and hands it to ztunnel. It owns ns: it

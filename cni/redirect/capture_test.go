@@ -193,6 +193,10 @@ func TestCaptureCannotBeLeftByAMark(t *testing.T) {
 	app := newCgroup(t, root, "app-pod")
 
 	require.NoError(t, redirect.Apply(tp.p, redirect.Options{ZtunnelCgroups: []uint64{zt.id}}))
+	cgroups, markOnly, err := redirect.Exemption(tp.p)
+	require.NoError(t, err)
+	require.Equal(t, []uint64{zt.id}, cgroups)
+	require.False(t, markOnly)
 	out := serve(t, tp.p, "[::]:15001", "outbound")
 	qApp := serve(t, tp.q, "[::]:80", "q-app")
 
@@ -228,11 +232,19 @@ func TestCaptureCannotBeLeftByAMark(t *testing.T) {
 	})
 	t.Run("no ztunnel known: no socket is exempt", func(t *testing.T) {
 		require.NoError(t, redirect.Apply(tp.p, redirect.Options{}))
+		cgroups, markOnly, err := redirect.Exemption(tp.p)
+		require.NoError(t, err)
+		require.Empty(t, cgroups)
+		require.False(t, markOnly)
 		require.Equal(t, "outbound", dialAs(t, tp.p, zt, ap(tp.q4, 80), redirect.Mark, false))
 		out.next(t)
 	})
 	t.Run("mark-only (a ztunnel without a cgroup id): the mark alone is enough, as it was", func(t *testing.T) {
 		require.NoError(t, redirect.Apply(tp.p, redirect.Options{MarkOnly: true}))
+		cgroups, markOnly, err := redirect.Exemption(tp.p)
+		require.NoError(t, err)
+		require.Empty(t, cgroups)
+		require.True(t, markOnly)
 		require.Equal(t, "q-app", dialAs(t, tp.p, app, ap(tp.q4, 80), redirect.Mark, true))
 		qApp.next(t)
 	})

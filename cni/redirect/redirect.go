@@ -263,3 +263,52 @@ func nsName(ns *os.File) string {
 	}
 	return ns.Name()
 }
+
+// Exemption reads which marked sockets PodTable in ns leaves uncaptured:
+// those of the cgroups in its ztunnel set, or (markOnly) every marked
+// socket. Neither means no socket is exempt, or no table.
+func Exemption(ns *os.File) (cgroups []uint64, markOnly bool, err error) {
+	ok, err := hasTable(ns, PodTable)
+	if err != nil || !ok {
+		return nil, false, err
+	}
+	c, err := conn(ns)
+	if err != nil {
+		return nil, false, err
+	}
+	defer runtime.KeepAlive(ns)
+	t := inetTable(PodTable)
+	rules, err := c.GetRules(t, &nftables.Chain{Name: "output", Table: t})
+	if err != nil {
+		return nil, false, fmt.Errorf("redirect: list output rules: %w", err)
+	}
+	if len(rules) == 0 {
+		return nil, false, nil
+	}
+	first := rules[0].Exprs
+	isMark := slices.ContainsFunc(first, func(e expr.Any) bool { m, ok := e.(*expr.Meta); return ok && m.Key == expr.MetaKeyMARK })
+	// (google/nftables v0.3.0 does not decode the socket expression; its
+	// lookup in the ztunnel set is what tells the rule apart.)
+	isSocket := slices.ContainsFunc(first, func(e expr.Any) bool { l, ok := e.(*expr.Lookup); return ok && l.SetName == ztunnelSet })
+	if !isMark {
+		return nil, false, nil
+	}
+	if !isSocket {
+		return nil, true, nil
+	}
+	s, err := c.GetSetByName(t, ztunnelSet)
+	if err != nil {
+		return nil, false, fmt.Errorf("redirect: set %s: %w", ztunnelSet, err)
+	}
+	elems, err := c.GetSetElements(s)
+	if err != nil {
+		return nil, false, fmt.Errorf("redirect: elements of %s: %w", ztunnelSet, err)
+	}
+	for _, e := range elems {
+		if len(e.Key) == 8 {
+			cgroups = append(cgroups, binaryutil.NativeEndian.Uint64(e.Key))
+		}
+	}
+	slices.Sort(cgroups)
+	return cgroups, false, nil
+}
