@@ -66,6 +66,7 @@ type Agent struct {
 	mu      sync.Mutex
 	pods    map[string]*enrolment // by pod UID
 	capture zds.Capture           // what the pods' rules exempt (capture.go)
+	toldOf  bool                  // capture came from zds (else: not since the agent started)
 
 	podInf, nsInf cache.SharedIndexInformer
 	queue         workqueue.TypedRateLimitingInterface[string]

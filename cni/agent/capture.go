@@ -3,6 +3,8 @@
 package agent
 
 import (
+	"os"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/isthmus-mesh/isthmus/cni/redirect"
@@ -46,12 +48,12 @@ func newCaptureMetrics(reg *prometheus.Registry) (*captureMetrics, error) {
 // setCapture is zds' OnCapture: the connected ztunnels changed what the
 // pods' rules exempt, so every enrolled pod's rules are re-written before
 // zds sends a new ztunnel its snapshot. New enrolments use it too
-// (redirectOptions). A pod whose rules cannot be re-written is counted
+// (podOptions). A pod whose rules cannot be re-written is counted
 // and logged; its ztunnel sockets stay as its old rules say.
 func (a *Agent) setCapture(c zds.Capture) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	a.capture = c
+	a.capture, a.toldOf = c, true
 	a.cm.cgroups.Set(float64(len(c.Cgroups)))
 	if c.MarkOnly {
 		a.cm.markOnly.Set(1)
@@ -66,6 +68,29 @@ func (a *Agent) setCapture(c zds.Capture) {
 		if err := redirect.Apply(e.netns, opts); err != nil {
 			a.fail(failRules)
 			a.log.Error("re-write the pod's rules for the connected ztunnels", "pod", e.key, "uid", e.pod.UID, "error", err)
+			continue
 		}
+		e.opts = opts
 	}
+}
+
+// podOptions are the rules for the pod namespace ns (a.mu held). Until a
+// ztunnel has said hello to this agent, a pod whose rules an earlier agent
+// wrote keeps their exemption: the ztunnel serving it is most likely still
+// running and reconnecting, and capturing its sockets meanwhile would loop
+// its connections back to itself. The exemption kept is that pod's own
+// (what a process in it could change, it could as well remove), never
+// spread to other pods, and it is replaced at the first hello.
+func (a *Agent) podOptions(ns *os.File) redirect.Options {
+	opts := a.redirectOptions()
+	if a.toldOf {
+		return opts
+	}
+	cgroups, markOnly, err := redirect.Exemption(ns)
+	if err != nil {
+		a.log.Warn("read the pod's current rules", "netns", ns.Name(), "error", err)
+		return opts
+	}
+	opts.ZtunnelCgroups, opts.MarkOnly = cgroups, markOnly
+	return opts
 }

@@ -129,7 +129,7 @@ func TestCaptureFollowsZtunnels(t *testing.T) {
 	require.Equal(t, 0.0, metric(t, e.reg, "isthmus_cni_capture_mark_only", nil))
 
 	proc2, id2 := testCgroup(t)
-	h2, _ := e.startZtunnelIn(proc2)
+	h2, stop2 := e.startZtunnelIn(proc2)
 	both := []uint64{id1, id2}
 	slices.Sort(both)
 	require.Equal(t, exemption{cgroups: both}, h2.first(t), "two ztunnels during a restart: both exempt")
@@ -156,4 +156,26 @@ func TestCaptureFollowsZtunnels(t *testing.T) {
 	require.NoError(t, e.cni("ADD", b, b.ip).err)
 	require.Equal(t, exemption{cgroups: []uint64{id2}}, exemptionOf(t, b))
 	require.NoError(t, e.cni("CHECK", b, b.ip).err, "CHECK counts the exemption's rules")
+
+	// The last ztunnel leaves: the exemption stays (its id exempts
+	// nothing once it is gone).
+	stop2()
+	require.Equal(t, exemption{cgroups: []uint64{id2}}, exemptionOf(t, a))
+
+	// The agent restarts; until a ztunnel says hello to it, the pods it
+	// takes back keep their exemption (a ztunnel still serving them
+	// reconnects: its own connections must not be captured meanwhile and
+	// loop back to it).
+	e.running(a)
+	e.running(b)
+	e.stopAgent()
+	e.startAgent(e.config())
+	require.Equal(t, 2.0, metric(t, e.reg, "isthmus_cni_enrolled_pods", nil))
+	require.Equal(t, 0.0, metric(t, e.reg, "isthmus_cni_ztunnel_connections", nil))
+	for _, p := range []*pod{a, b} {
+		require.Equal(t, exemption{cgroups: []uint64{id2}}, exemptionOf(t, p), "pod %s keeps its exemption", p.name)
+		require.NoError(t, e.cni("CHECK", p, p.ip).err)
+	}
+	h4, _ := e.startZtunnelIn(proc2)
+	require.Equal(t, exemption{cgroups: []uint64{id2}}, h4.first(t))
 }
