@@ -76,6 +76,14 @@ type Options struct {
 	// node). Any process with CAP_NET_RAW can set that mark, so capture
 	// can then be left from inside the pod.
 	MarkOnly bool
+	// CgroupNS is the cgroup namespace the rules are written from. Since
+	// Linux 6.11 the kernel counts a rule's cgroup levels from the root of
+	// the writer's cgroup namespace, so an agent in a container of its own
+	// could not reach a ztunnel whose cgroup is shallower than the agent's
+	// (a Guaranteed pod's is one level above a Burstable one's): writing
+	// from the node's (init) cgroup namespace makes the levels absolute.
+	// nil: the caller's. Needs CAP_SYS_ADMIN.
+	CgroupNS *os.File
 	// RedirectDNS sends the pod's UDP and TCP port 53 to DNSPort. Off until
 	// ztunnel serves DNS.
 	RedirectDNS bool
@@ -99,6 +107,45 @@ func inetTable(name string) *nftables.Table {
 // Apply installs the pod rules in the pod namespace ns, replacing whatever
 // table PodTable held, in one transaction.
 func Apply(ns *os.File, opts Options) error {
+	if opts.CgroupNS != nil && !opts.MarkOnly && len(opts.ZtunnelCgroups) > 0 {
+		return inCgroupNS(opts.CgroupNS, func() error { return apply(ns, opts) })
+	}
+	return apply(ns, opts)
+}
+
+// inCgroupNS runs fn on a thread of its own that has entered the cgroup
+// namespace cgns (the kernel reads the sender's namespace while it checks
+// the rules of a transaction, in the sending system call). Should the
+// return to the thread's own namespace fail, the thread is never unlocked
+// and dies with the goroutine.
+func inCgroupNS(cgns *os.File, fn func() error) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		orig, err := os.Open("/proc/thread-self/ns/cgroup")
+		if err != nil {
+			runtime.UnlockOSThread()
+			errc <- fmt.Errorf("redirect: the thread's cgroup namespace: %w", err)
+			return
+		}
+		defer orig.Close()
+		if err := unix.Setns(int(cgns.Fd()), unix.CLONE_NEWCGROUP); err != nil {
+			runtime.UnlockOSThread()
+			errc <- fmt.Errorf("redirect: enter cgroup namespace %s: %w", cgns.Name(), err)
+			return
+		}
+		fnErr := fn()
+		if err := unix.Setns(int(orig.Fd()), unix.CLONE_NEWCGROUP); err != nil {
+			errc <- errors.Join(fnErr, fmt.Errorf("redirect: return from cgroup namespace %s (thread discarded): %w", cgns.Name(), err))
+			return
+		}
+		runtime.UnlockOSThread()
+		errc <- fnErr
+	}()
+	return <-errc
+}
+
+func apply(ns *os.File, opts Options) error {
 	c, err := conn(ns)
 	if err != nil {
 		return fmt.Errorf("redirect: nftables in %s: %w", nsName(ns), err)

@@ -26,6 +26,9 @@ func TestMain(m *testing.M) {
 	if os.Getenv(helperEnv) != "" {
 		os.Exit(dialHelper())
 	}
+	if os.Getenv(applyEnv) != "" {
+		os.Exit(applyHelper())
+	}
 	goleak.VerifyTestMain(m)
 }
 
