@@ -58,6 +58,7 @@ type Agent struct {
 	inst *installer
 
 	nodeNS   *os.File // nil: the agent's own namespace
+	cgroupNS *os.File // the node's cgroup namespace; nil: the agent's own
 	excluded []netip.Prefix
 
 	discMu sync.Mutex
@@ -172,12 +173,16 @@ func (a *Agent) openNamespaces() error {
 		}
 	}
 	a.disc = newDiscoverer(a.cfg, own, a.nodeNS)
+	a.cgroupNS = a.openCgroupNS()
 	return nil
 }
 
 func (a *Agent) closeNamespaces() {
 	if a.nodeNS != nil {
 		a.nodeNS.Close()
+	}
+	if a.cgroupNS != nil {
+		a.cgroupNS.Close()
 	}
 }
 

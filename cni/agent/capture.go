@@ -74,6 +74,21 @@ func (a *Agent) setCapture(c zds.Capture) {
 	}
 }
 
+// openCgroupNS opens Config.NodeCgroupNS (nil when disabled or when it
+// cannot be opened).
+func (a *Agent) openCgroupNS() *os.File {
+	if a.cfg.NodeCgroupNS == "" || a.cfg.NodeCgroupNS == Disabled {
+		return nil
+	}
+	f, err := os.Open(a.cfg.NodeCgroupNS)
+	if err != nil {
+		a.log.Warn("the node's cgroup namespace cannot be opened: the pods' rules are written from the agent's own, where a ztunnel whose cgroup is shallower than the agent's is not exempt from capture",
+			"path", a.cfg.NodeCgroupNS, "error", err)
+		return nil
+	}
+	return f
+}
+
 // podOptions are the rules for the pod namespace ns (a.mu held). Until a
 // ztunnel has said hello to this agent, a pod whose rules an earlier agent
 // wrote keeps their exemption: the ztunnel serving it is most likely still

@@ -117,7 +117,11 @@ func (e *env) startZtunnelIn(procFile string) (*seeingHandler, func()) {
 // from inside the pod would be captured and loop back to it).
 func TestCaptureFollowsZtunnels(t *testing.T) {
 	e := newEnv(t)
-	e.startAgent(e.config())
+	cfg := e.config()
+	// This test runs in the machine's initial cgroup namespace: it plays
+	// the node's.
+	cfg.NodeCgroupNS = "/proc/self/ns/cgroup"
+	e.startAgent(cfg)
 	a := e.addPod(1, e.mesh, "a")
 	e.create(a, nil, false)
 	require.NoError(t, e.cni("ADD", a, a.ip).err)
@@ -169,7 +173,7 @@ func TestCaptureFollowsZtunnels(t *testing.T) {
 	e.running(a)
 	e.running(b)
 	e.stopAgent()
-	e.startAgent(e.config())
+	e.startAgent(cfg)
 	require.Equal(t, 2.0, metric(t, e.reg, "isthmus_cni_enrolled_pods", nil))
 	require.Equal(t, 0.0, metric(t, e.reg, "isthmus_cni_ztunnel_connections", nil))
 	for _, p := range []*pod{a, b} {

@@ -41,7 +41,7 @@ const (
 
 func (a *Agent) redirectOptions() redirect.Options {
 	return redirect.Options{RedirectDNS: a.cfg.RedirectDNS, ExcludeDestinations: a.excluded,
-		ZtunnelCgroups: a.capture.Cgroups, MarkOnly: a.capture.MarkOnly}
+		ZtunnelCgroups: a.capture.Cgroups, MarkOnly: a.capture.MarkOnly, CgroupNS: a.cgroupNS}
 }
 
 // enrol captures the pod's traffic and hands it to ztunnel. It owns ns: it
