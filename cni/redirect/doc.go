@@ -30,10 +30,12 @@
 // runs in a container and cannot know its cgroup's depth, so the rules
 // match its id at every level; cgroup ids are unique (and never reused), so
 // "ztunnel's id at some level" is exactly "inside ztunnel's subtree". Since
-// Linux 6.11 the levels count from the root of the cgroup namespace of the
-// process writing the rules (the agent): level 0 is that root, which covers
-// a ztunnel that is the agent's sibling. With no ztunnel known the set is
-// absent and no socket is exempt (captured traffic fails closed). For a
+// Linux 6.11 the kernel counts the levels from the root of the cgroup
+// namespace of the process writing the rules, so Apply writes them from
+// Options.CgroupNS (the agent passes the node's), where they are absolute;
+// written from an agent container's own namespace, a ztunnel shallower than
+// the agent would be out of reach. With no ztunnel known the set is absent
+// and no socket is exempt (captured traffic fails closed). For a
 // ztunnel that reports no cgroup (Istio's, or a cgroup v1-only node)
 // Options.MarkOnly writes the single mark rule instead:
 //
