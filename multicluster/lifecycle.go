@@ -278,10 +278,22 @@ func (c *Controller) buildComponents(ctx context.Context, cl *Cluster) ([]Compon
 	return out, nil
 }
 
-// event records an Event on ref, when this replica records them.
+// Outcomes of isthmus_remote_secret_kube_events_total.
+const (
+	eventRecorded     = "recorded"
+	eventLeftToLeader = "left_to_leader"
+)
+
+// event records an Event on ref, when this replica records them; a
+// replica that does not (not the leader) counts the Event it left out.
 func (c *Controller) event(ref runtime.Object, kind, reason, msg string) {
-	if c.recorder == nil || (c.cfg.RecordEvents != nil && !c.cfg.RecordEvents()) {
+	if c.recorder == nil {
 		return
 	}
+	if c.cfg.RecordEvents != nil && !c.cfg.RecordEvents() {
+		c.metrics.kubeEvents.WithLabelValues(kind, eventLeftToLeader).Inc()
+		return
+	}
+	c.metrics.kubeEvents.WithLabelValues(kind, eventRecorded).Inc()
 	c.recorder.Event(ref, kind, reason, msg)
 }

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	corev1 "k8s.io/api/core/v1"
 
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 )
@@ -84,6 +85,7 @@ type metrics struct {
 	secretEvents *prometheus.CounterVec
 	execRuns     *prometheus.CounterVec
 	execRejected prometheus.Counter
+	kubeEvents   *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -106,12 +108,21 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "isthmus_remote_exec_credential_rejected_total",
 			Help: "Exec credentials dropped because a remote API server answered 401 to them.",
 		}),
+		kubeEvents: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "isthmus_remote_secret_kube_events_total",
+			Help: "Kubernetes Events about remote Secrets, by type (Normal, Warning): recorded by this replica, or left to the leader.",
+		}, []string{"type", "outcome"}),
 	}
 	for _, r := range []string{"ok", "failed", "timeout", "invalid"} {
 		m.execRuns.WithLabelValues(r)
 	}
+	for _, typ := range []string{corev1.EventTypeNormal, corev1.EventTypeWarning} {
+		for _, o := range []string{eventRecorded, eventLeftToLeader} {
+			m.kubeEvents.WithLabelValues(typ, o)
+		}
+	}
 	if reg != nil {
-		reg.MustRegister(m.clusters, m.syncDuration, m.secretEvents, m.execRuns, m.execRejected)
+		reg.MustRegister(m.clusters, m.syncDuration, m.secretEvents, m.execRuns, m.execRejected, m.kubeEvents)
 	}
 	return m
 }

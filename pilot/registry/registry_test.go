@@ -214,17 +214,41 @@ func TestDebounceLeadingEdgeBurstAndMaxDelay(t *testing.T) {
 		require.Equal(t, 1, rec.count())
 	})
 	t.Run("burst merged", func(t *testing.T) {
-		reg, rec := run(t, Config{QuietPeriod: 50 * time.Millisecond, MaxDelay: time.Hour})
+		// The leading push is held in its subscriber until the whole burst
+		// has arrived: whatever the machine's speed, the 199 changes that
+		// follow it wait in the feed and leave in one merged push.
+		reg := New(Config{QuietPeriod: 50 * time.Millisecond, MaxDelay: time.Hour})
+		rec := &recorder{}
+		entered, release := make(chan struct{}), make(chan struct{})
+		var once sync.Once
+		reg.Subscribe(func(cs model.ChangeSet) {
+			once.Do(func() { close(entered); <-release })
+			rec.fn(cs)
+		})
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { _ = reg.Run(ctx); close(done) }()
+		t.Cleanup(func() { cancel(); <-done })
+
 		reg.Activate("c1", 1, state(nil, nil))
-		for i := range 200 {
+		put(reg, 0)
+		<-entered
+		for i := 1; i < 200; i++ {
 			put(reg, i)
 		}
-		require.Eventually(t, func() bool {
-			sets := rec.all()
-			return len(sets) > 0 && sets[len(sets)-1].Changes[0].Key == "c1/default/w" && reg.Workload("c1/default/w").Addresses[0] == netip.AddrFrom4([4]byte{10, 0, 0, 199})
-		}, 10*time.Second, time.Millisecond)
-		time.Sleep(150 * time.Millisecond)
-		require.LessOrEqual(t, rec.count(), 2, "200 changes cost the leading push and one merged push")
+		close(release)
+		require.Eventually(t, func() bool { return rec.count() == 2 }, 10*time.Second, time.Millisecond)
+		require.Equal(t, netip.AddrFrom4([4]byte{10, 0, 0, 199}), reg.Workload("c1/default/w").Addresses[0])
+		// A sentinel change comes alone in the next push: nothing of the
+		// burst was left behind for a third one.
+		reg.Update("c1", 1, &model.ClusterDelta{Workloads: map[string]*model.Workload{
+			"c1/default/sentinel": {UID: "c1/default/sentinel", Placement: &model.Placement{Cluster: "c1"}},
+		}})
+		require.Eventually(t, func() bool { return rec.count() == 3 }, 10*time.Second, time.Millisecond)
+		sets := rec.all()
+		require.Equal(t, []model.Change{{Kind: model.WorkloadChange, Op: model.Updated, Key: "c1/default/w"}}, sets[1].Changes,
+			"200 changes cost the leading push and one merged push")
+		require.Equal(t, []model.Change{{Kind: model.WorkloadChange, Op: model.Added, Key: "c1/default/sentinel"}}, sets[2].Changes)
 	})
 	t.Run("max delay", func(t *testing.T) {
 		// The quiet period never ends while changes keep coming; MaxDelay publishes anyway.

@@ -67,6 +67,7 @@ func TestTwoReplicas(t *testing.T) {
 	// refused, with one Event however many replicas see it.
 	sec, err := primary.Client.CoreV1().Secrets(ns).Get(ctx, "istio-remote-secret-remote", metav1.GetOptions{})
 	require.NoError(t, err)
+	warningsLeft := leftToLeader(t, follower)
 	sec.Data["broken"] = []byte("not a kubeconfig")
 	_, err = primary.Client.CoreV1().Secrets(ns).Update(ctx, sec, metav1.UpdateOptions{})
 	require.NoError(t, err)
@@ -82,7 +83,9 @@ func TestTwoReplicas(t *testing.T) {
 		return n
 	}
 	require.Eventually(t, func() bool { return events() >= 1 }, 30*time.Second, 50*time.Millisecond)
-	time.Sleep(2 * time.Second) // let a second replica's Event, if any, arrive
+	// The follower has seen the transition too and left its Event to the
+	// leader: no second Event can still be on its way.
+	require.Eventually(t, func() bool { return leftToLeader(t, follower) > warningsLeft }, 30*time.Second, 50*time.Millisecond)
 	require.Equal(t, 1, events(), "one Event for one transition")
 
 	// A ztunnel's xDS client, connected to the leader (plaintext: this is
@@ -142,4 +145,27 @@ func TestTwoReplicas(t *testing.T) {
 	cancel()
 	<-watch
 	require.Equal(t, held, minServices, "the state was never emptied")
+}
+
+// leftToLeader is how many Warning Events on remote Secrets replica p left
+// to the leader.
+func leftToLeader(t *testing.T, p *server.Server) float64 {
+	t.Helper()
+	mfs, err := p.Metrics.Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		if mf.GetName() != "isthmus_remote_secret_kube_events_total" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			labels := map[string]string{}
+			for _, l := range m.GetLabel() {
+				labels[l.GetName()] = l.GetValue()
+			}
+			if labels["type"] == corev1.EventTypeWarning && labels["outcome"] == "left_to_leader" {
+				return m.GetCounter().GetValue()
+			}
+		}
+	}
+	return 0
 }
