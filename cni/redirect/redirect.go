@@ -54,9 +54,10 @@ const (
 	NodeBridgeTable = "isthmus-node-bridge"
 )
 
-// MaxCgroupLevel is the deepest cgroup v2 level (below the agent's cgroup
-// namespace root) at which the pod rules look for ztunnel's cgroup: one
-// rule per level 0..MaxCgroupLevel.
+// MaxCgroupLevel is the deepest cgroup v2 level (below the root of the
+// cgroup namespace the rules are written from, Options.CgroupNS) at which
+// the pod rules look for ztunnel's cgroup: one rule per level
+// 0..MaxCgroupLevel.
 const MaxCgroupLevel = 16
 
 // ztunnelSet is the pod table's set of ztunnel cgroup ids.
