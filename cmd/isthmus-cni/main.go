@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net/netip"
 	"os"
 	"os/signal"
@@ -82,6 +83,7 @@ func newAgentCommand(stderr io.Writer, run runFunc) *cobra.Command {
 		kubeconfig    string
 		excluded      []string
 		nodeAddresses []string
+		ztunnelUIDs   []uint
 		lc            = cmdutil.Log{Format: "json", Level: "info"}
 	)
 	cmd := &cobra.Command{
@@ -105,6 +107,12 @@ func newAgentCommand(stderr io.Writer, run runFunc) *cobra.Command {
 				}
 				cfg.NodeAddresses = append(cfg.NodeAddresses, a)
 			}
+			for _, u := range ztunnelUIDs {
+				if u > math.MaxUint32 {
+					return fmt.Errorf("--ztunnel-uids: %d is not a uid", u)
+				}
+				cfg.ZtunnelUIDs = append(cfg.ZtunnelUIDs, uint32(u))
+			}
 			return run(cmd.Context(), cfg, kubeconfig, log)
 		},
 	}
@@ -119,10 +127,12 @@ func newAgentCommand(stderr io.Writer, run runFunc) *cobra.Command {
 	f.DurationVar(&cfg.InstallCheckInterval, "install-check-interval", d.InstallCheckInterval, "how often the installation is checked besides file notifications")
 	f.StringVar(&cfg.PluginSocket, "plugin-socket", d.PluginSocket, "the plugin's socket (same path on the node and here)")
 	f.StringVar(&cfg.ZtunnelSocket, "ztunnel-socket", d.ZtunnelSocket, "ztunnel's socket")
+	f.UintSliceVar(&ztunnelUIDs, "ztunnel-uids", nil, "uids besides this process' own that may connect to --ztunnel-socket")
 	f.DurationVar(&cfg.PluginTimeout, "plugin-timeout", d.PluginTimeout, "the plugin's bound on its exchange with the agent")
 	f.DurationVar(&cfg.AckTimeout, "ack-timeout", d.AckTimeout, "bound on ztunnel's ack of each message")
 	f.StringSliceVar(&cfg.NetnsDirs, "netns-dir", d.NetnsDirs, `directories where the runtime bind-mounts pod network namespaces ("none" skips)`)
 	f.StringVar(&cfg.ProcDir, "proc-dir", d.ProcDir, `the node's /proc as mounted here ("none" skips)`)
+	f.StringVar(&cfg.NodeCgroupNS, "node-cgroupns", "", `the node's initial cgroup namespace file, where the pods' rules are written from (default <proc-dir>/1/ns/cgroup; "none": this process' own)`)
 	f.StringVar(&cfg.NodeNetNS, "node-netns", "", "the node's network namespace file (default: this process' own)")
 	f.StringSliceVar(&nodeAddresses, "node-addresses", nil, "addresses of the node never captured from pods (default: the Node's InternalIP and ExternalIP)")
 	f.BoolVar(&cfg.RedirectDNS, "redirect-dns", false, "send enrolled pods' DNS (port 53) to ztunnel's 15053")

@@ -62,6 +62,13 @@ func TestFlagsToConfig(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, []string{}, cfg.ExcludedNamespaces, "set empty: exclude nothing")
 
+	cfg, _, err = capture(t, "agent", "--ztunnel-uids=1337,2000", "--node-cgroupns=/host/proc/1/ns/cgroup")
+	require.NoError(t, err)
+	require.Equal(t, []uint32{1337, 2000}, cfg.ZtunnelUIDs)
+	require.Equal(t, "/host/proc/1/ns/cgroup", cfg.NodeCgroupNS)
+	_, _, err = capture(t, "agent", "--ztunnel-uids=4294967296")
+	require.ErrorContains(t, err, "--ztunnel-uids")
+
 	_, _, err = capture(t, "agent", "--node-addresses=not-an-ip")
 	require.ErrorContains(t, err, "--node-addresses")
 	_, _, err = capture(t, "agent", "--log-format=xml")

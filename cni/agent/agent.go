@@ -53,17 +53,21 @@ type Agent struct {
 	deps Deps
 	log  *slog.Logger
 	m    *metrics
+	cm   *captureMetrics
 	zds  *zds.Server
 	inst *installer
 
 	nodeNS   *os.File // nil: the agent's own namespace
+	cgroupNS *os.File // the node's cgroup namespace; nil: the agent's own
 	excluded []netip.Prefix
 
 	discMu sync.Mutex
 	disc   *discoverer
 
-	mu   sync.Mutex
-	pods map[string]*enrolment // by pod UID
+	mu      sync.Mutex
+	pods    map[string]*enrolment // by pod UID
+	capture zds.Capture           // what the pods' rules exempt (capture.go)
+	toldOf  bool                  // capture came from zds (else: not since the agent started)
 
 	podInf, nsInf cache.SharedIndexInformer
 	queue         workqueue.TypedRateLimitingInterface[string]
@@ -89,11 +93,17 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 	if err != nil {
 		return nil, fmt.Errorf("agent: metrics: %w", err)
 	}
-	a := &Agent{cfg: cfg, deps: deps, log: deps.Log, m: m, pods: map[string]*enrolment{}}
-	a.zds, err = zds.New(zds.Config{SocketPath: cfg.ZtunnelSocket, AckTimeout: cfg.AckTimeout}, zds.Deps{
+	cm, err := newCaptureMetrics(deps.Registry)
+	if err != nil {
+		return nil, fmt.Errorf("agent: metrics: %w", err)
+	}
+	a := &Agent{cfg: cfg, deps: deps, log: deps.Log, m: m, cm: cm, pods: map[string]*enrolment{}}
+	a.zds, err = zds.New(zds.Config{SocketPath: cfg.ZtunnelSocket, AckTimeout: cfg.AckTimeout, AllowedUIDs: cfg.ZtunnelUIDs}, zds.Deps{
 		Log:           deps.Log.With("component", "zds"),
 		OnFailure:     func(r zds.FailureReason) { a.fail(string(r)) },
 		OnConnections: func(n int) { m.ztunnels.Set(float64(n)) },
+		OnRefused:     func(r zds.RefusalReason) { cm.refused.WithLabelValues(string(r)).Inc() },
+		OnCapture:     a.setCapture,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
@@ -163,12 +173,16 @@ func (a *Agent) openNamespaces() error {
 		}
 	}
 	a.disc = newDiscoverer(a.cfg, own, a.nodeNS)
+	a.cgroupNS = a.openCgroupNS()
 	return nil
 }
 
 func (a *Agent) closeNamespaces() {
 	if a.nodeNS != nil {
 		a.nodeNS.Close()
+	}
+	if a.cgroupNS != nil {
+		a.cgroupNS.Close()
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"log/slog"
 	"net/netip"
+	"path/filepath"
 	"strconv"
 	"time"
 
@@ -51,8 +52,12 @@ type Config struct {
 	// PluginSocket is where the agent serves the plugin, a path the same
 	// on the node and in the agent (the plugin runs on the node).
 	PluginSocket string
-	// ZtunnelSocket is where the agent serves ztunnel (cni/zds).
+	// ZtunnelSocket is where the agent serves ztunnel (cni/zds), mode
+	// 0600.
 	ZtunnelSocket string
+	// ZtunnelUIDs may connect to ZtunnelSocket besides the agent's own uid
+	// (a ztunnel running as another user); every other peer is refused.
+	ZtunnelUIDs []uint32
 	// PluginTimeout is written into the conflist entry: the plugin's bound
 	// on its exchange with the agent.
 	PluginTimeout time.Duration
@@ -66,6 +71,13 @@ type Config struct {
 	// ProcDir is the node's /proc as mounted in the agent: /proc/<pid>/ns/net
 	// finds namespaces that no runtime bind-mounted; Disabled skips it.
 	ProcDir string
+	// NodeCgroupNS is the node's initial cgroup namespace file, from which
+	// the pods' rules are written so that their cgroup levels count from
+	// the node's root, not the agent container's (cni/redirect
+	// Options.CgroupNS); default <ProcDir>/1/ns/cgroup. Disabled, or a file
+	// that cannot be opened (logged): the agent's own, where a ztunnel
+	// whose cgroup is shallower than the agent's is not exempt.
+	NodeCgroupNS string
 	// NodeNetNS is the node's network namespace file, where the probe SNAT
 	// rules go; empty means the agent's own (it runs with hostNetwork).
 	NodeNetNS string
@@ -128,6 +140,9 @@ func (c Config) withDefaults() Config {
 		c.NetnsDirs = d.NetnsDirs
 	}
 	or(&c.ProcDir, d.ProcDir)
+	if c.NodeCgroupNS == "" && c.ProcDir != Disabled {
+		c.NodeCgroupNS = filepath.Join(c.ProcDir, "1", "ns", "cgroup")
+	}
 	or(&c.MonitoringAddr, d.MonitoringAddr)
 	orDur(&c.ShutdownTimeout, d.ShutdownTimeout)
 	return c

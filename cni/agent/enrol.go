@@ -22,6 +22,7 @@ type enrolment struct {
 	containerID string
 	netns       *os.File
 	id          netns.ID
+	opts        redirect.Options // its rules, as last written
 }
 
 // strictness says what a failure to hand a pod to ztunnel or to update the
@@ -39,7 +40,8 @@ const (
 )
 
 func (a *Agent) redirectOptions() redirect.Options {
-	return redirect.Options{RedirectDNS: a.cfg.RedirectDNS, ExcludeDestinations: a.excluded}
+	return redirect.Options{RedirectDNS: a.cfg.RedirectDNS, ExcludeDestinations: a.excluded,
+		ZtunnelCgroups: a.capture.Cgroups, MarkOnly: a.capture.MarkOnly, CgroupNS: a.cgroupNS}
 }
 
 // enrol captures the pod's traffic and hands it to ztunnel. It owns ns: it
@@ -61,20 +63,23 @@ func (a *Agent) enrol(ctx context.Context, p zds.Pod, key, containerID string, n
 			if containerID != "" {
 				cur.containerID = containerID
 			}
-			if err := redirect.Apply(cur.netns, a.redirectOptions()); err != nil {
+			opts := a.podOptions(cur.netns)
+			if err := redirect.Apply(cur.netns, opts); err != nil {
 				a.fail(failRules)
 				return err
 			}
+			cur.opts = opts
 			return nil
 		}
 		a.releaseLocked(ctx, cur, "replaced by a new sandbox")
 	}
-	if err := redirect.Apply(ns, a.redirectOptions()); err != nil {
+	opts := a.podOptions(ns)
+	if err := redirect.Apply(ns, opts); err != nil {
 		ns.Close()
 		a.fail(failRules)
 		return err
 	}
-	e := &enrolment{pod: p, key: key, containerID: containerID, netns: ns, id: id}
+	e := &enrolment{pod: p, key: key, containerID: containerID, netns: ns, id: id, opts: opts}
 	a.pods[p.UID] = e
 	a.m.enrolled.Set(float64(len(a.pods)))
 	log := a.log.With("pod", key, "uid", p.UID)
@@ -167,7 +172,7 @@ func (a *Agent) checkRules(uid string) error {
 	if err != nil {
 		return err
 	}
-	if want := redirect.ExpectedRules(a.redirectOptions()); n != want {
+	if want := redirect.ExpectedRules(e.opts); n != want {
 		return fmt.Errorf("pod %s has %d of its %d redirect rules", e.key, n, want)
 	}
 	return nil

@@ -96,6 +96,17 @@ func markEq(mark, mask uint32) []expr.Any {
 	}
 }
 
+// socketCgroupIn matches packets whose socket's cgroup v2 ancestor at level
+// (counted from the root of the rule writer's cgroup namespace) has an id
+// in set. A packet without a full socket, or whose socket's cgroup is
+// shallower than level, does not match.
+func socketCgroupIn(level uint32, set string) []expr.Any {
+	return []expr.Any{
+		&expr.Socket{Key: expr.SocketKeyCgroupv2, Level: level, Register: 1},
+		&expr.Lookup{SourceRegister: 1, SetName: set},
+	}
+}
+
 // natProtoSpecified is NF_NAT_RANGE_PROTO_SPECIFIED: the port is given.
 const natProtoSpecified = 0x2
 

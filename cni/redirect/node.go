@@ -10,6 +10,7 @@ import (
 	"slices"
 
 	"github.com/google/nftables"
+	"github.com/google/nftables/binaryutil"
 	"github.com/google/nftables/expr"
 	"golang.org/x/sys/unix"
 )
@@ -52,6 +53,24 @@ func ApplyNode(ns *os.File, pods []netip.Addr) error {
 	for _, r := range probeRules() {
 		c.AddRule(&nftables.Rule{Table: t, Chain: post, Exprs: r})
 	}
+	// Anti-spoof: a packet that arrives with a probe address as its source
+	// was not made by the node's SNAT (which acts on packets the node
+	// sends, after routing), so it is dropped before conntrack sees it.
+	pre := c.AddChain(&nftables.Chain{Name: "antispoof", Table: t, Type: nftables.ChainTypeFilter,
+		Hooknum: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityRaw})
+	for _, r := range antiSpoofRules() {
+		c.AddRule(&nftables.Rule{Table: t, Chain: pre, Exprs: r})
+	}
+	// The same for frames bridged between the node's pods (a CNI bridge):
+	// they never reach the inet hooks unless br_netfilter is loaded.
+	bt := c.AddTable(&nftables.Table{Name: NodeBridgeTable, Family: nftables.TableFamilyBridge})
+	c.DelTable(bt)
+	bt = c.AddTable(&nftables.Table{Name: NodeBridgeTable, Family: nftables.TableFamilyBridge})
+	bpre := c.AddChain(&nftables.Chain{Name: "antispoof", Table: bt, Type: nftables.ChainTypeFilter,
+		Hooknum: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityRaw})
+	for _, r := range bridgeAntiSpoofRules() {
+		c.AddRule(&nftables.Rule{Table: bt, Chain: bpre, Exprs: r})
+	}
 	err = c.Flush()
 	runtime.KeepAlive(ns)
 	if err != nil {
@@ -69,9 +88,48 @@ func probeRules() [][]expr.Any {
 	}
 }
 
-// RemoveNode deletes NodeTable from ns. An absent table is not an error.
+// antiSpoofRules drop packets arriving from outside the node (any
+// interface but lo) with a probe address as their source.
+func antiSpoofRules() [][]expr.Any {
+	notLo := []expr.Any{
+		&expr.Meta{Key: expr.MetaKeyIIF, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: binaryutil.NativeEndian.PutUint32(loopbackIndex)},
+	}
+	return [][]expr.Any{
+		concat(notLo, addrIn(true, netip.PrefixFrom(ProbeAddr4, 32)), counterDrop()),
+		concat(notLo, addrIn(true, netip.PrefixFrom(ProbeAddr6, 128)), counterDrop()),
+	}
+}
+
+// bridgeAntiSpoofRules drop bridged IPv4 and IPv6 frames with a probe
+// address as their source.
+func bridgeAntiSpoofRules() [][]expr.Any {
+	etherType := func(t uint16) []expr.Any {
+		return metaEq(expr.MetaKeyPROTOCOL, binaryutil.BigEndian.PutUint16(t))
+	}
+	src := func(a netip.Addr) []expr.Any {
+		return []expr.Any{
+			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: addrOffset(a.Is6(), true), Len: uint32(a.BitLen() / 8)},
+			&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: a.AsSlice()},
+		}
+	}
+	return [][]expr.Any{
+		concat(etherType(unix.ETH_P_IP), src(ProbeAddr4), counterDrop()),
+		concat(etherType(unix.ETH_P_IPV6), src(ProbeAddr6), counterDrop()),
+	}
+}
+
+func counterDrop() []expr.Any {
+	return []expr.Any{&expr.Counter{}, &expr.Verdict{Kind: expr.VerdictDrop}}
+}
+
+// RemoveNode deletes NodeTable and NodeBridgeTable from ns. Absent tables
+// are not an error.
 func RemoveNode(ns *os.File) error {
-	return removeTable(ns, NodeTable)
+	if err := removeTable(ns, NodeTable); err != nil {
+		return err
+	}
+	return removeTableOf(ns, nftables.TableFamilyBridge, NodeBridgeTable)
 }
 
 // NodeAddrs returns the enrolled addresses in the node table of ns, sorted

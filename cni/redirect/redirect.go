@@ -11,6 +11,7 @@ import (
 	"slices"
 
 	"github.com/google/nftables"
+	"github.com/google/nftables/binaryutil"
 	"github.com/google/nftables/expr"
 	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"golang.org/x/sys/unix"
@@ -45,14 +46,45 @@ var (
 	ProbeAddr6 = netip.MustParseAddr("fd16:9254:7127:1337:ffff:ffff:ffff:ffff")
 )
 
-// Table names (family inet) owned by this package.
+// Table names owned by this package: family inet, but NodeBridgeTable
+// (family bridge).
 const (
-	PodTable  = "isthmus-inpod"
-	NodeTable = "isthmus-node"
+	PodTable        = "isthmus-inpod"
+	NodeTable       = "isthmus-node"
+	NodeBridgeTable = "isthmus-node-bridge"
 )
+
+// MaxCgroupLevel is the deepest cgroup v2 level (below the root of the
+// cgroup namespace the rules are written from, Options.CgroupNS) at which
+// the pod rules look for ztunnel's cgroup: one rule per level
+// 0..MaxCgroupLevel.
+const MaxCgroupLevel = 16
+
+// ztunnelSet is the pod table's set of ztunnel cgroup ids.
+const ztunnelSet = "ztunnels"
 
 // Options shape the pod rules.
 type Options struct {
+	// ZtunnelCgroups are the cgroup v2 ids (the inode numbers of the
+	// cgroup directories) of the ztunnels serving the node. A socket is
+	// left uncaptured only when it carries Mark AND was opened by a
+	// process of one of these cgroups (or below). Empty, and MarkOnly
+	// false: no socket is exempt (no ztunnel is known; captured traffic
+	// fails closed).
+	ZtunnelCgroups []uint64
+	// MarkOnly exempts every socket carrying Mark, whatever its cgroup:
+	// for a ztunnel that reports no cgroup (Istio's, or a cgroup v1-only
+	// node). Any process with CAP_NET_RAW can set that mark, so capture
+	// can then be left from inside the pod.
+	MarkOnly bool
+	// CgroupNS is the cgroup namespace the rules are written from. Since
+	// Linux 6.11 the kernel counts a rule's cgroup levels from the root of
+	// the writer's cgroup namespace, so an agent in a container of its own
+	// could not reach a ztunnel whose cgroup is shallower than the agent's
+	// (a Guaranteed pod's is one level above a Burstable one's): writing
+	// from the node's (init) cgroup namespace makes the levels absolute.
+	// nil: the caller's. Needs CAP_SYS_ADMIN.
+	CgroupNS *os.File
 	// RedirectDNS sends the pod's UDP and TCP port 53 to DNSPort. Off until
 	// ztunnel serves DNS.
 	RedirectDNS bool
@@ -76,11 +108,60 @@ func inetTable(name string) *nftables.Table {
 // Apply installs the pod rules in the pod namespace ns, replacing whatever
 // table PodTable held, in one transaction.
 func Apply(ns *os.File, opts Options) error {
+	if opts.CgroupNS != nil && !opts.MarkOnly && len(opts.ZtunnelCgroups) > 0 {
+		return inCgroupNS(opts.CgroupNS, func() error { return apply(ns, opts) })
+	}
+	return apply(ns, opts)
+}
+
+// inCgroupNS runs fn on a thread of its own that has entered the cgroup
+// namespace cgns (the kernel reads the sender's namespace while it checks
+// the rules of a transaction, in the sending system call). Should the
+// return to the thread's own namespace fail, the thread is never unlocked
+// and dies with the goroutine.
+func inCgroupNS(cgns *os.File, fn func() error) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		orig, err := os.Open("/proc/thread-self/ns/cgroup")
+		if err != nil {
+			runtime.UnlockOSThread()
+			errc <- fmt.Errorf("redirect: the thread's cgroup namespace: %w", err)
+			return
+		}
+		defer orig.Close()
+		if err := unix.Setns(int(cgns.Fd()), unix.CLONE_NEWCGROUP); err != nil {
+			runtime.UnlockOSThread()
+			errc <- fmt.Errorf("redirect: enter cgroup namespace %s: %w", cgns.Name(), err)
+			return
+		}
+		fnErr := fn()
+		if err := unix.Setns(int(orig.Fd()), unix.CLONE_NEWCGROUP); err != nil {
+			errc <- errors.Join(fnErr, fmt.Errorf("redirect: return from cgroup namespace %s (thread discarded): %w", cgns.Name(), err))
+			return
+		}
+		runtime.UnlockOSThread()
+		errc <- fnErr
+	}()
+	return <-errc
+}
+
+func apply(ns *os.File, opts Options) error {
 	c, err := conn(ns)
 	if err != nil {
 		return fmt.Errorf("redirect: nftables in %s: %w", nsName(ns), err)
 	}
 	t := replaceTable(c, PodTable)
+	if !opts.MarkOnly && len(opts.ZtunnelCgroups) > 0 {
+		set := &nftables.Set{Table: t, Name: ztunnelSet, KeyType: nftables.TypeCGroupV2}
+		var elems []nftables.SetElement
+		for _, id := range opts.ZtunnelCgroups {
+			elems = append(elems, nftables.SetElement{Key: binaryutil.NativeEndian.PutUint64(id)})
+		}
+		if err := c.AddSet(set, elems); err != nil {
+			return fmt.Errorf("redirect: set %s: %w", ztunnelSet, err)
+		}
+	}
 	pre := c.AddChain(&nftables.Chain{Name: "prerouting", Table: t, Type: nftables.ChainTypeNAT,
 		Hooknum: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityNATDest})
 	out := c.AddChain(&nftables.Chain{Name: "output", Table: t, Type: nftables.ChainTypeNAT,
@@ -122,10 +203,19 @@ func inboundRules() [][]expr.Any {
 }
 
 func outboundRules(opts Options) [][]expr.Any {
-	rules := [][]expr.Any{
-		append(markEq(Mark, MarkMask), ret()),
-		append(ifIndex(false, loopbackIndex), ret()),
+	var rules [][]expr.Any
+	switch {
+	case opts.MarkOnly:
+		rules = append(rules, append(markEq(Mark, MarkMask), ret()))
+	case len(opts.ZtunnelCgroups) > 0:
+		// The level of a socket's cgroup is unknown (ztunnel runs in a
+		// container, in its own cgroup namespace); cgroup ids are unique,
+		// so "ztunnel's id at some level" is "in ztunnel's subtree".
+		for level := uint32(0); level <= MaxCgroupLevel; level++ {
+			rules = append(rules, concat(markEq(Mark, MarkMask), socketCgroupIn(level, ztunnelSet), []expr.Any{ret()}))
+		}
 	}
+	rules = append(rules, append(ifIndex(false, loopbackIndex), ret()))
 	for _, p := range opts.ExcludeDestinations {
 		rules = append(rules, append(addrIn(false, p), ret()))
 	}
@@ -177,11 +267,15 @@ func ExpectedRules(opts Options) int {
 }
 
 func hasTable(ns *os.File, name string) (bool, error) {
+	return hasTableOf(ns, nftables.TableFamilyINet, name)
+}
+
+func hasTableOf(ns *os.File, family nftables.TableFamily, name string) (bool, error) {
 	c, err := conn(ns)
 	if err != nil {
 		return false, fmt.Errorf("redirect: nftables in %s: %w", nsName(ns), err)
 	}
-	tables, err := c.ListTablesOfFamily(nftables.TableFamilyINet)
+	tables, err := c.ListTablesOfFamily(family)
 	runtime.KeepAlive(ns)
 	if err != nil {
 		return false, fmt.Errorf("redirect: list tables in %s: %w", nsName(ns), err)
@@ -190,7 +284,11 @@ func hasTable(ns *os.File, name string) (bool, error) {
 }
 
 func removeTable(ns *os.File, name string) error {
-	ok, err := hasTable(ns, name)
+	return removeTableOf(ns, nftables.TableFamilyINet, name)
+}
+
+func removeTableOf(ns *os.File, family nftables.TableFamily, name string) error {
+	ok, err := hasTableOf(ns, family, name)
 	if err != nil || !ok {
 		return err
 	}
@@ -198,7 +296,7 @@ func removeTable(ns *os.File, name string) error {
 	if err != nil {
 		return err
 	}
-	c.DelTable(inetTable(name))
+	c.DelTable(&nftables.Table{Name: name, Family: family})
 	err = c.Flush()
 	runtime.KeepAlive(ns)
 	if err != nil && !errors.Is(err, unix.ENOENT) {
@@ -212,4 +310,53 @@ func nsName(ns *os.File) string {
 		return "the current namespace"
 	}
 	return ns.Name()
+}
+
+// Exemption reads which marked sockets PodTable in ns leaves uncaptured:
+// those of the cgroups in its ztunnel set, or (markOnly) every marked
+// socket. Neither means no socket is exempt, or no table.
+func Exemption(ns *os.File) (cgroups []uint64, markOnly bool, err error) {
+	ok, err := hasTable(ns, PodTable)
+	if err != nil || !ok {
+		return nil, false, err
+	}
+	c, err := conn(ns)
+	if err != nil {
+		return nil, false, err
+	}
+	defer runtime.KeepAlive(ns)
+	t := inetTable(PodTable)
+	rules, err := c.GetRules(t, &nftables.Chain{Name: "output", Table: t})
+	if err != nil {
+		return nil, false, fmt.Errorf("redirect: list output rules: %w", err)
+	}
+	if len(rules) == 0 {
+		return nil, false, nil
+	}
+	first := rules[0].Exprs
+	isMark := slices.ContainsFunc(first, func(e expr.Any) bool { m, ok := e.(*expr.Meta); return ok && m.Key == expr.MetaKeyMARK })
+	// (google/nftables v0.3.0 does not decode the socket expression; its
+	// lookup in the ztunnel set is what tells the rule apart.)
+	isSocket := slices.ContainsFunc(first, func(e expr.Any) bool { l, ok := e.(*expr.Lookup); return ok && l.SetName == ztunnelSet })
+	if !isMark {
+		return nil, false, nil
+	}
+	if !isSocket {
+		return nil, true, nil
+	}
+	s, err := c.GetSetByName(t, ztunnelSet)
+	if err != nil {
+		return nil, false, fmt.Errorf("redirect: set %s: %w", ztunnelSet, err)
+	}
+	elems, err := c.GetSetElements(s)
+	if err != nil {
+		return nil, false, fmt.Errorf("redirect: elements of %s: %w", ztunnelSet, err)
+	}
+	for _, e := range elems {
+		if len(e.Key) == 8 {
+			cgroups = append(cgroups, binaryutil.NativeEndian.Uint64(e.Key))
+		}
+	}
+	slices.Sort(cgroups)
+	return cgroups, false, nil
 }

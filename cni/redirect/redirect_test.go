@@ -22,7 +22,15 @@ import (
 	"github.com/isthmus-mesh/isthmus/ztunnel/netns/netnstest"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) {
+	if os.Getenv(helperEnv) != "" {
+		os.Exit(dialHelper())
+	}
+	if os.Getenv(applyEnv) != "" {
+		os.Exit(applyHelper())
+	}
+	goleak.VerifyTestMain(m)
+}
 
 // topo is a node with two pods, P and Q, each behind a veth, dual-stack:
 // P is 10.250.1.2 / fd00:250:1::2, Q is 10.250.2.2 / fd00:250:2::2, and the
@@ -158,7 +166,9 @@ func TestPodRulesCapture(t *testing.T) {
 		require.True(t, a.redirected)
 		require.Equal(t, ap(tp.q6, 80), a.origDst)
 	})
-	t.Run("ztunnel's marked sockets are not captured", func(t *testing.T) {
+	t.Run("with MarkOnly, marked sockets are not captured", func(t *testing.T) {
+		require.NoError(t, redirect.Apply(tp.p, redirect.Options{MarkOnly: true,
+			ExcludeDestinations: []netip.Prefix{netip.PrefixFrom(tp.nodeP4, 32)}}))
 		marked := &netns.Dialer{NetNS: tp.p, Mark: redirect.Mark}
 		require.Equal(t, "q-app", who(t, marked, ap(tp.q4, 80)))
 		require.Equal(t, tp.p4, qApp.next(t).remote.Addr().Unmap())

@@ -23,6 +23,9 @@ type Config struct {
 	AckTimeout time.Duration
 	// HelloTimeout bounds the wait for a new connection's hello. Default 5s.
 	HelloTimeout time.Duration
+	// AllowedUIDs may connect besides the server's own uid (the peer's
+	// uid as SO_PEERCRED reports it); every other peer is refused.
+	AllowedUIDs []uint32
 }
 
 func (c Config) withDefaults() Config {
@@ -55,6 +58,33 @@ const (
 	Disconnected FailureReason = "ztunnel-disconnected"
 )
 
+// RefusalReason classifies a connection refused before its snapshot.
+type RefusalReason string
+
+// Refusal reasons reported to Deps.OnRefused.
+const (
+	// RefusedPeer: the peer's uid is not the server's nor an allowed one
+	// (or its credentials could not be read).
+	RefusedPeer RefusalReason = "peer-not-allowed"
+	// RefusedHello: no valid hello of this version within HelloTimeout.
+	RefusedHello RefusalReason = "bad-hello"
+)
+
+// Capture is what the pods' rules exempt for the connected ztunnels.
+type Capture struct {
+	// Cgroups are the cgroup ids the ztunnels reported, sorted, without
+	// duplicates, zero or the root's.
+	Cgroups []uint64
+	// MarkOnly is set when some connected ztunnel reported no usable
+	// cgroup id: its sockets are known by their mark alone.
+	MarkOnly bool
+}
+
+// Equal reports whether c and o exempt the same sockets.
+func (c Capture) Equal(o Capture) bool {
+	return c.MarkOnly == o.MarkOnly && slices.Equal(c.Cgroups, o.Cgroups)
+}
+
 // Error is a message one ztunnel connection did not take.
 type Error struct {
 	Reason FailureReason
@@ -78,6 +108,19 @@ type Deps struct {
 	// OnConnections, if set, is told the number of connected ztunnels
 	// whenever it changes.
 	OnConnections func(int)
+	// OnRefused, if set, is told of every connection refused before its
+	// snapshot.
+	OnRefused func(RefusalReason)
+	// OnCapture, if set, is told what the pods' rules must exempt whenever
+	// the connected ztunnels change it: after a hello, BEFORE the new
+	// ztunnel gets its snapshot (else its own sockets in the pods would be
+	// captured, and loop back to it), and when a ztunnel leaves while
+	// others stay. When the last ztunnel leaves the exemption stays as it
+	// was (cgroup ids are never reused: a gone ztunnel's id exempts
+	// nothing) until the next hello. Calls are serialised and made without
+	// any lock the server's methods take, so it may call them; it must
+	// return only once the rules are in place.
+	OnCapture func(Capture)
 }
 
 // Server is the agent's side: it holds the set of enrolled pods and keeps
@@ -91,6 +134,13 @@ type Server struct {
 	mu    sync.Mutex
 	pods  map[string]entry
 	conns map[*conn]struct{}
+
+	// capMu serialises changes of the capture exemption (and OnCapture).
+	// Order: capMu before mu (OnCapture's callee may take mu).
+	capMu    sync.Mutex
+	members  map[*net.UnixConn]uint64 // connections past hello: their cgroup ids
+	captured Capture                  // last told to OnCapture
+	told     bool
 }
 
 type entry struct {
@@ -107,7 +157,8 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if deps.Log == nil {
 		deps.Log = slog.New(slog.DiscardHandler)
 	}
-	return &Server{cfg: cfg, deps: deps, pods: map[string]entry{}, conns: map[*conn]struct{}{}}, nil
+	return &Server{cfg: cfg, deps: deps, pods: map[string]entry{}, conns: map[*conn]struct{}{},
+		members: map[*net.UnixConn]uint64{}}, nil
 }
 
 // AddPod records pod as enrolled with its network namespace and sends it to
@@ -206,17 +257,24 @@ func (s *Server) connectionsChanged() {
 	}
 }
 
+// Capture returns the exemption last given to Deps.OnCapture (the zero
+// Capture before the first hello).
+func (s *Server) Capture() Capture {
+	s.capMu.Lock()
+	defer s.capMu.Unlock()
+	return s.captured
+}
+
 // Run listens on the socket and serves ztunnels until ctx ends, then closes
 // every connection and removes the socket file.
 func (s *Server) Run(ctx context.Context) error {
 	if err := os.Remove(s.cfg.SocketPath); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("zds: remove stale socket: %w", err)
 	}
-	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: s.cfg.SocketPath, Net: "unixpacket"})
+	ln, err := listen(s.cfg.SocketPath)
 	if err != nil {
-		return fmt.Errorf("zds: listen: %w", err)
+		return err
 	}
-	ln.SetUnlinkOnClose(true)
 	var wg sync.WaitGroup
 	stop := context.AfterFunc(ctx, func() { ln.Close() })
 	defer stop()
@@ -249,6 +307,12 @@ func (s *Server) serve(ctx context.Context, uc *net.UnixConn) {
 	log := s.deps.Log.With("conn", fmt.Sprintf("%p", uc))
 	stop := context.AfterFunc(ctx, func() { uc.Close() })
 	defer stop()
+	if err := s.checkPeer(uc); err != nil {
+		log.Warn("ztunnel connection refused: peer not allowed", "error", err)
+		s.refused(RefusedPeer)
+		uc.Close()
+		return
+	}
 	_ = uc.SetReadDeadline(time.Now().Add(s.cfg.HelloTimeout))
 	var hello Hello
 	fd, err := Read(uc, &hello)
@@ -261,15 +325,20 @@ func (s *Server) serve(ctx context.Context, uc *net.UnixConn) {
 	}
 	if err != nil {
 		log.Warn("ztunnel connection refused", "error", err)
+		s.refused(RefusedHello)
 		uc.Close()
 		return
 	}
 	_ = uc.SetReadDeadline(time.Time{})
+	// The pods' rules exempt this ztunnel's sockets before it learns of
+	// any pod.
+	s.join(uc, hello.CgroupID)
+	defer s.leave(ctx, uc)
 	c := newConn(uc)
 	if !s.snapshot(c) {
 		return
 	}
-	log.Info("ztunnel connected and in step")
+	log.Info("ztunnel connected and in step", "cgroup", hello.CgroupID)
 	select {
 	case <-c.dead:
 	case <-ctx.Done():
@@ -278,6 +347,51 @@ func (s *Server) serve(ctx context.Context, uc *net.UnixConn) {
 	s.dropLocked(c)
 	s.mu.Unlock()
 	log.Info("ztunnel disconnected")
+}
+
+func (s *Server) refused(r RefusalReason) {
+	if s.deps.OnRefused != nil {
+		s.deps.OnRefused(r)
+	}
+}
+
+// join records a connection's cgroup id and updates the exemption.
+func (s *Server) join(uc *net.UnixConn, cgroup uint64) {
+	s.capMu.Lock()
+	defer s.capMu.Unlock()
+	s.members[uc] = cgroup
+	s.tellLocked()
+}
+
+// leave forgets a connection's cgroup id; the exemption follows while
+// other ztunnels stay (not on shutdown: the pods keep their rules).
+func (s *Server) leave(ctx context.Context, uc *net.UnixConn) {
+	s.capMu.Lock()
+	defer s.capMu.Unlock()
+	delete(s.members, uc)
+	if len(s.members) > 0 && ctx.Err() == nil {
+		s.tellLocked()
+	}
+}
+
+func (s *Server) tellLocked() {
+	var c Capture
+	for _, id := range s.members {
+		if id == 0 || id == RootCgroupID {
+			c.MarkOnly = true
+			continue
+		}
+		c.Cgroups = append(c.Cgroups, id)
+	}
+	slices.Sort(c.Cgroups)
+	c.Cgroups = slices.Compact(c.Cgroups)
+	if s.told && c.Equal(s.captured) {
+		return
+	}
+	s.captured, s.told = c, true
+	if s.deps.OnCapture != nil {
+		s.deps.OnCapture(c)
+	}
 }
 
 // snapshot sends every recorded pod and SnapshotSent, then registers c; it

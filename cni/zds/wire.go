@@ -7,13 +7,26 @@
 // JSON document per datagram, so message boundaries are kept and a file
 // descriptor travels with exactly one message):
 //
-//	ztunnel -> agent   Hello{version: 1}
+//	ztunnel -> agent   Hello{version: 1, cgroupID: 1234}
 //	agent   -> ztunnel Request{add: {uid, name, namespace, serviceAccount, ips}} + the pod's netns (SCM_RIGHTS)
 //	ztunnel -> agent   Ack{}                  (or Ack{error: "..."})
 //	...                one add per enrolled pod
 //	agent   -> ztunnel Request{snapshotSent: {}}
 //	ztunnel -> agent   Ack{}                  ztunnel drops pods the snapshot did not name
 //	agent   -> ztunnel Request{add: ...} / Request{del: {uid}}, each acked, as pods come and go
+//
+// The socket file is mode 0600 from its creation, and the agent accepts a
+// connection only from a process whose uid (SO_PEERCRED) is its own or one
+// Config.AllowedUIDs names: a peer that says hello can exempt sockets from
+// capture (below).
+//
+// Hello's cgroupID is ztunnel's cgroup v2 id (the inode number of its
+// cgroup directory). The pods' rules exempt from capture only the marked
+// sockets of the connected ztunnels' cgroups (cni/redirect); before a new
+// ztunnel gets its snapshot, every enrolled pod's rules are re-written to
+// include its cgroup (Deps.OnCapture). A ztunnel that sends none (Istio's,
+// or one on a node without cgroup v2), or the root cgroup's id, turns the
+// exemption into the mark alone.
 //
 // Every request waits for its ack before the next is sent. A ztunnel that
 // (re)connects is sent the full snapshot. While no ztunnel is connected the
@@ -42,7 +55,14 @@ const MaxMessage = 64 << 10
 // Hello is ztunnel's first message on a connection.
 type Hello struct {
 	Version int `json:"version"`
+	// CgroupID is ztunnel's cgroup v2 id; 0 when it does not know it.
+	CgroupID uint64 `json:"cgroupID,omitempty"`
 }
+
+// RootCgroupID is the id of a cgroup v2 hierarchy's root: a ztunnel there
+// shares its cgroup with everything, so its id exempts nothing more than
+// the mark.
+const RootCgroupID = 1
 
 // Pod is an enrolled pod as ztunnel needs it: its UID (which names its
 // workload in xDS), name, namespace, service account and addresses.

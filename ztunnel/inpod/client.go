@@ -55,6 +55,15 @@ type Config struct {
 	// snapshot. Defaults 100ms and 5s.
 	InitialBackoff time.Duration
 	MaxBackoff     time.Duration
+	// ProcCgroup is this process' cgroup file and CgroupMounts the places
+	// cgroup v2 may be mounted (the first that is cgroup2 counts): the
+	// cgroup id they give goes in the hello, so that the pods' rules
+	// exempt this process' marked sockets (see CgroupID). Defaults
+	// /proc/self/cgroup and /sys/fs/cgroup, /sys/fs/cgroup/unified. When
+	// no id is found the hello has none, and the agent falls back to
+	// exempting ztunnel's sockets by their mark alone.
+	ProcCgroup   string
+	CgroupMounts []string
 }
 
 func (c Config) withDefaults() Config {
@@ -63,6 +72,12 @@ func (c Config) withDefaults() Config {
 	}
 	if c.MaxBackoff < c.InitialBackoff {
 		c.MaxBackoff = max(5*time.Second, c.InitialBackoff)
+	}
+	if c.ProcCgroup == "" {
+		c.ProcCgroup = "/proc/self/cgroup"
+	}
+	if c.CgroupMounts == nil {
+		c.CgroupMounts = []string{"/sys/fs/cgroup", "/sys/fs/cgroup/unified"}
 	}
 	return c
 }
@@ -130,6 +145,17 @@ func (c *Client) Run(ctx context.Context) error {
 	}
 }
 
+// cgroupID is this process' cgroup v2 id, or 0 (logged) when unknown. It
+// is read on each connection: a process can be moved.
+func (c *Client) cgroupID() uint64 {
+	id, err := CgroupID(c.cfg.ProcCgroup, c.cfg.CgroupMounts)
+	if err != nil {
+		c.deps.Log.Warn("own cgroup v2 id unknown: the agent will exempt ztunnel's sockets from capture by their mark alone, which any pod process with CAP_NET_RAW can set", "error", err)
+		return 0
+	}
+	return id
+}
+
 // session runs one connection; it reports whether a snapshot arrived.
 func (c *Client) session(ctx context.Context) (bool, error) {
 	var d net.Dialer
@@ -141,7 +167,7 @@ func (c *Client) session(ctx context.Context) (bool, error) {
 	defer uc.Close()
 	stop := context.AfterFunc(ctx, func() { uc.Close() })
 	defer stop()
-	if err := zds.Write(uc, zds.Hello{Version: zds.Version}, nil); err != nil {
+	if err := zds.Write(uc, zds.Hello{Version: zds.Version, CgroupID: c.cgroupID()}, nil); err != nil {
 		return false, err
 	}
 	var snapshot []string

@@ -87,7 +87,7 @@ func newEnv(t testing.TB) *env {
 	netnstest.Route(t, e.b, mp("0.0.0.0/0"), netip.MustParseAddr("10.250.2.1"))
 	netnstest.Sysctl(t, e.node, "net/ipv4/ip_forward", "1")
 	for _, ns := range []*os.File{e.a, e.b} {
-		require.NoError(t, redirect.Apply(ns, redirect.Options{RedirectDNS: true}))
+		require.NoError(t, redirect.Apply(ns, redirect.Options{RedirectDNS: true, MarkOnly: true}))
 	}
 	ca, err := testca.New(td)
 	require.NoError(t, err)

@@ -1,0 +1,14 @@
+//go:build !linux
+
+package zds
+
+import (
+	"errors"
+	"net"
+)
+
+var errLinuxOnly = errors.New("zds: the agent's server is Linux-only (SO_PEERCRED, SOCK_SEQPACKET)")
+
+func listen(string) (*net.UnixListener, error) { return nil, errLinuxOnly }
+
+func (s *Server) checkPeer(*net.UnixConn) error { return errLinuxOnly }
