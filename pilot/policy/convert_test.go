@@ -130,6 +130,10 @@ rules: [{from: [{source: {namespaces: ["back"]}}], to: [{operation: {methods: ["
 		{"DENY with requestPrincipals denies its L4 part", []*securityclient.AuthorizationPolicy{ap(t, "prod", "jwt", `
 action: DENY
 rules: [{from: [{source: {requestPrincipals: ["*"], namespaces: ["front"]}}]}]`)}, conn, deniedBy("prod", "jwt")},
+		{"trustDomains in ALLOW matches nothing", []*securityclient.AuthorizationPolicy{ap(t, "prod", "td", `
+rules: [{from: [{source: {trustDomains: ["cluster.local"]}}]}]`)}, conn, unmatched},
+		{"serviceAccounts with namespaces in ALLOW matches nothing (Istio refuses it)", []*securityclient.AuthorizationPolicy{ap(t, "prod", "sa-ns", `
+rules: [{from: [{source: {serviceAccounts: ["front/web"], namespaces: ["front"]}}]}]`)}, conn, unmatched},
 		{"an empty source in ALLOW matches nothing (Istio refuses it)", []*securityclient.AuthorizationPolicy{ap(t, "prod", "empty-src", `
 rules: [{from: [{source: {}}]}]`)}, conn, unmatched},
 		{"an absent source in ALLOW matches nothing", []*securityclient.AuthorizationPolicy{ap(t, "prod", "no-src", `

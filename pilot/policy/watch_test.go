@@ -245,7 +245,6 @@ func TestWatcherRootSelectorPeerAuthentication(t *testing.T) {
 		require.Equal(c, []string{root + "/legacy", root + "/default"}, rootPAs(w.Snapshot()), "the selector policy is the older one")
 	}, 30*time.Second, 10*time.Millisecond)
 	snap := w.Snapshot()
-	require.True(t, snap.PeerAuths()[slices.IndexFunc(snap.PeerAuths(), func(p *policy.PeerAuth) bool { return p.Key() == root+"/legacy" })].Ignored)
 
 	var locals []*model.Workload
 	for _, ns := range []string{"billing", root} {
@@ -272,6 +271,7 @@ func TestWatcherRootSelectorPeerAuthentication(t *testing.T) {
 		require.Equal(t, authz.Decision{Reason: authz.ReasonMTLSRequired, Namespace: root, Name: "default"}, d, wl.UID)
 	}
 
+	require.True(t, snap.PeerAuths()[slices.IndexFunc(snap.PeerAuths(), func(p *policy.PeerAuth) bool { return p.Key() == root+"/legacy" })].Ignored)
 	require.Equal(t, 1.0, testutil.ToFloat64(problemGauge(reg, policy.KindPeerAuthentication, policy.ReasonIgnoredField)))
 	srv := httptest.NewServer(w.DebugHandler(func(string) *model.Workload { return nil }))
 	defer srv.Close()
