@@ -135,6 +135,16 @@ func ConvertAuthorizationPolicyIn(rootNS string, tds TrustDomains, ap *securityc
 		return out
 	}
 	p := &securityv1.Policy{Name: ap.Name, Namespace: ap.Namespace, Action: action, Selector: out.Selector}
+	// Scope as Istio's: a selector (with labels) selects in the policy's
+	// namespace and, for the root namespace, in every namespace
+	// (pilot/pkg/serviceregistry/kube/controller/ambient/workloads.go
+	// buildWorkloadPolicies matches a selector policy of the workload's
+	// namespace or of the root one; the AuthorizationPolicy reference: "If
+	// the authorization policy is in the root namespace, the selector will
+	// additionally match with workloads in all namespaces"). Without one, or
+	// with `selector: {}` (which selects every workload of those
+	// namespaces), the policy is namespace-wide, or mesh-wide in the root
+	// namespace. Unlike PeerAuthentication (ConvertPeerAuthentication).
 	switch {
 	case out.Selector != nil:
 		p.Scope = securityv1.Scope_SELECTOR
