@@ -104,6 +104,7 @@ const (
 	KindServiceAccounts       = "serviceaccounts"
 	KindServiceExports        = "serviceexports"
 	KindAuthorizationPolicies = "authorizationpolicies"
+	KindPeerAuthentications   = "peerauthentications"
 	KindRootCertificate       = "configmaps"
 )
 
@@ -112,7 +113,7 @@ const (
 // kubeconfig is expected to refuse them, so a refusal is not reported as
 // incomplete data; the checks that use them see the clusters that allow
 // them (the config cluster, read with the operator's own credentials).
-var ReaderOptionalKinds = []string{KindServiceAccounts, KindAuthorizationPolicies}
+var ReaderOptionalKinds = []string{KindServiceAccounts, KindAuthorizationPolicies, KindPeerAuthentications}
 
 // Cluster is what was read from one cluster.
 type Cluster struct {
@@ -132,6 +133,7 @@ type Cluster struct {
 	// control-plane namespace (nil: none).
 	RootCertificate       *corev1.ConfigMap
 	AuthorizationPolicies []*securityv1.AuthorizationPolicy
+	PeerAuthentications   []*securityv1.PeerAuthentication
 
 	// Unread maps a kind (Kind* constants) that could not be read to why
 	// (for example "Forbidden"): its list above is then empty.

@@ -29,6 +29,7 @@ func All() []analysis.Analyzer {
 		ServiceExports{},
 		RootCertificates{},
 		Principals{},
+		RootPeerAuthentications{},
 		DataCompleteness{},
 	}
 }

@@ -6,6 +6,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 	securityv1beta1 "istio.io/api/security/v1beta1"
+	typev1beta1 "istio.io/api/type/v1beta1"
 	securityv1 "istio.io/client-go/pkg/apis/security/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -179,5 +180,29 @@ func TestAllHaveDistinctNames(t *testing.T) {
 		require.False(t, seen[a.Name()], a.Name())
 		seen[a.Name()] = true
 	}
-	require.Len(t, seen, 11)
+	require.Len(t, seen, len(analyzers.All()))
+}
+
+// TestRootPeerAuthentications: only a root-namespace PeerAuthentication
+// whose selector has labels is reported (Istio applies it to no workload);
+// no selector or `selector: {}` there is mesh-wide, and a selector
+// elsewhere is workload-specific.
+func TestRootPeerAuthentications(t *testing.T) {
+	peerAuth := func(ns, name string, sel *typev1beta1.WorkloadSelector) *securityv1.PeerAuthentication {
+		return &securityv1.PeerAuthentication{ObjectMeta: meta(ns, name, t0), Spec: securityv1beta1.PeerAuthentication{Selector: sel,
+			Mtls: &securityv1beta1.PeerAuthentication_MutualTLS{Mode: securityv1beta1.PeerAuthentication_MutualTLS_PERMISSIVE}}}
+	}
+	legacy := &typev1beta1.WorkloadSelector{MatchLabels: map[string]string{"app": "legacy", "tier": "old"}}
+	snap := &analysis.Snapshot{Mesh: mesh(), Clusters: []*analysis.Cluster{{ID: "primary", PeerAuthentications: []*securityv1.PeerAuthentication{
+		peerAuth("isthmus-system", "legacy", legacy),
+		peerAuth("isthmus-system", "default", nil),
+		peerAuth("isthmus-system", "empty", &typev1beta1.WorkloadSelector{}),
+		peerAuth("demo", "legacy", legacy),
+	}}}}
+	msgs := analyzers.RootPeerAuthentications{}.Analyze(snap)
+	require.Equal(t, []string{"ISM0017 PeerAuthentication/isthmus-system/legacy primary"}, codes(msgs))
+	require.Equal(t, msg.Warning, msgs[0].Type.Level)
+	require.Equal(t, "PeerAuthentication in the root namespace with selector {app=legacy, tier=old} (mode PERMISSIVE) applies to no workload: "+
+		"Istio ignores a root-namespace PeerAuthentication with a selector; it is not mesh-wide and does not apply to the workloads it selects", msgs[0].Text())
+	require.Contains(t, analyzers.All(), analysis.Analyzer(analyzers.RootPeerAuthentications{}))
 }

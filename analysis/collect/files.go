@@ -37,9 +37,9 @@ type FilesConfig struct {
 //
 // Read are Namespaces, Services, Pods, ServiceAccounts, the root
 // certificate ConfigMap of the control-plane namespace, MCS
-// ServiceExports, Istio AuthorizationPolicies, and (in the config
-// cluster's folder) remote Secrets, whose kubeconfigs are not used:
-// remote clusters are not contacted. Other kinds are skipped. Files are
+// ServiceExports, Istio AuthorizationPolicies and PeerAuthentications,
+// and (in the config cluster's folder) remote Secrets, whose kubeconfigs
+// are not used: remote clusters are not contacted. Other kinds are skipped. Files are
 // the whole truth: nothing is reported unread.
 func Files(dir string, cfg FilesConfig) (*analysis.Snapshot, error) {
 	cfg.Mesh = meshDefaults(cfg.Mesh)
@@ -112,6 +112,8 @@ func sortObjects(c *analysis.Cluster, objs []kubeyaml.Object, ns string) ([]anal
 			err = add(&c.ServiceExports, o)
 		case gvk.Group == "security.istio.io" && gvk.Kind == "AuthorizationPolicy":
 			err = add(&c.AuthorizationPolicies, o)
+		case gvk.Group == "security.istio.io" && gvk.Kind == "PeerAuthentication":
+			err = add(&c.PeerAuthentications, o)
 		}
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", o.Source, err)

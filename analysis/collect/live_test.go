@@ -8,6 +8,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 	securityv1beta1 "istio.io/api/security/v1beta1"
+	typev1beta1 "istio.io/api/type/v1beta1"
 	securityv1 "istio.io/client-go/pkg/apis/security/v1"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -282,6 +283,43 @@ func TestUnknownPrincipal(t *testing.T) {
 	require.Equal(t, "principal cluster.local/ns/demo/sa/sleeep names service account demo/sleeep, which no cluster has", msgs[0].Text())
 }
 
+// TestRootPeerAuthenticationSelector (ISM0017): in primary, the operator
+// exempts a legacy app with a PERMISSIVE PeerAuthentication in the root
+// namespace whose selector is {app: legacy}, next to the STRICT default
+// and a `selector: {}` one (both mesh-wide), and a tenant does the same in
+// its own namespace (workload-specific). Only the root-namespace one with
+// labels is reported: it applies to no workload.
+func TestRootPeerAuthenticationSelector(t *testing.T) {
+	primary, _ := topology(t)
+	ctx := context.Background()
+	require.NoError(t, primary.InstallCRDs(filepath.Join("..", "..", "manifests", "base", "crds", "security.istio.io_peerauthentications.yaml")))
+	gvr := schema.GroupVersionResource{Group: "security.istio.io", Version: "v1", Resource: "peerauthentications"}
+	create := func(ns, name string, sel *typev1beta1.WorkloadSelector, mode securityv1beta1.PeerAuthentication_MutualTLS_Mode) {
+		t.Helper()
+		pa := &securityv1.PeerAuthentication{
+			TypeMeta:   metav1.TypeMeta{APIVersion: "security.istio.io/v1", Kind: "PeerAuthentication"},
+			ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+			Spec:       securityv1beta1.PeerAuthentication{Selector: sel, Mtls: &securityv1beta1.PeerAuthentication_MutualTLS{Mode: mode}},
+		}
+		obj, err := runtime.DefaultUnstructuredConverter.ToUnstructured(pa)
+		require.NoError(t, err)
+		dyn := dynamic.NewForConfigOrDie(primary.Config).Resource(gvr).Namespace(ns)
+		_, err = dyn.Create(ctx, &unstructured.Unstructured{Object: obj}, metav1.CreateOptions{})
+		require.NoError(t, err)
+		cleanup(t, func(ctx context.Context) error { return dyn.Delete(ctx, name, metav1.DeleteOptions{}) })
+	}
+	legacy := &typev1beta1.WorkloadSelector{MatchLabels: map[string]string{"app": "legacy"}}
+	create(cpNS, "legacy", legacy, securityv1beta1.PeerAuthentication_MutualTLS_PERMISSIVE)
+	create(cpNS, "default", nil, securityv1beta1.PeerAuthentication_MutualTLS_STRICT)
+	create(cpNS, "everyone", &typev1beta1.WorkloadSelector{}, securityv1beta1.PeerAuthentication_MutualTLS_STRICT)
+	create(demoNS, "legacy", legacy, securityv1beta1.PeerAuthentication_MutualTLS_PERMISSIVE)
+
+	snap, msgs := analyzeLive(t, analysis.Mesh{})
+	require.Len(t, snap.Cluster("primary").PeerAuthentications, 4)
+	requireOnly(t, msgs, "ISM0017 PeerAuthentication/isthmus-system/legacy primary")
+	require.Contains(t, msgs[0].Text(), "with selector {app=legacy} (mode PERMISSIVE) applies to no workload")
+}
+
 // TestClusterDataIncomplete (ISM0016): a remote whose credentials may list
 // namespaces and pods but not Services or ServiceExports.
 func TestClusterDataIncomplete(t *testing.T) {
@@ -315,6 +353,6 @@ func TestClusterDataIncomplete(t *testing.T) {
 	requireOnly(t, msgs, "ISM0016 Cluster/cluster-6 ", "ISM0016 Cluster/cluster-6 ")
 	require.Equal(t, "cluster cluster-6: serviceexports could not be read (Forbidden); checks that use them saw only the other clusters", msgs[0].Text())
 	require.Equal(t, "cluster cluster-6: services could not be read (Forbidden); checks that use them saw only the other clusters", msgs[1].Text())
-	require.Equal(t, map[string]string{"services": "Forbidden", "serviceexports": "Forbidden", "serviceaccounts": "Forbidden", "authorizationpolicies": "Forbidden"},
+	require.Equal(t, map[string]string{"services": "Forbidden", "serviceexports": "Forbidden", "serviceaccounts": "Forbidden", "authorizationpolicies": "Forbidden", "peerauthentications": "Forbidden"},
 		snap.Cluster("cluster-6").Unread)
 }

@@ -30,6 +30,13 @@ var AuthorizationPolicyGVRs = []schema.GroupVersionResource{
 	{Group: "security.istio.io", Version: "v1beta1", Resource: "authorizationpolicies"},
 }
 
+// PeerAuthenticationGVRs are the PeerAuthentication versions read,
+// preferred first (both have the same spec).
+var PeerAuthenticationGVRs = []schema.GroupVersionResource{
+	{Group: "security.istio.io", Version: "v1", Resource: "peerauthentications"},
+	{Group: "security.istio.io", Version: "v1beta1", Resource: "peerauthentications"},
+}
+
 // readCluster lists what the checks need from one cluster into c. A kind
 // whose API is not served (no CRD) has no objects; a kind that cannot be
 // listed (forbidden, say) is recorded in c.Unread.
@@ -72,6 +79,11 @@ func readCluster(ctx context.Context, cl *multicluster.Client, c *analysis.Clust
 	if !unread(analysis.KindAuthorizationPolicies, err) {
 		c.AuthorizationPolicies, err = convertAll[securityv1.AuthorizationPolicy](policies)
 		unread(analysis.KindAuthorizationPolicies, err)
+	}
+	peerAuths, err := listCustom(ctx, cl, PeerAuthenticationGVRs)
+	if !unread(analysis.KindPeerAuthentications, err) {
+		c.PeerAuthentications, err = convertAll[securityv1.PeerAuthentication](peerAuths)
+		unread(analysis.KindPeerAuthentications, err)
 	}
 }
 

@@ -191,16 +191,35 @@ var (
 	// ClusterDataIncomplete (ISM0016, Info): Some kind of object could not be read
 	// in a cluster (for example Services or Pods that a remote Secret's
 	// credentials may not list). The checks that need it used what was readable.
-	// ServiceAccounts and AuthorizationPolicies, which pilot's remote reader is
-	// not granted, are expected to be refused in remote clusters and are not
-	// reported.
+	// ServiceAccounts, AuthorizationPolicies and PeerAuthentications, which
+	// pilot's remote reader is not granted, are expected to be refused in remote
+	// clusters and are not reported.
 	ClusterDataIncomplete = &Type{
 		Code:        "ISM0016",
 		Name:        "ClusterDataIncomplete",
 		Level:       Info,
 		Template:    "cluster %s: %s could not be read (%s); checks that use them saw only the other clusters",
 		Args:        []string{"cluster", "kind", "reason"},
-		Description: "Some kind of object could not be read in a cluster (for example Services or Pods that a remote Secret's credentials may not list). The checks that need it used what was readable. ServiceAccounts and AuthorizationPolicies, which pilot's remote reader is not granted, are expected to be refused in remote clusters and are not reported.",
+		Description: "Some kind of object could not be read in a cluster (for example Services or Pods that a remote Secret's credentials may not list). The checks that need it used what was readable. ServiceAccounts, AuthorizationPolicies and PeerAuthentications, which pilot's remote reader is not granted, are expected to be refused in remote clusters and are not reported.",
+	}
+	// RootPeerAuthenticationSelector (ISM0017, Warning): A PeerAuthentication
+	// (security.istio.io) in the root namespace (the control-plane namespace) has
+	// a workload selector. Istio applies such a policy to no workload: it is not
+	// mesh-wide, and not workload-specific either, in any namespace, the root one
+	// included (Istio's ComposePeerAuthentication and its ambient conversion keep
+	// workload-level policies only outside the root namespace). Pilot does the
+	// same and counts it in
+	// isthmus_policy_problems{kind="PeerAuthentication",reason="ignored_field"}.
+	// To set the mode of the selected workloads, put a PeerAuthentication with
+	// that selector in each of their namespaces; for a mesh-wide mode, remove the
+	// selector.
+	RootPeerAuthenticationSelector = &Type{
+		Code:        "ISM0017",
+		Name:        "RootPeerAuthenticationSelector",
+		Level:       Warning,
+		Template:    "PeerAuthentication in the root namespace with selector %s (mode %s) applies to no workload: Istio ignores a root-namespace PeerAuthentication with a selector; it is not mesh-wide and does not apply to the workloads it selects",
+		Args:        []string{"selector", "mode"},
+		Description: "A PeerAuthentication (security.istio.io) in the root namespace (the control-plane namespace) has a workload selector. Istio applies such a policy to no workload: it is not mesh-wide, and not workload-specific either, in any namespace, the root one included (Istio's ComposePeerAuthentication and its ambient conversion keep workload-level policies only outside the root namespace). Pilot does the same and counts it in isthmus_policy_problems{kind=\"PeerAuthentication\",reason=\"ignored_field\"}. To set the mode of the selected workloads, put a PeerAuthentication with that selector in each of their namespaces; for a mesh-wide mode, remove the selector.",
 	}
 )
 
@@ -223,6 +242,7 @@ func All() []*Type {
 		RootCertificateMissing,
 		UnknownPrincipal,
 		ClusterDataIncomplete,
+		RootPeerAuthenticationSelector,
 	}
 }
 
@@ -304,4 +324,9 @@ func NewUnknownPrincipal(r Resource, principal string, namespace string, service
 // NewClusterDataIncomplete returns a ClusterDataIncomplete (ISM0016) message about r.
 func NewClusterDataIncomplete(r Resource, cluster string, kind string, reason string) Message {
 	return Message{Type: ClusterDataIncomplete, Resource: r, Args: []any{cluster, kind, reason}}
+}
+
+// NewRootPeerAuthenticationSelector returns a RootPeerAuthenticationSelector (ISM0017) message about r.
+func NewRootPeerAuthenticationSelector(r Resource, selector string, mode string) Message {
+	return Message{Type: RootPeerAuthenticationSelector, Resource: r, Args: []any{selector, mode}}
 }

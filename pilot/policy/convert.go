@@ -31,8 +31,9 @@ const (
 	// (targetRef/targetRefs), not the workloads ztunnel serves.
 	ReasonTargetRef = "target_ref"
 	// ReasonIgnoredField: a field Istio ignores in that place (a
-	// PeerAuthentication's port-level modes without a selector, a selector
-	// on a mesh-wide PeerAuthentication).
+	// PeerAuthentication's port-level modes without a selector), or that
+	// makes Istio ignore the whole policy (a selector on a PeerAuthentication
+	// of the root namespace: it applies to no workload).
 	ReasonIgnoredField = "ignored_field"
 )
 
@@ -134,6 +135,16 @@ func ConvertAuthorizationPolicyIn(rootNS string, tds TrustDomains, ap *securityc
 		return out
 	}
 	p := &securityv1.Policy{Name: ap.Name, Namespace: ap.Namespace, Action: action, Selector: out.Selector}
+	// Scope as Istio's: a selector (with labels) selects in the policy's
+	// namespace and, for the root namespace, in every namespace
+	// (pilot/pkg/serviceregistry/kube/controller/ambient/workloads.go
+	// buildWorkloadPolicies matches a selector policy of the workload's
+	// namespace or of the root one; the AuthorizationPolicy reference: "If
+	// the authorization policy is in the root namespace, the selector will
+	// additionally match with workloads in all namespaces"). Without one, or
+	// with `selector: {}` (which selects every workload of those
+	// namespaces), the policy is namespace-wide, or mesh-wide in the root
+	// namespace. Unlike PeerAuthentication (ConvertPeerAuthentication).
 	switch {
 	case out.Selector != nil:
 		p.Scope = securityv1.Scope_SELECTOR
@@ -219,8 +230,29 @@ func (cv *converter) unsupported(path string, fields map[string][]string) {
 	}
 }
 
+// empty reports whether every list is empty.
+func empty(lists ...[]string) bool {
+	for _, l := range lists {
+		if len(l) > 0 {
+			return false
+		}
+	}
+	return true
+}
+
 func (cv *converter) source(path string, s *v1beta1.Source) *securityv1.Match {
 	m := &securityv1.Match{}
+	// Istio's validation refuses an empty (or absent) source ("`from.source`
+	// must not be empty", pkg/config/validation); without that webhook it
+	// would match every peer here, so it is an invalid value: an ALLOW rule
+	// holding it matches nothing.
+	if empty(s.GetPrincipals(), s.GetNotPrincipals(), s.GetRequestPrincipals(), s.GetNotRequestPrincipals(),
+		s.GetNamespaces(), s.GetNotNamespaces(), s.GetServiceAccounts(), s.GetNotServiceAccounts(),
+		s.GetIpBlocks(), s.GetNotIpBlocks(), s.GetRemoteIpBlocks(), s.GetNotRemoteIpBlocks(),
+		s.GetTrustDomains(), s.GetNotTrustDomains()) {
+		cv.report(ReasonInvalidValue, path+" (empty)")
+		return m
+	}
 	cv.unsupported(path, map[string][]string{
 		"requestPrincipals": s.GetRequestPrincipals(), "notRequestPrincipals": s.GetNotRequestPrincipals(),
 		"remoteIpBlocks": s.GetRemoteIpBlocks(), "notRemoteIpBlocks": s.GetNotRemoteIpBlocks(),
@@ -266,6 +298,11 @@ func (cv *converter) serviceAccounts(sas []string) []*securityv1.StringMatch {
 
 func (cv *converter) operation(path string, o *v1beta1.Operation) *securityv1.Match {
 	m := &securityv1.Match{}
+	// Likewise "`to.operation` must not be empty".
+	if empty(o.GetHosts(), o.GetNotHosts(), o.GetPorts(), o.GetNotPorts(), o.GetMethods(), o.GetNotMethods(), o.GetPaths(), o.GetNotPaths()) {
+		cv.report(ReasonInvalidValue, path+" (empty)")
+		return m
+	}
 	cv.unsupported(path, map[string][]string{
 		"hosts": o.GetHosts(), "notHosts": o.GetNotHosts(), "methods": o.GetMethods(), "notMethods": o.GetNotMethods(),
 		"paths": o.GetPaths(), "notPaths": o.GetNotPaths(),
@@ -389,7 +426,11 @@ func ports(in []string) (out []uint32, ok bool) {
 // PeerAuth is one PeerAuthentication as pilot holds it.
 type PeerAuth struct {
 	Namespace, Name string
-	Selector        map[string]string
+	// Selector is the workload selector (nil: none, or an empty one).
+	Selector map[string]string
+	// Ignored marks a policy that applies to no workload: one in the root
+	// namespace with a selector (see ConvertPeerAuthentication).
+	Ignored bool
 	// Mode is the top-level mode; ok false when UNSET (inherited).
 	Mode    securityv1.MTLSMode
 	ModeSet bool
@@ -402,19 +443,50 @@ type PeerAuth struct {
 // Key returns "<namespace>/<name>".
 func (p *PeerAuth) Key() string { return p.Namespace + "/" + p.Name }
 
-// ConvertPeerAuthentication converts pa. Port-level modes count only with
-// a selector outside the root namespace, and a selector in the root
-// namespace is ignored, as in Istio; both are reported.
+// effectRootSelector is the effect of a selector on a root-namespace
+// PeerAuthentication.
+const effectRootSelector = "ignored, as Istio does: a PeerAuthentication in the root namespace with a selector applies to no workload, neither mesh-wide nor to the workloads it selects"
+
+// ConvertPeerAuthentication converts pa. Its level is Istio's:
+//
+//   - no selector, or one without labels (`selector: {}`): mesh-wide in the
+//     root namespace, namespace-wide elsewhere;
+//   - a selector with labels outside the root namespace: the workloads it
+//     selects in its own namespace, with its port-level modes;
+//   - a selector with labels in the root namespace: no workload at all. The
+//     policy is kept (listed, reported as ReasonIgnoredField on
+//     spec.selector) but is never part of any workload's mode.
+//
+// The last rule is what Istio's code does in both data planes, and it
+// matters because the obvious readings are wrong: such a policy is not
+// mesh-wide, and it is not workload-specific either, not even for the
+// root namespace's own workloads. Sidecars:
+// pilot/pkg/security/authn/policy_applier.go, ComposePeerAuthentication
+// ("Workload-level policy, aka the one with selector and not in root
+// namespace"; root-namespace ones "will be safely ignored"). Ambient
+// (ztunnel): pilot/pkg/serviceregistry/kube/controller/ambient/workloads.go
+// fetchPeerAuthentications offers it only to the root namespace's own
+// workloads, then authorization.go convertedSelectorPeerAuthentications
+// drops it by the same rule and convertPeerAuthentication returns nil for
+// every root-namespace policy. (The `selector` field's text in Istio's
+// PeerAuthentication reference says a root-namespace selector "will
+// additionally match with workloads in all namespace"; neither data plane
+// does so.)
+//
+// Port-level modes count only at the workload level; elsewhere they are
+// ignored, as in Istio (its CRD refuses them without a selector), and
+// reported.
 func ConvertPeerAuthentication(rootNS string, pa *securityclient.PeerAuthentication) *PeerAuth {
 	out := &PeerAuth{Namespace: pa.Namespace, Name: pa.Name, Created: pa.CreationTimestamp.Time}
+	out.Mode, out.ModeSet = mtlsMode(pa.Spec.GetMtls().GetMode())
 	if ml := pa.Spec.GetSelector().GetMatchLabels(); len(ml) > 0 {
+		out.Selector = maps.Clone(ml)
 		if pa.Namespace == rootNS {
-			out.Problems = append(out.Problems, problem(ReasonIgnoredField, "spec.selector", effectIgnored+": a root-namespace PeerAuthentication is mesh-wide"))
-		} else {
-			out.Selector = maps.Clone(ml)
+			out.Ignored = true
+			out.Problems = append(out.Problems, problem(ReasonIgnoredField, "spec.selector", effectRootSelector))
+			return out
 		}
 	}
-	out.Mode, out.ModeSet = mtlsMode(pa.Spec.GetMtls().GetMode())
 	for port, m := range pa.Spec.GetPortLevelMtls() {
 		if out.Selector == nil {
 			out.Problems = append(out.Problems, problem(ReasonIgnoredField, fmt.Sprintf("spec.portLevelMtls[%d]", port), effectIgnored+": port-level modes need a workload selector"))

@@ -130,6 +130,27 @@ rules: [{from: [{source: {namespaces: ["back"]}}], to: [{operation: {methods: ["
 		{"DENY with requestPrincipals denies its L4 part", []*securityclient.AuthorizationPolicy{ap(t, "prod", "jwt", `
 action: DENY
 rules: [{from: [{source: {requestPrincipals: ["*"], namespaces: ["front"]}}]}]`)}, conn, deniedBy("prod", "jwt")},
+		{"trustDomains in ALLOW matches nothing", []*securityclient.AuthorizationPolicy{ap(t, "prod", "td", `
+rules: [{from: [{source: {trustDomains: ["cluster.local"]}}]}]`)}, conn, unmatched},
+		{"serviceAccounts with namespaces in ALLOW matches nothing (Istio refuses it)", []*securityclient.AuthorizationPolicy{ap(t, "prod", "sa-ns", `
+rules: [{from: [{source: {serviceAccounts: ["front/web"], namespaces: ["front"]}}]}]`)}, conn, unmatched},
+		{"an empty source in ALLOW matches nothing (Istio refuses it)", []*securityclient.AuthorizationPolicy{ap(t, "prod", "empty-src", `
+rules: [{from: [{source: {}}]}]`)}, conn, unmatched},
+		{"an absent source in ALLOW matches nothing", []*securityclient.AuthorizationPolicy{ap(t, "prod", "no-src", `
+rules: [{from: [{}]}]`)}, conn, unmatched},
+		{"an empty operation in ALLOW matches nothing", []*securityclient.AuthorizationPolicy{ap(t, "prod", "empty-op", `
+rules: [{to: [{operation: {}}]}]`)}, conn, unmatched},
+		{"an empty source in DENY denies", []*securityclient.AuthorizationPolicy{ap(t, "prod", "deny-empty", `
+action: DENY
+rules: [{from: [{source: {}}]}]`)}, conn, deniedBy("prod", "deny-empty")},
+		{"empty selector is namespace-wide", []*securityclient.AuthorizationPolicy{ap(t, "prod", "ns", `
+action: DENY
+selector: {}
+rules: [{}]`)}, conn, deniedBy("prod", "ns")},
+		{"root-namespace empty selector is mesh-wide", []*securityclient.AuthorizationPolicy{ap(t, root, "mesh", `
+action: DENY
+selector: {matchLabels: {}}
+rules: [{}]`)}, conn, deniedBy(root, "mesh")},
 		{"an invalid port in ALLOW matches nothing", []*securityclient.AuthorizationPolicy{ap(t, "prod", "bad", `
 rules: [{to: [{operation: {ports: ["http"]}}]}]`)}, conn, unmatched},
 		{"CUSTOM is not enforced", []*securityclient.AuthorizationPolicy{ap(t, "prod", "ext", `
@@ -238,6 +259,17 @@ func TestPeerAuthenticationPrecedence(t *testing.T) {
 			&securityv1.PeerAuthentication{}},
 		{"port levels without selector are ignored", []*securityclient.PeerAuthentication{pa("prod", "ns", 0, nil, permissive, map[uint32]v1beta1.PeerAuthentication_MutualTLS_Mode{8080: strict})},
 			&securityv1.PeerAuthentication{Mode: securityv1.MTLSMode_PERMISSIVE, Sources: []string{"prod/ns"}}},
+		// Istio: a root-namespace policy with a selector is no level at all.
+		{"root-namespace selector is not mesh-wide", []*securityclient.PeerAuthentication{pa(root, "legacy", time.Hour, map[string]string{"app": "legacy"}, permissive, nil), pa(root, "default", 0, nil, strict, nil)},
+			&securityv1.PeerAuthentication{Mode: securityv1.MTLSMode_STRICT, Sources: []string{root + "/default"}}},
+		{"root-namespace selector alone leaves the default", []*securityclient.PeerAuthentication{pa(root, "legacy", 0, map[string]string{"app": "legacy"}, disable, nil)},
+			&securityv1.PeerAuthentication{}},
+		{"root-namespace selector matching the workload does not apply either", []*securityclient.PeerAuthentication{pa(root, "apis", 0, app, permissive, map[uint32]v1beta1.PeerAuthentication_MutualTLS_Mode{8080: disable})},
+			&securityv1.PeerAuthentication{}},
+		{"root-namespace empty selector is mesh-wide", []*securityclient.PeerAuthentication{pa(root, "mesh", 0, map[string]string{}, permissive, nil)},
+			&securityv1.PeerAuthentication{Mode: securityv1.MTLSMode_PERMISSIVE, Sources: []string{root + "/mesh"}}},
+		{"namespace empty selector is namespace-wide", []*securityclient.PeerAuthentication{pa(root, "mesh", 0, nil, permissive, nil), pa("prod", "ns", 0, map[string]string{}, strict, nil)},
+			&securityv1.PeerAuthentication{Mode: securityv1.MTLSMode_STRICT, Sources: []string{root + "/mesh", "prod/ns"}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var pas []*policy.PeerAuth
@@ -251,6 +283,56 @@ func TestPeerAuthenticationPrecedence(t *testing.T) {
 	}
 	p := policy.ConvertPeerAuthentication(root, pa("prod", "ns", 0, nil, strict, map[uint32]v1beta1.PeerAuthentication_MutualTLS_Mode{8080: permissive}))
 	require.Equal(t, policy.ReasonIgnoredField, p.Problems[0].GetReason())
+}
+
+// TestRootNamespaceSelectorPeerAuthentication: an operator exempts a legacy
+// app from mTLS with a PERMISSIVE PeerAuthentication in the root namespace
+// whose selector is {app: legacy}, next to a STRICT mesh default. Istio
+// applies it to no workload (not mesh-wide, not to the workloads it
+// selects, in any namespace, the root one included), and so does Isthmus:
+// plaintext to every workload, legacy or not, in prod or in the root
+// namespace, is refused by ztunnel's check. The policy is listed as
+// ignored, with the reason.
+func TestRootNamespaceSelectorPeerAuthentication(t *testing.T) {
+	legacy := pa(root, "legacy", time.Hour, map[string]string{"app": "legacy"}, v1beta1.PeerAuthentication_MutualTLS_PERMISSIVE, nil)
+	def := pa(root, "default", 0, nil, v1beta1.PeerAuthentication_MutualTLS_STRICT, nil)
+	converted := policy.ConvertPeerAuthentication(root, legacy)
+	require.True(t, converted.Ignored)
+	require.Equal(t, map[string]string{"app": "legacy"}, converted.Selector)
+	require.Len(t, converted.Problems, 1)
+	require.Equal(t, policy.ReasonIgnoredField, converted.Problems[0].GetReason())
+	require.Equal(t, "spec.selector", converted.Problems[0].GetField())
+	require.Contains(t, converted.Problems[0].GetEffect(), "applies to no workload")
+	snap, err := policy.NewSnapshot(root, nil, []*policy.PeerAuth{converted, policy.ConvertPeerAuthentication(root, def)})
+	require.NoError(t, err)
+	require.Len(t, snap.PeerAuths(), 2, "both are listed")
+
+	var locals []*model.Workload
+	for _, ns := range []string{"prod", root} {
+		for _, app := range []string{"legacy", "api"} {
+			locals = append(locals, &model.Workload{Placement: &model.Placement{Cluster: "c1", Node: "n1", Namespace: ns, ServiceAccount: app},
+				UID: "c1/" + ns + "/" + app, Labels: map[string]string{"app": app}})
+		}
+	}
+	res, err := snap.NodeResources(locals)
+	require.NoError(t, err)
+	var all []*securityv1.Authorization
+	for _, b := range res {
+		a := &securityv1.Authorization{}
+		require.NoError(t, protoUnmarshal(b, a))
+		all = append(all, a)
+	}
+	zs, err := authz.NewSnapshot(all)
+	require.NoError(t, err)
+	for _, w := range locals {
+		t.Run(w.UID, func(t *testing.T) {
+			got := snap.PeerAuthentication(w.Namespace, w.Labels)
+			require.Equal(t, securityv1.MTLSMode_STRICT, got.GetMode())
+			require.Equal(t, []string{root + "/default"}, got.GetSources())
+			d := zs.Evaluate(authz.Conn{Workload: w.UID, Plaintext: true, SourceIP: netip.MustParseAddr("10.9.0.1"), DestinationPort: 8080})
+			require.Equal(t, authz.Decision{Reason: authz.ReasonMTLSRequired, Namespace: root, Name: "default"}, d)
+		})
+	}
 }
 
 // TestTrustDomainAliases: Istio's meshConfig trustDomainAliases, through
@@ -317,4 +399,49 @@ func TestTrustDomainAliases(t *testing.T) {
 		spec := "action: DENY\nrules: [{from: [{source: {notPrincipals: [\"network-1.example/ns/front/sa/web\"]}}]}]"
 		require.Equal(t, authz.Decision{Allowed: true}, decideIn(t, tds, web("network-2.example"), spec), "not denied: the alias peer is the excluded principal")
 	})
+}
+
+// TestFederatedPeerNamespaces pins a known behaviour, Istio's: the
+// namespace and service-account fields of a source (namespaces,
+// serviceAccounts, when source.namespace) name a namespace and account of
+// ANY trust domain the mesh accepts peers from. Istio's ztunnel matches
+// them on the peer identity's namespace and account with the trust domain
+// ignored (src/rbac.rs: ServiceAccountMatch, namespaces), and its sidecars
+// match namespaces as ".*/ns/<ns>/.*" on the principal. So a workload of a
+// federated trust domain running as front/web passes an ALLOW written for
+// front or front/web, exactly as the local front/web does; nothing else
+// does: not another account or namespace of that domain, not plaintext.
+// Only principals name a trust domain, so they are how a policy admits the
+// local domain alone.
+func TestFederatedPeerNamespaces(t *testing.T) {
+	id := func(td, ns, sa string) identity.Identity {
+		return identity.Identity{TrustDomain: td, Namespace: ns, ServiceAccount: sa}
+	}
+	const local, federated = "cluster.local", "partner.example"
+	allowed := authz.Decision{Allowed: true, Namespace: "prod", Name: "allow"}
+	unmatched := authz.Decision{Reason: authz.ReasonAllowUnmatched}
+	for _, tc := range []struct {
+		name, spec string
+		peer       identity.Identity
+		want       authz.Decision
+	}{
+		{"namespaces: local peer", `rules: [{from: [{source: {namespaces: ["front"]}}]}]`, id(local, "front", "web"), allowed},
+		{"namespaces: federated peer of that namespace", `rules: [{from: [{source: {namespaces: ["front"]}}]}]`, id(federated, "front", "other"), allowed},
+		{"namespaces: federated peer of another namespace", `rules: [{from: [{source: {namespaces: ["front"]}}]}]`, id(federated, "back", "web"), unmatched},
+		{"namespaces: no peer identity", `rules: [{from: [{source: {namespaces: ["front"]}}]}]`, identity.Identity{}, unmatched},
+		{"when source.namespace: federated peer", `rules: [{when: [{key: source.namespace, values: ["front"]}]}]`, id(federated, "front", "web"), allowed},
+		{"serviceAccounts: federated peer of that account", `rules: [{from: [{source: {serviceAccounts: ["front/web"]}}]}]`, id(federated, "front", "web"), allowed},
+		{"serviceAccounts: federated peer of another account", `rules: [{from: [{source: {serviceAccounts: ["front/web"]}}]}]`, id(federated, "front", "other"), unmatched},
+		{"serviceAccounts: federated peer of another namespace", `rules: [{from: [{source: {serviceAccounts: ["front/web"]}}]}]`, id(federated, "back", "web"), unmatched},
+		{"serviceAccounts: an account whose name ends like it", `rules: [{from: [{source: {serviceAccounts: ["front/web"]}}]}]`, id(federated, "front", "myweb"), unmatched},
+		{"principals of the local domain: federated peer refused", `rules: [{from: [{source: {principals: ["cluster.local/ns/front/sa/web"]}}]}]`, id(federated, "front", "web"), unmatched},
+		{"principals of the local domain: local peer", `rules: [{from: [{source: {principals: ["cluster.local/ns/front/sa/web"]}}]}]`, id(local, "front", "web"), allowed},
+		{"principals of the local domain's namespace: federated peer refused", `rules: [{from: [{source: {principals: ["cluster.local/ns/front/*"]}}]}]`, id(federated, "front", "web"), unmatched},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := conn
+			c.Peer = tc.peer // zero: no identity, as a plaintext connection has
+			require.Equal(t, tc.want, decide(t, c, ap(t, "prod", "allow", tc.spec)))
+		})
+	}
 }

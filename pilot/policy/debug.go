@@ -34,12 +34,15 @@ type PolicySummary struct {
 
 // PeerAuthSummary describes one PeerAuthentication.
 type PeerAuthSummary struct {
-	Namespace string                `json:"namespace"`
-	Name      string                `json:"name"`
-	Selector  map[string]string     `json:"selector,omitempty"`
-	Mode      string                `json:"mode"`
-	Ports     map[uint32]string     `json:"ports,omitempty"`
-	Problems  []*securityv1.Problem `json:"problems,omitempty"`
+	Namespace string            `json:"namespace"`
+	Name      string            `json:"name"`
+	Selector  map[string]string `json:"selector,omitempty"`
+	// Ignored: the policy applies to no workload (a root-namespace
+	// policy with a selector, as in Istio).
+	Ignored  bool                  `json:"ignored,omitempty"`
+	Mode     string                `json:"mode"`
+	Ports    map[uint32]string     `json:"ports,omitempty"`
+	Problems []*securityv1.Problem `json:"problems,omitempty"`
 }
 
 // Summary describes every policy and its problems.
@@ -55,7 +58,7 @@ func (w *Watcher) Summary() Summary {
 		out.AuthorizationPolicies = append(out.AuthorizationPolicies, ps)
 	}
 	for _, pa := range s.PeerAuths() {
-		ps := PeerAuthSummary{Namespace: pa.Namespace, Name: pa.Name, Selector: pa.Selector, Mode: "UNSET", Problems: pa.Problems}
+		ps := PeerAuthSummary{Namespace: pa.Namespace, Name: pa.Name, Selector: pa.Selector, Ignored: pa.Ignored, Mode: "UNSET", Problems: pa.Problems}
 		if pa.ModeSet {
 			ps.Mode = pa.Mode.String()
 		}

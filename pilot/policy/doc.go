@@ -25,10 +25,13 @@
 //     is a Problem of the policy: logged, counted in
 //     isthmus_policy_problems{kind,reason} and listed by
 //     /debug/authorizationz.
-//   - PeerAuthentication: the oldest policy of each level (mesh, namespace,
-//     workload selector) counts; a more specific level's mode replaces a
+//   - PeerAuthentication: the oldest policy of each level (mesh: the root
+//     namespace without a selector; namespace; workload: a selector outside
+//     the root namespace) counts; a more specific level's mode replaces a
 //     broader one's unless UNSET; port-level modes come from the workload
-//     level; with none set the mode is STRICT.
+//     level; with none set the mode is STRICT. A root-namespace
+//     PeerAuthentication with a selector applies to no workload (Istio's
+//     code ignores it; see ConvertPeerAuthentication), which is reported.
 //
 // A Watcher keeps the current Snapshot; pilot/xds serves each node ztunnel
 // the part of it that concerns the node (Snapshot.NodeResources).

@@ -28,7 +28,9 @@ type Snapshot struct {
 	// encoded are the resource encodings of the enforced policies.
 	encoded map[string][]byte
 	// peerAuths are every PeerAuthentication by key; meshPA, nsPA and selPA
-	// index them like the policies, oldest first.
+	// index those that apply to some workload (not the Ignored ones) by
+	// level, oldest first: mesh (root namespace, no selector), namespace (no
+	// selector) and workload (a selector, outside the root namespace).
 	peerAuths map[string]*PeerAuth
 	meshPA    []*PeerAuth
 	nsPA      map[string][]*PeerAuth
@@ -70,6 +72,9 @@ func NewSnapshot(rootNS string, aps []*Policy, pas []*PeerAuth) (*Snapshot, erro
 	for _, pa := range pas {
 		s.peerAuths[pa.Key()] = pa
 		switch {
+		case pa.Ignored:
+			// A root-namespace policy with a selector: listed, never applied
+			// (see ConvertPeerAuthentication).
 		case pa.Selector != nil:
 			s.selPA[pa.Namespace] = append(s.selPA[pa.Namespace], pa)
 		case pa.Namespace == rootNS:

@@ -9,6 +9,7 @@ import (
 	"net/http/httptest"
 	"net/netip"
 	"os"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -20,6 +21,7 @@ import (
 	"go.uber.org/goleak"
 	"google.golang.org/protobuf/encoding/protojson"
 	"istio.io/api/security/v1beta1"
+	securityclient "istio.io/client-go/pkg/apis/security/v1"
 	"istio.io/client-go/pkg/clientset/versioned"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -200,4 +202,95 @@ func gaugeOf(reg *prometheus.Registry, name string, labels map[string]string) pr
 		}
 	}
 	return g
+}
+
+// TestWatcherRootSelectorPeerAuthentication: on a real API server, the
+// control-plane operator writes a PERMISSIVE PeerAuthentication in the root
+// namespace with selector {app: legacy} (created first, so it is the oldest
+// root-namespace policy), then the STRICT mesh default. As in Istio, the
+// selector policy applies to no workload: no workload's mode changes, in a
+// tenant namespace or in the root namespace, legacy or not; plaintext to
+// each is refused by the resources its ztunnel gets. The policy is listed
+// as ignored, and counted and logged as an ignored_field problem.
+func TestWatcherRootSelectorPeerAuthentication(t *testing.T) {
+	ctx := context.Background()
+	c := clusters.Cluster("config")
+	require.NoError(t, c.InstallCRDs("../../manifests/base/crds"))
+	require.NoError(t, c.EnsureNamespace(ctx, root, nil))
+	require.NoError(t, c.EnsureNamespace(ctx, "billing", nil))
+	reg := prometheus.NewRegistry()
+	w, client := runWatcher(t, "config", reg)
+	require.Eventually(t, w.HasSynced, 30*time.Second, 10*time.Millisecond)
+	pas := client.SecurityV1().PeerAuthentications(root)
+	create := func(p *securityclient.PeerAuthentication) {
+		t.Helper()
+		p.CreationTimestamp = metav1.Time{}
+		_, err := pas.Create(ctx, p, metav1.CreateOptions{})
+		require.NoError(t, err)
+		t.Cleanup(func() { require.NoError(t, pas.Delete(context.Background(), p.Name, metav1.DeleteOptions{})) })
+	}
+	create(pa(root, "legacy", 0, map[string]string{"app": "legacy"}, v1beta1.PeerAuthentication_MutualTLS_PERMISSIVE, nil))
+	waitNewerSecond(t)
+	create(pa(root, "default", 0, nil, v1beta1.PeerAuthentication_MutualTLS_STRICT, nil))
+	rootPAs := func(s *policy.Snapshot) []string {
+		var out []string
+		for _, p := range s.PeerAuths() { // oldest first
+			if p.Namespace == root {
+				out = append(out, p.Key())
+			}
+		}
+		return out
+	}
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		require.Equal(c, []string{root + "/legacy", root + "/default"}, rootPAs(w.Snapshot()), "the selector policy is the older one")
+	}, 30*time.Second, 10*time.Millisecond)
+	snap := w.Snapshot()
+
+	var locals []*model.Workload
+	for _, ns := range []string{"billing", root} {
+		for _, app := range []string{"legacy", "api"} {
+			locals = append(locals, &model.Workload{Placement: &model.Placement{Cluster: "c1", Node: "n1", Namespace: ns, ServiceAccount: app},
+				UID: "c1/" + ns + "/" + app + "-0", Labels: map[string]string{"app": app}})
+		}
+	}
+	res, err := snap.NodeResources(locals)
+	require.NoError(t, err)
+	var all []*securityv1.Authorization
+	for _, b := range res {
+		a := &securityv1.Authorization{}
+		require.NoError(t, protoUnmarshal(b, a))
+		all = append(all, a)
+	}
+	zs, err := authz.NewSnapshot(all)
+	require.NoError(t, err)
+	for _, wl := range locals {
+		got := snap.PeerAuthentication(wl.Namespace, wl.Labels)
+		require.Equal(t, securityv1.MTLSMode_STRICT, got.GetMode(), wl.UID)
+		require.Equal(t, []string{root + "/default"}, got.GetSources(), wl.UID)
+		d := zs.Evaluate(authz.Conn{Workload: wl.UID, Plaintext: true, SourceIP: netip.MustParseAddr("10.9.0.1"), DestinationPort: 8080})
+		require.Equal(t, authz.Decision{Reason: authz.ReasonMTLSRequired, Namespace: root, Name: "default"}, d, wl.UID)
+	}
+
+	require.True(t, snap.PeerAuths()[slices.IndexFunc(snap.PeerAuths(), func(p *policy.PeerAuth) bool { return p.Key() == root+"/legacy" })].Ignored)
+	require.Equal(t, 1.0, testutil.ToFloat64(problemGauge(reg, policy.KindPeerAuthentication, policy.ReasonIgnoredField)))
+	srv := httptest.NewServer(w.DebugHandler(func(string) *model.Workload { return nil }))
+	defer srv.Close()
+	var sum policy.Summary
+	getJSON(t, srv.URL+"/debug/authorizationz", &sum)
+	var ignored []string
+	for _, p := range sum.PeerAuthentications {
+		if p.Ignored {
+			ignored = append(ignored, p.Namespace+"/"+p.Name)
+			require.Equal(t, "spec.selector", p.Problems[0].GetField())
+		}
+	}
+	require.Equal(t, []string{root + "/legacy"}, ignored)
+}
+
+// waitNewerSecond waits until the wall clock is in a later second, so that
+// the next object created has a later creationTimestamp (whole seconds).
+func waitNewerSecond(t *testing.T) {
+	t.Helper()
+	start := time.Now().Truncate(time.Second)
+	require.Eventually(t, func() bool { return time.Now().Truncate(time.Second).After(start) }, 5*time.Second, 20*time.Millisecond)
 }
