@@ -82,7 +82,9 @@ fi
 if (( need_runc == 1 )); then
   if ! pkg-config --exists libseccomp 2>/dev/null; then
     log "installing Debian's libseccomp-dev (runc is built with seccomp support)"
-    apt-get install -y -q libseccomp-dev >&2 || { apt-get update -q >&2 && apt-get install -y -q libseccomp-dev >&2; }
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq libseccomp-dev >/dev/null || { apt-get update -qq >/dev/null && apt-get install -y -qq libseccomp-dev >/dev/null; } ||
+      { log "could not install libseccomp-dev (apt-get needs root): install it, then run this again"; exit 1; }
   fi
   wrapper "$WORK/runc" "github.com/opencontainers/runc@v$RUNC_VERSION" github.com/opencontainers/runc
   go mod tidy
