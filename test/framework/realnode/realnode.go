@@ -110,6 +110,11 @@ func (e *Env) ImageRef(name string) string {
 	return e.images[name]
 }
 
+// Dir is the environment's folder in os.TempDir() (logs, configs, the
+// node's state); its base name is also the name of the node's cgroups.
+// Teardown removes it.
+func (e *Env) Dir() string { return e.dir }
+
 // Start brings up the cluster and its node, waits for the node to be Ready,
 // and registers the teardown with t.Cleanup. Any failure fails the test.
 func Start(t testing.TB, opts Options) *Env {
