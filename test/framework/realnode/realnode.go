@@ -38,7 +38,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"sync"
 	"syscall"
@@ -93,6 +92,8 @@ type Env struct {
 	lock   *os.File // flocked while the environment lives (see sweepOrphans)
 	procs  []*proc  // host-side processes (scheduler, controller-manager)
 	images map[string]string
+	mu     sync.Mutex
+	files  []*os.File // the log files, closed by stop
 }
 
 // The image references of the images built here: <registry>/<repo>/<name>:<version>.
@@ -361,6 +362,12 @@ func (e *Env) stop() error {
 	if e.set != nil {
 		errs = append(errs, e.set.Stop())
 	}
+	e.mu.Lock()
+	for _, f := range e.files {
+		f.Close()
+	}
+	e.files = nil
+	e.mu.Unlock()
 	if err := errors.Join(errs...); err != nil {
 		e.lock.Close() // the next Start's sweep retries
 		return fmt.Errorf("%w (files kept in %s)", err, e.dir)
@@ -377,7 +384,9 @@ func (e *Env) logFile(name string) io.Writer {
 	if err != nil {
 		return io.Discard
 	}
-	runtime.AddCleanup(e, func(f *os.File) { f.Close() }, f)
+	e.mu.Lock()
+	e.files = append(e.files, f)
+	e.mu.Unlock()
 	return f
 }
 
