@@ -53,6 +53,7 @@ const serverImage = "server"
 // before.
 func TestRealNode(t *testing.T) {
 	links, routes := hostNetwork(t)
+	paths := hostPaths()
 	var dir string
 	t.Run("Cluster", func(t *testing.T) {
 		dir = cluster(t)
@@ -67,6 +68,7 @@ func TestRealNode(t *testing.T) {
 	mounts, err := os.ReadFile("/proc/self/mountinfo")
 	require.NoError(t, err)
 	require.NotContains(t, string(mounts), dir, "a node mount reached the host's mount namespace")
+	require.Equal(t, paths, hostPaths(), "the node wrote to the host's runtime folders")
 	links2, routes2 := hostNetwork(t)
 	require.Equal(t, links, links2, "the host's links changed")
 	require.Equal(t, routes, routes2, "the host's routes changed")
@@ -148,6 +150,20 @@ func cluster(t *testing.T) string {
 
 	t.Logf("cluster RSS (etcd, apiserver, controllers, containerd, kubelet, shims, containers): %d MiB", env.RSSBytes()>>20)
 	return env.Dir()
+}
+
+// hostPaths reports which of the host folders a kubelet, containerd or
+// the CNI plugins write by default exist.
+func hostPaths() map[string]bool {
+	out := map[string]bool{}
+	for _, p := range []string{
+		"/run/containerd", "/var/run/nri", "/var/lib/containerd", "/opt/containerd", "/var/lib/kubelet",
+		"/var/log/pods", "/var/log/containers", "/var/lib/cni", "/etc/cni", "/opt/cni", "/run/netns",
+	} {
+		_, err := os.Lstat(p)
+		out[p] = err == nil
+	}
+	return out
 }
 
 // hostNetwork lists the host's links and routes (of every table), as text.

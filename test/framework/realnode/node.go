@@ -124,9 +124,11 @@ func startNode(cfg nodeConfig) (n *Node, err error) {
 // namespaces whose "/" is private: Go's unshare in the child remounts it
 // MS_REC|MS_PRIVATE, so nothing mounted there reaches the host), then moves
 // the launcher's thread into them and mounts the tmpfs that keep the node's
-// runtime files off the host: /run (containerd's shim sockets are always
-// under /run/containerd), /var/log (the kubelet's /var/log/containers
-// links) and /var/lib (libcni's cache in /var/lib/cni).
+// runtime files off the host, each of which a node was seen to write there
+// whatever its configuration says (TestRealNode checks): /run (containerd's
+// shim sockets are always under /run/containerd), /var/log (the kubelet's
+// /var/log/containers links) and /var/lib (libcni's cache in /var/lib/cni,
+// the kubelet's /var/lib/kubelet/device-plugins).
 func (n *Node) enterNamespaces() error {
 	pause := filepath.Join(n.cfg.dir, "pause")
 	if err := goBuild(n.cfg.moduleDir, "./test/framework/realnode/pause", pause); err != nil {
@@ -284,7 +286,7 @@ func (n *Node) startKubelet() error {
 		return err
 	}
 	cmd := exec.Command(filepath.Join(n.cfg.bin, "kubelet"),
-		"--config="+cfgPath, "--kubeconfig="+n.cfg.kubeconfig, "--root-dir="+dir,
+		"--config="+cfgPath, "--kubeconfig="+n.cfg.kubeconfig, "--root-dir="+dir, "--cert-dir="+filepath.Join(dir, "pki"),
 		"--node-ip="+n.IP.String(), "--hostname-override="+n.Name, "-v=1")
 	cmd.Env = append(os.Environ(), "PATH="+n.cfg.bin+":"+os.Getenv("PATH"))
 	n.started = time.Now()

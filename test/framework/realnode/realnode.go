@@ -222,8 +222,11 @@ func start(t testing.TB, opts Options) (*Env, error) {
 	t0 := time.Now()
 	e.set, err = framework.Start(framework.Options{
 		Names: []string{opts.Name}, AssetsDir: opts.AssetsDir, Output: e.logFile("control-plane"),
+		// The API server reaches kubelets by the node's IP, never by a
+		// name the host's DNS would resolve.
 		APIServerArgs: map[string]string{"kubelet-preferred-address-types": "InternalIP"},
 	})
+	e.log.Info("control plane up", "took", time.Since(t0).Round(time.Millisecond), "err", err)
 	wg.Wait()
 	if err != nil {
 		return nil, err
@@ -232,7 +235,6 @@ func start(t testing.TB, opts Options) (*Env, error) {
 		return nil, imgErr
 	}
 	e.Cluster = e.set.Clusters[0]
-	e.log.Info("control plane up", "took", time.Since(t0).Round(time.Millisecond))
 
 	kubeconfig := filepath.Join(dir, "admin.kubeconfig")
 	if err := e.Cluster.WriteAdminKubeconfig(kubeconfig); err != nil {
