@@ -202,7 +202,7 @@ func processesNaming(t *testing.T, s string) []string {
 func waitPodRunning(t *testing.T, client kubernetes.Interface, ns, selector string) *corev1.Pod {
 	t.Helper()
 	var pod *corev1.Pod
-	require.EventuallyWithT(t, func(c *assert.CollectT) {
+	ok := assert.EventuallyWithT(t, func(c *assert.CollectT) {
 		pods, err := client.CoreV1().Pods(ns).List(t.Context(), metav1.ListOptions{LabelSelector: selector})
 		require.NoError(c, err)
 		require.Len(c, pods.Items, 1)
@@ -211,6 +211,16 @@ func waitPodRunning(t *testing.T, client kubernetes.Interface, ns, selector stri
 		require.NotEmpty(c, p.Status.PodIP)
 		pod = p
 	}, 3*time.Minute, 200*time.Millisecond)
+	if !ok {
+		// The kubelet's events say why (a sandbox that runc could not
+		// start, an image not found, ...).
+		events, err := client.CoreV1().Events(ns).List(t.Context(), metav1.ListOptions{})
+		require.NoError(t, err)
+		for _, e := range events.Items {
+			t.Logf("event %s %s: %s %s", e.InvolvedObject.Kind, e.InvolvedObject.Name, e.Reason, e.Message)
+		}
+		t.FailNow()
+	}
 	return pod
 }
 
