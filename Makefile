@@ -6,6 +6,8 @@ GO        ?= go
 K8S_VERSION  ?= 1.37.2
 ETCD_VERSION ?= 3.6.16
 TESTBIN   ?= $(shell $(GO) env GOPATH)/isthmus-testbin/k8s-$(K8S_VERSION)
+# NODEBIN: a real node's binaries (kubelet, containerd, runc, CNI plugins, ...) for test/realnode.
+NODEBIN   ?= $(shell $(GO) env GOPATH)/isthmus-testbin/node-$(K8S_VERSION)
 GOTEST_FLAGS ?= -race -count=1 -timeout 60m
 BENCH     ?= .
 BENCHTIME ?= 1x
@@ -24,10 +26,11 @@ IMAGES_OUT ?= out/images
 REGISTRY  ?= docker.io
 PLATFORMS ?= linux/amd64,linux/arm64
 export KUBEBUILDER_ASSETS := $(TESTBIN)
+export ISTHMUS_NODEBIN := $(NODEBIN)
 
 FUZZTIME  ?= 30s
 FUZZ_FLAGS ?=
-.PHONY: all build demo-bin images images-check push test bench soak fuzz fuzz-targets lint testbin generate demo demo-once clean
+.PHONY: all build demo-bin images images-check push test bench soak fuzz fuzz-targets lint testbin nodebin generate demo demo-once clean
 
 all: build
 
@@ -62,6 +65,12 @@ demo-bin:
 testbin:
 	K8S_VERSION=$(K8S_VERSION) ETCD_VERSION=$(ETCD_VERSION) hack/build-testbin.sh $(TESTBIN)
 
+## nodebin: build a real node's binaries from the Go module proxy (idempotent): kubelet,
+## kube-scheduler, kube-controller-manager, kube-proxy, containerd, runc, CNI plugins.
+## After testbin, whose build cache the Kubernetes ones share.
+nodebin: testbin
+	K8S_VERSION=$(K8S_VERSION) hack/build-nodebin.sh $(NODEBIN)
+
 ## lint: gofmt check and go vet.
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
@@ -71,7 +80,7 @@ lint:
 ## test: lint, then every test (unit and integration on real apiservers) with -race;
 ## it also builds bin/ (go build leaves an up-to-date binary alone), so that a
 ## `make demo` afterwards links nothing and prints its reply within seconds.
-test: testbin lint build demo-bin
+test: testbin nodebin lint build demo-bin
 	$(GO) test $(GOTEST_FLAGS) ./...
 
 ## bench: the benchmarks behind BENCHMARKS.md, one package at a time (-p 1:

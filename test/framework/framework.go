@@ -58,6 +58,9 @@ type Options struct {
 	// MaxParallel bounds how many API servers start at once (default: all;
 	// dozens at once on two cores outlast their start timeout).
 	MaxParallel int
+	// APIServerArgs are extra kube-apiserver flags (name without dashes ->
+	// value), set on every cluster's API server.
+	APIServerArgs map[string]string
 }
 
 // ClusterSet is a set of running clusters sharing one etcd.
@@ -157,6 +160,9 @@ func (s *ClusterSet) startCluster(name string, opts Options) (*Cluster, error) {
 		Out: opts.Output, Err: opts.Output, StartTimeout: 2 * time.Minute,
 	}
 	api.Configure().Set("etcd-prefix", "/"+name)
+	for k, v := range opts.APIServerArgs {
+		api.Configure().Set(k, v)
+	}
 	if err := api.Start(); err != nil {
 		return nil, fmt.Errorf("start kube-apiserver of %s: %w", name, err)
 	}
@@ -213,6 +219,18 @@ func (s *ClusterSet) Stop() error {
 		s.stopErr = errors.Join(errs...)
 	})
 	return s.stopErr
+}
+
+// PIDs returns the pids of the set's running processes (etcd and the
+// kube-apiservers).
+func (s *ClusterSet) PIDs() []int {
+	pids := pidsWithArg(s.etcd.DataDir)
+	for _, c := range s.Clusters {
+		if p := c.APIServerPID(); p != 0 {
+			pids = append(pids, p)
+		}
+	}
+	return pids
 }
 
 // Host returns the URL of the cluster's API server.

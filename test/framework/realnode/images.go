@@ -1,0 +1,53 @@
+package realnode
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"time"
+
+	"github.com/isthmus-mesh/isthmus/internal/imagebuild"
+)
+
+// buildImages builds the pause image and the test's images for this
+// machine's platform with internal/imagebuild (static binaries on its
+// from-scratch base) into one docker-archive tarball, which containerd
+// imports; it fills e.images (name -> reference).
+func (e *Env) buildImages() (string, error) {
+	t0 := time.Now()
+	images := append([]imagebuild.Image{{Name: pauseImage, Package: "./test/framework/realnode/pause", Description: "real-node test sandbox"}}, e.opts.Images...)
+	platform := "linux/" + runtime.GOARCH
+	cfg := imagebuild.Config{
+		ModuleDir: e.opts.ModuleDir, Images: images, Platforms: []string{platform},
+		Version: imageVersion, Commit: "test", Registry: imageRegistry, Repository: imageRepo,
+		OutDir: filepath.Join(e.dir, "images"),
+	}
+	res, err := imagebuild.Build(context.Background(), cfg, imagebuild.Deps{Log: e.log})
+	if err != nil {
+		return "", fmt.Errorf("build images: %w", err)
+	}
+	e.images = map[string]string{}
+	for _, b := range res.Images {
+		e.images[b.Image.Name] = b.Ref
+	}
+	e.log.Info("images built", "images", len(images), "took", time.Since(t0).Round(time.Millisecond))
+	return res.Tarballs[platform], nil
+}
+
+// goBuild builds the main package pkg of the module in dir into out,
+// static.
+func goBuild(dir, pkg, out string) error {
+	cmd := exec.Command("go", "build", "-trimpath", "-o", out, pkg)
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("go build %s: %w: %s", pkg, err, bytes.TrimSpace(stderr.Bytes()))
+	}
+	return nil
+}
