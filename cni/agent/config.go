@@ -2,6 +2,9 @@ package agent
 
 import (
 	"errors"
+	"fmt"
+	"path"
+	"path/filepath"
 	"log/slog"
 	"net/netip"
 	"strconv"
@@ -66,6 +69,21 @@ type Config struct {
 	// ProcDir is the node's /proc as mounted in the agent: /proc/<pid>/ns/net
 	// finds namespaces that no runtime bind-mounted; Disabled skips it.
 	ProcDir string
+	// StateDir holds one record per pod sandbox the runtime reported in
+	// a CNI ADD (pod, sandbox ID, netns path and identity), so that after
+	// a restart the agent finds each pod's namespace from the runtime's
+	// own word; a directory of the node (hostPath), created 0700, its
+	// files 0600. Disabled keeps no records: pods that ran before the
+	// agent are then found by their cgroup only.
+	StateDir string
+	// PodCgroupRoots are the cgroup paths, as ProcDir/<pid>/cgroup shows
+	// them to the agent, under which the kubelet creates pod cgroups
+	// (<root>/[<qos>/]pod<uid> with the cgroupfs driver,
+	// <root>/[kubepods-<qos>.slice/]kubepods[-<qos>]-pod<uid>.slice with
+	// systemd). A pod that ran before the agent and has no record is
+	// found through the processes in its cgroup; nil means /kubepods and
+	// /kubepods.slice.
+	PodCgroupRoots []string
 	// NodeNetNS is the node's network namespace file, where the probe SNAT
 	// rules go; empty means the agent's own (it runs with hostNetwork).
 	NodeNetNS string
@@ -96,6 +114,8 @@ func DefaultConfig() Config {
 		AckTimeout:           3 * time.Second,
 		NetnsDirs:            []string{"/var/run/netns"},
 		ProcDir:              "/host/proc",
+		StateDir:             "/var/run/isthmus/cni/sandboxes",
+		PodCgroupRoots:       []string{"/kubepods", "/kubepods.slice"},
 		MonitoringAddr:       ":" + strconv.Itoa(defaults.MonitoringPort),
 		ShutdownTimeout:      5 * time.Second,
 	}
@@ -128,6 +148,10 @@ func (c Config) withDefaults() Config {
 		c.NetnsDirs = d.NetnsDirs
 	}
 	or(&c.ProcDir, d.ProcDir)
+	or(&c.StateDir, d.StateDir)
+	if c.PodCgroupRoots == nil {
+		c.PodCgroupRoots = d.PodCgroupRoots
+	}
 	or(&c.MonitoringAddr, d.MonitoringAddr)
 	orDur(&c.ShutdownTimeout, d.ShutdownTimeout)
 	return c
@@ -144,6 +168,14 @@ func (c Config) validate() error {
 	if c.AckTimeout >= c.PluginTimeout {
 		errs = append(errs, errors.New("AckTimeout must be shorter than PluginTimeout, or a ztunnel ack outlives the plugin's wait"))
 	}
+	for _, r := range c.PodCgroupRoots {
+		if !path.IsAbs(r) || path.Clean(r) != r || r == "/" {
+			errs = append(errs, fmt.Errorf("PodCgroupRoots: %q is not a clean absolute cgroup path below /", r))
+		}
+	}
+	if c.StateDir != Disabled && !filepath.IsAbs(c.StateDir) {
+		errs = append(errs, fmt.Errorf("StateDir: %q is not an absolute path", c.StateDir))
+	}
 	return errors.Join(errs...)
 }
 
@@ -153,7 +185,8 @@ func (c Config) selection() selection.Config {
 
 // Deps are the agent's collaborators.
 type Deps struct {
-	// Client reads pods, namespaces and the node (required).
+	// Client reads pods, namespaces and the node, and writes Events on
+	// pods whose sandbox cannot be trusted (required).
 	Client kubernetes.Interface
 	// Log defaults to a discarding logger.
 	Log *slog.Logger
