@@ -3,10 +3,10 @@ package agent
 import (
 	"errors"
 	"fmt"
-	"path"
-	"path/filepath"
 	"log/slog"
 	"net/netip"
+	"path"
+	"path/filepath"
 	"strconv"
 	"time"
 
