@@ -97,7 +97,8 @@ FUZZ_TARGETS := \
 	./pilot/ca:FuzzBearerToken \
 	./internal/spiffe:FuzzParse \
 	./internal/spiffe:FuzzParseTrustBundle \
-	./ztunnel/dns:FuzzAnswer
+	./ztunnel/dns:FuzzAnswer \
+	./cni/plugin:FuzzPluginInput
 
 ## fuzz: fuzz each target for FUZZTIME (e.g. `make fuzz FUZZTIME=5m`), one
 ## after the other (-fuzz takes one target per run), and fail at the end if

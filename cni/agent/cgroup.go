@@ -3,6 +3,7 @@ package agent
 import (
 	"bufio"
 	"bytes"
+	"path"
 	"strings"
 )
 
@@ -16,11 +17,12 @@ import (
 // and v2 alike; <root> is one of Config.PodCgroupRoots):
 //
 //	cgroupfs: <root>/pod<uid>/<container> or <root>/{burstable,besteffort}/pod<uid>/<container>
-//	systemd:  <root>/kubepods-pod<uid_>.slice/<scope> or
-//	          <root>/kubepods-{burstable,besteffort}.slice/kubepods-{burstable,besteffort}-pod<uid_>.slice/<scope>
+//	systemd:  <root>/<p>-pod<uid_>.slice/<scope> or
+//	          <root>/<p>-{burstable,besteffort}.slice/<p>-{burstable,besteffort}-pod<uid_>.slice/<scope>
 //
 // where uid_ is the UID with '_' for '-' (a '-' separates systemd slice
-// levels). A process in a cgroup namespace of its own sees paths relative to
+// levels) and <p> is the root's slice name without ".slice" (kubepods for
+// /kubepods.slice). A process in a cgroup namespace of its own sees paths relative to
 // it; the agent (privileged, or in the node's cgroup namespace) sees them
 // from the root. A path seen from a cgroup namespace of the agent's own
 // starts with ".." segments and lost its root: then only what follows the
@@ -68,35 +70,52 @@ func podUIDOfPath(p string, roots []string) string {
 		segs, rel = segs[1:], true
 	}
 	if rel {
-		return podUIDAfterRoot(segs)
+		prefixes := []string{"kubepods"}
+		for _, root := range roots {
+			prefixes = append(prefixes, slicePrefix(root))
+		}
+		return podUIDAfterRoot(segs, prefixes)
 	}
 	for _, root := range roots {
 		rs := strings.Split(strings.Trim(root, "/"), "/")
 		if len(segs) <= len(rs) || !equalSegs(segs[:len(rs)], rs) {
 			continue
 		}
-		if uid := podUIDAfterRoot(segs[len(rs):]); uid != "" {
+		if uid := podUIDAfterRoot(segs[len(rs):], []string{slicePrefix(root)}); uid != "" {
 			return uid
 		}
 	}
 	return ""
 }
 
-// podUIDAfterRoot reads [qos/]pod-segment[/...] and returns the pod's UID.
-func podUIDAfterRoot(segs []string) string {
+// slicePrefix is the name systemd slices below root start with:
+// kubelet-kubepods for /kubelet.slice/kubelet-kubepods.slice; kubepods for
+// a cgroupfs root.
+func slicePrefix(root string) string {
+	if p, ok := strings.CutSuffix(path.Base(root), ".slice"); ok {
+		return p
+	}
+	return "kubepods"
+}
+
+// podUIDAfterRoot reads [qos/]pod-segment[/...] and returns the pod's UID;
+// prefixes are the names systemd slices below the root may start with.
+func podUIDAfterRoot(segs []string, prefixes []string) string {
 	if len(segs) == 0 {
 		return ""
 	}
-	if uid, ok := podSegment(segs[0], ""); ok {
-		return uid
-	}
-	if len(segs) < 2 {
-		return ""
-	}
-	for _, q := range qosClasses {
-		if segs[0] == q || segs[0] == "kubepods-"+q+".slice" {
-			if uid, ok := podSegment(segs[1], q); ok {
-				return uid
+	for _, pre := range prefixes {
+		if uid, ok := podSegment(segs[0], pre, ""); ok {
+			return uid
+		}
+		if len(segs) < 2 {
+			continue
+		}
+		for _, q := range qosClasses {
+			if segs[0] == q || segs[0] == pre+"-"+q+".slice" {
+				if uid, ok := podSegment(segs[1], pre, q); ok {
+					return uid
+				}
 			}
 		}
 	}
@@ -104,17 +123,16 @@ func podUIDAfterRoot(segs []string) string {
 }
 
 // podSegment parses a pod cgroup's name: pod<uid> (cgroupfs) or
-// kubepods[-<qos>]-pod<uid_>.slice (systemd), qos being the class of the
+// <prefix>[-<qos>]-pod<uid_>.slice (systemd), qos being the class of the
 // parent segment ("" directly under the root).
-func podSegment(seg, qos string) (string, bool) {
+func podSegment(seg, prefix, qos string) (string, bool) {
 	if uid, ok := strings.CutPrefix(seg, "pod"); ok {
 		return validUID(uid, '-')
 	}
-	prefix := "kubepods-pod"
 	if qos != "" {
-		prefix = "kubepods-" + qos + "-pod"
+		prefix += "-" + qos
 	}
-	rest, ok := strings.CutPrefix(seg, prefix)
+	rest, ok := strings.CutPrefix(seg, prefix+"-pod")
 	if !ok {
 		return "", false
 	}
