@@ -350,7 +350,7 @@ func TestChartValues(t *testing.T) {
 			hostPaths[v.Name] = v.HostPath.Path
 		}
 		require.Equal(t, map[string]string{"cni-bin": "/opt/cni/bin", "cni-conf": "/etc/cni/net.d", "netns": "/var/run/netns",
-			"host-proc": "/proc", "sockets": "/var/run/isthmus/cni"}, hostPaths)
+			"host-proc": "/proc", "sockets": "/var/run/isthmus/cni", "state": "/var/run/isthmus/cni-state"}, hostPaths)
 		mounts := map[string]corev1.VolumeMount{}
 		for _, m := range ctr.VolumeMounts {
 			mounts[m.Name] = m
@@ -445,7 +445,8 @@ func TestRemoteChartThenCreateRemoteSecret(t *testing.T) {
 
 // TestCNIAgentRBAC installs the cni chart's RBAC for real and asks the API
 // server what the agent may do: read pods and namespaces everywhere and its
-// Node, and nothing else it was not given (no Secrets, no writes).
+// Node, write Events, and nothing else it was not given (no Secrets, no
+// other writes).
 func TestCNIAgentRBAC(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -479,7 +480,9 @@ func TestCNIAgentRBAC(t *testing.T) {
 		}
 	}
 	require.True(t, allowed("nodes", "get"))
-	for _, denied := range [][2]string{{"secrets", "get"}, {"pods", "update"}, {"pods", "delete"}, {"nodes", "list"}, {"configmaps", "get"}} {
+	require.True(t, allowed("events", "create"), "Events on pods whose sandbox is not trusted")
+	require.True(t, allowed("events", "patch"), "the count of a repeated Event")
+	for _, denied := range [][2]string{{"secrets", "get"}, {"pods", "update"}, {"pods", "delete"}, {"nodes", "list"}, {"configmaps", "get"}, {"events", "delete"}} {
 		require.False(t, allowed(denied[0], denied[1]), "%s %s must be denied", denied[1], denied[0])
 	}
 }

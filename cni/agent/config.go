@@ -114,7 +114,7 @@ func DefaultConfig() Config {
 		AckTimeout:           3 * time.Second,
 		NetnsDirs:            []string{"/var/run/netns"},
 		ProcDir:              "/host/proc",
-		StateDir:             "/var/run/isthmus/cni/sandboxes",
+		StateDir:             "/var/run/isthmus/cni-state",
 		PodCgroupRoots:       []string{"/kubepods", "/kubepods.slice"},
 		MonitoringAddr:       ":" + strconv.Itoa(defaults.MonitoringPort),
 		ShutdownTimeout:      5 * time.Second,
