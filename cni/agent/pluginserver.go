@@ -109,14 +109,16 @@ func (a *Agent) handleAdd(ctx context.Context, ev *plugin.Event, ns *os.File) (b
 			ns.Close()
 		}
 	}
+	if ev.PodName != "" && ev.PodNamespace != "" && ev.PodUID != "" {
+		// Every pod's sandbox, enrolled or not: a pod may be enrolled
+		// later (a label, another configuration) from this record.
+		a.recordSandbox(ev, ev.PodUID, ns)
+	}
 	if ev.PodName == "" || ev.PodNamespace == "" || a.cfg.selection().Excluded(ev.PodNamespace) {
 		// Not a Kubernetes pod, or one never enrolled: answered without
 		// the API server, so system pods start while it is away.
 		closeNS()
 		return false, nil
-	}
-	if ev.PodUID != "" {
-		a.recordSandbox(ev, ev.PodUID, ns)
 	}
 	pod, err := a.lookupPod(ctx, ev.PodNamespace, ev.PodName, ev.PodUID)
 	if err != nil {
