@@ -74,6 +74,17 @@ func podUIDOfPath(p string, roots []string) string {
 		for _, root := range roots {
 			prefixes = append(prefixes, slicePrefix(root))
 		}
+		// The QoS parent may be part of what the view lost.
+		for _, pre := range prefixes {
+			for _, q := range qosClasses {
+				if len(segs) == 0 {
+					break
+				}
+				if uid, ok := podSegment(segs[0], pre, q); ok {
+					return uid
+				}
+			}
+		}
 		return podUIDAfterRoot(segs, prefixes)
 	}
 	for _, root := range roots {

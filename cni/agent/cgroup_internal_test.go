@@ -37,7 +37,7 @@ func TestPodUIDOfCgroups(t *testing.T) {
 		{"not a UID", "0::/kubepods/pod../etc\n", ""},
 		{"upper case", "0::/kubepods/podABCDEF12-3456\n", ""},
 		{"relative path", "0::kubepods/pod" + uid + "\n", ""},
-		{"garbage", "\x00\n::\n:::\n", ""},
+		{"garbage", "\x00\n::\n:::\n0::/..\n0::/../..\n", ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			require.Equal(t, tc.want, podUIDOfCgroups([]byte(tc.data), roots))

@@ -21,16 +21,17 @@ import (
 
 // impostor gives the tenant's namespace the victim's address twice, as a
 // tenant pod with NET_ADMIN in its own namespace can: on its loopback and on
-// a dummy interface (a non-loopback one).
+// an interface of its own that is not a loopback (a veth pair inside its
+// namespace; this kernel has no dummy links).
 func (e *env) impostor(tenant *pod, victim netip.Addr) {
 	e.t.Helper()
 	h := netnstest.Handle(e.t, tenant.ns)
 	lo, err := h.LinkByName("lo")
 	require.NoError(e.t, err)
 	netnstest.AddAddr(e.t, h, lo, netip.PrefixFrom(victim, 32))
-	dummy := &netlink.Dummy{LinkAttrs: netlink.LinkAttrs{Name: "dummy0"}}
-	require.NoError(e.t, h.LinkAdd(dummy))
-	link, err := h.LinkByName("dummy0")
+	own := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "imp0"}, PeerName: "imp1"}
+	require.NoError(e.t, h.LinkAdd(own))
+	link, err := h.LinkByName("imp0")
 	require.NoError(e.t, err)
 	require.NoError(e.t, h.LinkSetUp(link))
 	netnstest.AddAddr(e.t, h, link, netip.PrefixFrom(victim, 32))
@@ -82,7 +83,7 @@ func (e *env) eventually(t *testing.T, p *pod, reasons ...string) {
 // TestImpostorAfterAgentRestart: a victim pod running before the agent
 // (enrolled from the API, as every pod is after an agent restart) and a
 // tenant pod, not in the mesh, that put the victim's address on its
-// loopback and on a dummy interface of its own namespace (which sorts
+// loopback and on a veth of its own namespace (which sorts
 // first among the runtime's namespaces). The victim is enrolled through its
 // own sandbox, found by the kubelet's cgroup of its process; the tenant
 // gets no rules and no handoff, and DuplicateAddress is reported on the
