@@ -139,29 +139,40 @@ func TestImpostorWhenNamespaceLabelledLater(t *testing.T) {
 // TestSandboxNotTrusted: a running pod whose namespace carries its address
 // but that has neither a record nor a process in its cgroup is not enrolled
 // (an address proves nothing), nor is one whose process's namespace does not
-// carry its address; each gets its Event and its count, once.
+// carry its address, nor one whose namespace has it on lo only (any process
+// may put any address there); each gets its Event and its count, once.
 func TestSandboxNotTrusted(t *testing.T) {
 	e := newEnv(t)
 	ghost := e.addPod(1, e.mesh, "ghost")
 	moved := e.addPod(2, e.mesh, "moved")
 	moved.ip = netip.MustParseAddr("10.250.99.2") // the API's address, on no interface of its sandbox
+	onLo := e.addPod(3, e.mesh, "on-lo")
+	onLo.ip = netip.MustParseAddr("10.250.98.2") // the API's address, on its sandbox's lo only
+	h := netnstest.Handle(t, onLo.ns)
+	lo, err := h.LinkByName("lo")
+	require.NoError(t, err)
+	netnstest.AddAddr(t, h, lo, netip.PrefixFrom(onLo.ip, 32))
 	e.create(ghost, nil, true)
 	e.create(moved, nil, true)
+	e.create(onLo, nil, true)
 	e.podProcess(moved.ns, string(moved.obj.UID))
+	e.podProcess(onLo.ns, string(onLo.obj.UID))
 	z := e.startZtunnel()
 	e.startAgent(e.config())
 	require.EventuallyWithT(t, func(ct *assert.CollectT) { assert.True(ct, z.client.Synced()) }, 20*time.Second, 20*time.Millisecond)
 
 	e.eventually(t, ghost, "SandboxNotFound")
 	e.eventually(t, moved, "SandboxAddressMismatch")
+	e.eventually(t, onLo, "SandboxAddressMismatch")
 	require.False(t, hasRules(t, ghost))
 	require.False(t, hasRules(t, moved))
+	require.False(t, hasRules(t, onLo), "an address on lo proves nothing")
 	require.Empty(t, z.h.Pods())
 	require.Empty(t, e.probeSet())
 	// Retries (the work queue's backoff) report nothing new.
 	require.Never(t, func() bool {
 		return metric(t, e.reg, "isthmus_cni_sandbox_problems_total", map[string]string{"reason": "SandboxNotFound"}) != 1 ||
-			metric(t, e.reg, "isthmus_cni_sandbox_problems_total", map[string]string{"reason": "SandboxAddressMismatch"}) != 1
+			metric(t, e.reg, "isthmus_cni_sandbox_problems_total", map[string]string{"reason": "SandboxAddressMismatch"}) != 2
 	}, time.Second, 50*time.Millisecond)
 	require.Equal(t, 0.0, metric(t, e.reg, "isthmus_cni_enrolled_pods", nil))
 }
