@@ -359,9 +359,12 @@ func TestChartValues(t *testing.T) {
 			"namespaces the runtime mounts after the agent started must be visible")
 		require.True(t, mounts["host-proc"].ReadOnly)
 		require.Equal(t, "/var/run/isthmus/cni", mounts["sockets"].MountPath, "the plugin uses the same socket path on the node")
+		require.Equal(t, "/var/run/isthmus/cni-state", mounts["state"].MountPath, "sandbox records survive the agent's restarts")
+		require.False(t, mounts["state"].ReadOnly)
 		for _, want := range []string{"agent", "--cni-bin-dir=/host/opt/cni/bin", "--cni-conf-dir=/host/etc/cni/net.d",
 			"--plugin-socket=/var/run/isthmus/cni/plugin.sock", "--ztunnel-socket=/var/run/isthmus/cni/ztunnel.sock",
-			"--netns-dir=/var/run/netns", "--proc-dir=/host/proc", "--excluded-namespaces=kube-system,legacy"} {
+			"--netns-dir=/var/run/netns", "--proc-dir=/host/proc", "--excluded-namespaces=kube-system,legacy",
+			"--state-dir=/var/run/isthmus/cni-state", "--pod-cgroup-root=/kubepods", "--pod-cgroup-root=/kubepods.slice"} {
 			require.Contains(t, ctr.Args, want)
 		}
 		require.NotContains(t, ctr.Args, "--redirect-dns", "DNS capture is off by default")
