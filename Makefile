@@ -108,6 +108,7 @@ FUZZ_TARGETS := \
 	./internal/spiffe:FuzzParseTrustBundle \
 	./ztunnel/dns:FuzzAnswer \
 	./cni/zds:FuzzWire
+	./cni/plugin:FuzzPluginInput
 
 ## fuzz: fuzz each target for FUZZTIME (e.g. `make fuzz FUZZTIME=5m`), one
 ## after the other (-fuzz takes one target per run), and fail at the end if

@@ -350,7 +350,7 @@ func TestChartValues(t *testing.T) {
 			hostPaths[v.Name] = v.HostPath.Path
 		}
 		require.Equal(t, map[string]string{"cni-bin": "/opt/cni/bin", "cni-conf": "/etc/cni/net.d", "netns": "/var/run/netns",
-			"host-proc": "/proc", "sockets": "/var/run/isthmus/cni"}, hostPaths)
+			"host-proc": "/proc", "sockets": "/var/run/isthmus/cni", "state": "/var/run/isthmus/cni-state"}, hostPaths)
 		mounts := map[string]corev1.VolumeMount{}
 		for _, m := range ctr.VolumeMounts {
 			mounts[m.Name] = m
@@ -359,9 +359,12 @@ func TestChartValues(t *testing.T) {
 			"namespaces the runtime mounts after the agent started must be visible")
 		require.True(t, mounts["host-proc"].ReadOnly)
 		require.Equal(t, "/var/run/isthmus/cni", mounts["sockets"].MountPath, "the plugin uses the same socket path on the node")
+		require.Equal(t, "/var/run/isthmus/cni-state", mounts["state"].MountPath, "sandbox records survive the agent's restarts")
+		require.False(t, mounts["state"].ReadOnly)
 		for _, want := range []string{"agent", "--cni-bin-dir=/host/opt/cni/bin", "--cni-conf-dir=/host/etc/cni/net.d",
 			"--plugin-socket=/var/run/isthmus/cni/plugin.sock", "--ztunnel-socket=/var/run/isthmus/cni/ztunnel.sock",
-			"--netns-dir=/var/run/netns", "--proc-dir=/host/proc", "--excluded-namespaces=kube-system,legacy"} {
+			"--netns-dir=/var/run/netns", "--proc-dir=/host/proc", "--excluded-namespaces=kube-system,legacy",
+			"--state-dir=/var/run/isthmus/cni-state", "--pod-cgroup-root=/kubepods", "--pod-cgroup-root=/kubepods.slice"} {
 			require.Contains(t, ctr.Args, want)
 		}
 		require.NotContains(t, ctr.Args, "--redirect-dns", "DNS capture is off by default")
@@ -445,7 +448,8 @@ func TestRemoteChartThenCreateRemoteSecret(t *testing.T) {
 
 // TestCNIAgentRBAC installs the cni chart's RBAC for real and asks the API
 // server what the agent may do: read pods and namespaces everywhere and its
-// Node, and nothing else it was not given (no Secrets, no writes).
+// Node, write Events, and nothing else it was not given (no Secrets, no
+// other writes).
 func TestCNIAgentRBAC(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -479,7 +483,9 @@ func TestCNIAgentRBAC(t *testing.T) {
 		}
 	}
 	require.True(t, allowed("nodes", "get"))
-	for _, denied := range [][2]string{{"secrets", "get"}, {"pods", "update"}, {"pods", "delete"}, {"nodes", "list"}, {"configmaps", "get"}} {
+	require.True(t, allowed("events", "create"), "Events on pods whose sandbox is not trusted")
+	require.True(t, allowed("events", "patch"), "the count of a repeated Event")
+	for _, denied := range [][2]string{{"secrets", "get"}, {"pods", "update"}, {"pods", "delete"}, {"nodes", "list"}, {"configmaps", "get"}, {"events", "delete"}} {
 		require.False(t, allowed(denied[0], denied[1]), "%s %s must be denied", denied[1], denied[0])
 	}
 }

@@ -133,6 +133,8 @@ func newAgentCommand(stderr io.Writer, run runFunc) *cobra.Command {
 	f.StringSliceVar(&cfg.NetnsDirs, "netns-dir", d.NetnsDirs, `directories where the runtime bind-mounts pod network namespaces ("none" skips)`)
 	f.StringVar(&cfg.ProcDir, "proc-dir", d.ProcDir, `the node's /proc as mounted here ("none" skips)`)
 	f.StringVar(&cfg.NodeCgroupNS, "node-cgroupns", "", `the node's initial cgroup namespace file, where the pods' rules are written from (default <proc-dir>/1/ns/cgroup; "none": this process' own)`)
+	f.StringVar(&cfg.StateDir, "state-dir", d.StateDir, `directory (on the node) where the sandbox of every CNI ADD is recorded ("none" keeps no records)`)
+	f.StringSliceVar(&cfg.PodCgroupRoots, "pod-cgroup-root", d.PodCgroupRoots, "cgroup paths (as the node's /proc/<pid>/cgroup shows them) under which the kubelet creates pod cgroups")
 	f.StringVar(&cfg.NodeNetNS, "node-netns", "", "the node's network namespace file (default: this process' own)")
 	f.StringSliceVar(&nodeAddresses, "node-addresses", nil, "addresses of the node never captured from pods (default: the Node's InternalIP and ExternalIP)")
 	f.BoolVar(&cfg.RedirectDNS, "redirect-dns", false, "send enrolled pods' DNS (port 53) to ztunnel's 15053")

@@ -41,6 +41,7 @@ func TestFlagsToConfig(t *testing.T) {
 	cfg, kc, err := capture(t, "agent", "--cni-bin-dir=/host/opt/cni/bin", "--cni-conf-dir=/host/etc/cni/net.d",
 		"--plugin-socket=/s/plugin.sock", "--ztunnel-socket=/s/ztunnel.sock", "--plugin-timeout=7s",
 		"--netns-dir=/var/run/netns", "--netns-dir=/run/docker/netns", "--proc-dir=/host/proc", "--monitoring-addr=:15014",
+		"--state-dir=/var/run/isthmus/cni-state", "--pod-cgroup-root=/kubepods,/kubelet.slice/kubelet-kubepods.slice",
 		"--excluded-namespaces=kube-system,legacy", "--redirect-dns", "--uninstall-on-exit",
 		"--node-addresses=10.0.0.5,fd00::5", "--kubeconfig=/k", "--log-level=debug")
 	require.NoError(t, err)
@@ -51,7 +52,8 @@ func TestFlagsToConfig(t *testing.T) {
 		InstallCheckInterval: agent.DefaultConfig().InstallCheckInterval,
 		PluginSocket:         "/s/plugin.sock", ZtunnelSocket: "/s/ztunnel.sock", PluginTimeout: 7 * time.Second,
 		AckTimeout: agent.DefaultConfig().AckTimeout, NetnsDirs: []string{"/var/run/netns", "/run/docker/netns"},
-		ProcDir: "/host/proc", NodeAddresses: []netip.Addr{netip.MustParseAddr("10.0.0.5"), netip.MustParseAddr("fd00::5")},
+		ProcDir: "/host/proc", StateDir: "/var/run/isthmus/cni-state",
+		PodCgroupRoots: []string{"/kubepods", "/kubelet.slice/kubelet-kubepods.slice"}, NodeAddresses: []netip.Addr{netip.MustParseAddr("10.0.0.5"), netip.MustParseAddr("fd00::5")},
 		RedirectDNS: true, MonitoringAddr: ":15014", ShutdownTimeout: agent.DefaultConfig().ShutdownTimeout,
 	}, cfg)
 

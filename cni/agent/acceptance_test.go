@@ -48,8 +48,10 @@ func TestEnrolment(t *testing.T) {
 	b := e.addPod(2, e.mesh, "b")
 	c := e.addPod(3, e.mesh, "c")
 	d := e.addPod(4, "kube-system", "d-"+e.nodeName)
-	// b ran before the agent started: it is found by its address.
+	// b ran before the agent started: it is found by its cgroup (its
+	// process sits in the kubelet's cgroup of the pod).
 	e.create(b, nil, true)
+	e.podProcess(b.ns, string(b.obj.UID))
 	e.create(a, nil, false)
 	e.create(c, map[string]string{"istio.io/dataplane-mode": "none"}, false)
 	e.create(d, nil, false)

@@ -11,9 +11,14 @@
 //     pod the selection (cni/selection) enrols gets the redirect rules
 //     (cni/redirect) in its namespace before the ADD returns, and fails if
 //     that fails or a connected ztunnel refuses the pod;
+//   - records every sandbox a CNI ADD names (pod, sandbox ID, netns path
+//     and identity) in its state directory, and forgets it on DEL;
 //   - watches the node's pods and all namespaces, so that label changes
 //     enrol or release running pods, and pods that ran before the agent
-//     started are enrolled (their namespaces found by address);
+//     started are enrolled: each through its own sandbox, named by the
+//     runtime's record or by the kubelet's cgroup of its processes, never
+//     guessed from an address (discover.go); a pod whose sandbox is not
+//     found or not trusted gets an Event and is not enrolled;
 //   - keeps the node's probe SNAT set equal to the enrolled addresses;
 //   - tells ztunnel which pods are enrolled, each with its namespace
 //     (cni/zds).
@@ -41,6 +46,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/workqueue"
 
 	"github.com/isthmus-mesh/isthmus/cni/zds"
@@ -63,6 +69,11 @@ type Agent struct {
 
 	discMu sync.Mutex
 	disc   *discoverer
+	store  *sandboxStore // nil: StateDir disabled
+
+	recorder record.EventRecorder // set in Run
+	repMu    sync.Mutex
+	reported map[string]*reportState // by pod UID
 
 	mu      sync.Mutex
 	pods    map[string]*enrolment // by pod UID
@@ -97,7 +108,7 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 	if err != nil {
 		return nil, fmt.Errorf("agent: metrics: %w", err)
 	}
-	a := &Agent{cfg: cfg, deps: deps, log: deps.Log, m: m, cm: cm, pods: map[string]*enrolment{}}
+	a := &Agent{cfg: cfg, deps: deps, log: deps.Log, m: m, cm: cm, pods: map[string]*enrolment{}, reported: map[string]*reportState{}}
 	a.zds, err = zds.New(zds.Config{SocketPath: cfg.ZtunnelSocket, AckTimeout: cfg.AckTimeout, AllowedUIDs: cfg.ZtunnelUIDs}, zds.Deps{
 		Log:           deps.Log.With("component", "zds"),
 		OnFailure:     func(r zds.FailureReason) { a.fail(string(r)) },
@@ -128,6 +139,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		return err
 	}
 	defer a.closeNamespaces()
+	defer a.startEvents(ctx)()
 	a.excluded = a.nodeAddresses(ctx)
 	for _, p := range []string{a.cfg.PluginSocket, a.cfg.ZtunnelSocket} {
 		if err := os.MkdirAll(filepath.Dir(p), 0o700); err != nil {
@@ -172,7 +184,15 @@ func (a *Agent) openNamespaces() error {
 			return fmt.Errorf("agent: node network namespace: %w", err)
 		}
 	}
-	a.disc = newDiscoverer(a.cfg, own, a.nodeNS)
+	if a.cfg.StateDir != Disabled {
+		if a.store, err = openSandboxStore(a.cfg.StateDir, a.cfg.ProcDir, a.log.With("component", "sandboxes")); err != nil {
+			if a.nodeNS != nil {
+				a.nodeNS.Close()
+			}
+			return err
+		}
+	}
+	a.disc = newDiscoverer(a.cfg, a.store, own, a.nodeNS)
 	a.cgroupNS = a.openCgroupNS()
 	return nil
 }

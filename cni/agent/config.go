@@ -2,8 +2,10 @@ package agent
 
 import (
 	"errors"
+	"fmt"
 	"log/slog"
 	"net/netip"
+	"path"
 	"path/filepath"
 	"strconv"
 	"time"
@@ -78,6 +80,21 @@ type Config struct {
 	// that cannot be opened (logged): the agent's own, where a ztunnel
 	// whose cgroup is shallower than the agent's is not exempt.
 	NodeCgroupNS string
+	// StateDir holds one record per pod sandbox the runtime reported in
+	// a CNI ADD (pod, sandbox ID, netns path and identity), so that after
+	// a restart the agent finds each pod's namespace from the runtime's
+	// own word; a directory of the node (hostPath), created 0700, its
+	// files 0600. Disabled keeps no records: pods that ran before the
+	// agent are then found by their cgroup only.
+	StateDir string
+	// PodCgroupRoots are the cgroup paths, as ProcDir/<pid>/cgroup shows
+	// them to the agent, under which the kubelet creates pod cgroups
+	// (<root>/[<qos>/]pod<uid> with the cgroupfs driver,
+	// <root>/[kubepods-<qos>.slice/]kubepods[-<qos>]-pod<uid>.slice with
+	// systemd). A pod that ran before the agent and has no record is
+	// found through the processes in its cgroup; nil means /kubepods and
+	// /kubepods.slice.
+	PodCgroupRoots []string
 	// NodeNetNS is the node's network namespace file, where the probe SNAT
 	// rules go; empty means the agent's own (it runs with hostNetwork).
 	NodeNetNS string
@@ -108,6 +125,8 @@ func DefaultConfig() Config {
 		AckTimeout:           3 * time.Second,
 		NetnsDirs:            []string{"/var/run/netns"},
 		ProcDir:              "/host/proc",
+		StateDir:             "/var/run/isthmus/cni-state",
+		PodCgroupRoots:       []string{"/kubepods", "/kubepods.slice"},
 		MonitoringAddr:       ":" + strconv.Itoa(defaults.MonitoringPort),
 		ShutdownTimeout:      5 * time.Second,
 	}
@@ -143,6 +162,10 @@ func (c Config) withDefaults() Config {
 	if c.NodeCgroupNS == "" && c.ProcDir != Disabled {
 		c.NodeCgroupNS = filepath.Join(c.ProcDir, "1", "ns", "cgroup")
 	}
+	or(&c.StateDir, d.StateDir)
+	if c.PodCgroupRoots == nil {
+		c.PodCgroupRoots = d.PodCgroupRoots
+	}
 	or(&c.MonitoringAddr, d.MonitoringAddr)
 	orDur(&c.ShutdownTimeout, d.ShutdownTimeout)
 	return c
@@ -159,6 +182,14 @@ func (c Config) validate() error {
 	if c.AckTimeout >= c.PluginTimeout {
 		errs = append(errs, errors.New("AckTimeout must be shorter than PluginTimeout, or a ztunnel ack outlives the plugin's wait"))
 	}
+	for _, r := range c.PodCgroupRoots {
+		if !path.IsAbs(r) || path.Clean(r) != r || r == "/" {
+			errs = append(errs, fmt.Errorf("PodCgroupRoots: %q is not a clean absolute cgroup path below /", r))
+		}
+	}
+	if c.StateDir != Disabled && !filepath.IsAbs(c.StateDir) {
+		errs = append(errs, fmt.Errorf("StateDir: %q is not an absolute path", c.StateDir))
+	}
 	return errors.Join(errs...)
 }
 
@@ -168,7 +199,8 @@ func (c Config) selection() selection.Config {
 
 // Deps are the agent's collaborators.
 type Deps struct {
-	// Client reads pods, namespaces and the node (required).
+	// Client reads pods, namespaces and the node, and writes Events on
+	// pods whose sandbox cannot be trusted (required).
 	Client kubernetes.Interface
 	// Log defaults to a discarding logger.
 	Log *slog.Logger

@@ -42,6 +42,9 @@ var (
 )
 
 func TestMain(m *testing.M) {
+	if os.Getenv(sandboxHolderEnv) == "1" {
+		holdSandbox() // a child process: a pod's process, nothing else
+	}
 	var err error
 	buildDir, err = os.MkdirTemp("", "isthmus-cni-build-")
 	if err != nil {
@@ -109,6 +112,9 @@ type env struct {
 	nodeIP     netip.Addr
 	zSock      string
 	pSock      string
+	stateDir   string
+	cgDir      string // the test's kubepods cgroup, a directory of the cgroup2 mount
+	cgRoot     string // that cgroup's path, as /proc/<pid>/cgroup shows it
 	reg        *prometheus.Registry
 	agent      *agent.Agent
 	stopAgent  func()
@@ -128,6 +134,8 @@ func newEnv(t *testing.T) *env {
 		require.NoError(t, os.MkdirAll(d, 0o755))
 	}
 	e.zSock, e.pSock = filepath.Join(dir, "z.sock"), filepath.Join(dir, "p.sock")
+	e.stateDir = filepath.Join(dir, "state")
+	e.cgDir, e.cgRoot = kubepodsCgroup(t)
 	e.nodeNSPath = filepath.Join(dir, "node-netns")
 	e.node = netnstest.NewAt(t, e.nodeNSPath)
 	e.nodeIP = netip.MustParseAddr("10.250.0.1")
@@ -203,6 +211,7 @@ func (e *env) config() agent.Config {
 		NodeName: e.nodeName, CNIBinDir: e.binDir, CNIConfDir: e.confDir, PluginSource: pluginBinary(e.t),
 		PluginSocket: e.pSock, ZtunnelSocket: e.zSock, NetnsDirs: []string{e.netnsDir}, ProcDir: "/proc",
 		NodeNetNS: e.nodeNSPath, MonitoringAddr: agent.Disabled, InstallCheckInterval: time.Second,
+		StateDir: e.stateDir, PodCgroupRoots: []string{e.cgRoot},
 	}
 }
 

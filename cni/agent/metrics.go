@@ -9,7 +9,7 @@ import (
 const (
 	failPodLookup = "pod-lookup"
 	failNetns     = "netns"
-	failDiscovery = "netns-not-found"
+	failRecord    = "sandbox-record"
 	failRules     = "pod-rules"
 	failNodeRules = "node-rules"
 	failRelease   = "release"
@@ -21,6 +21,7 @@ type metrics struct {
 	pluginEvents  *prometheus.CounterVec
 	ztunnels      prometheus.Gauge
 	installations *prometheus.CounterVec
+	sandbox       *prometheus.CounterVec
 }
 
 func newMetrics(reg *prometheus.Registry) (*metrics, error) {
@@ -45,8 +46,15 @@ func newMetrics(reg *prometheus.Registry) (*metrics, error) {
 			Name: "isthmus_cni_plugin_installs_total",
 			Help: "Writes of the plugin binary or its conflist entry (first install or repair), by what was written.",
 		}, []string{"what"}),
+		sandbox: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "isthmus_cni_sandbox_problems_total",
+			Help: "Running pods whose sandbox was not found or not trusted (SandboxNotFound, SandboxAddressMismatch, SandboxRecordMismatch: not enrolled) or whose address another namespace carries (DuplicateAddress: enrolled through its own sandbox), by reason; once per pod and reason.",
+		}, []string{"reason"}),
 	}
-	for _, c := range []prometheus.Collector{m.enrolled, m.failures, m.pluginEvents, m.ztunnels, m.installations} {
+	for _, r := range sandboxReasons {
+		m.sandbox.WithLabelValues(r)
+	}
+	for _, c := range []prometheus.Collector{m.enrolled, m.failures, m.pluginEvents, m.ztunnels, m.installations, m.sandbox} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

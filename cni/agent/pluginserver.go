@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"time"
 
 	"github.com/isthmus-mesh/isthmus/cni/plugin"
 	"github.com/isthmus-mesh/isthmus/cni/zds"
@@ -108,6 +109,11 @@ func (a *Agent) handleAdd(ctx context.Context, ev *plugin.Event, ns *os.File) (b
 			ns.Close()
 		}
 	}
+	if ev.PodName != "" && ev.PodNamespace != "" && ev.PodUID != "" {
+		// Every pod's sandbox, enrolled or not: a pod may be enrolled
+		// later (a label, another configuration) from this record.
+		a.recordSandbox(ev, ev.PodUID, ns)
+	}
 	if ev.PodName == "" || ev.PodNamespace == "" || a.cfg.selection().Excluded(ev.PodNamespace) {
 		// Not a Kubernetes pod, or one never enrolled: answered without
 		// the API server, so system pods start while it is away.
@@ -119,6 +125,9 @@ func (a *Agent) handleAdd(ctx context.Context, ev *plugin.Event, ns *os.File) (b
 		closeNS()
 		a.fail(failPodLookup)
 		return false, err
+	}
+	if ev.PodUID == "" {
+		a.recordSandbox(ev, string(pod.UID), ns)
 	}
 	pns, err := a.lookupNamespace(ctx, pod.Namespace)
 	if err != nil {
@@ -155,7 +164,35 @@ func (a *Agent) handleAdd(ctx context.Context, ev *plugin.Event, ns *os.File) (b
 	return true, nil
 }
 
+// recordSandbox keeps the runtime's word on the sandbox of an ADD: pod uid
+// is in the namespace ns, at ev.Netns. Without a record the pod is still
+// found after a restart, by its cgroup; so a failure is counted and logged,
+// and the ADD goes on.
+func (a *Agent) recordSandbox(ev *plugin.Event, uid string, ns *os.File) {
+	if a.store == nil || ns == nil {
+		return
+	}
+	log := a.log.With("pod", ev.PodNamespace+"/"+ev.PodName, "uid", uid)
+	if err := netns.Check(ns); err != nil {
+		return // refused below, if the pod is to be enrolled
+	}
+	id, err := netns.IDOf(ns)
+	if err == nil {
+		err = a.store.put(&sandboxRecord{
+			ContainerID: ev.ContainerID, PodNamespace: ev.PodNamespace, PodName: ev.PodName, PodUID: uid,
+			Netns: ev.Netns, Dev: id.Dev, Ino: id.Ino, Recorded: time.Now().UTC(),
+		})
+	}
+	if err != nil {
+		a.fail(failRecord)
+		log.Warn("sandbox not recorded: after a restart the pod is found by its cgroup only", "error", err)
+	}
+}
+
 func (a *Agent) handleDel(ctx context.Context, ev *plugin.Event) {
+	if a.store != nil && ev.ContainerID != "" {
+		a.store.remove(ev.ContainerID)
+	}
 	// The sandbox goes; so do its rules. Match by pod UID, else by the
 	// container (the runtime may omit the pod arguments on DEL).
 	a.releaseWhere(ctx, func(e *enrolment) bool {

@@ -142,7 +142,8 @@ func (a *Agent) work(ctx context.Context) bool {
 }
 
 // reconcile brings one pod's enrolment in line with the selection: a
-// running pod that should be enrolled is (its namespace found by address),
+// running pod that should be enrolled is (through its own sandbox, see
+// discoverer.locate),
 // an enrolled pod that should not be, or is gone, is released. Pods not yet
 // running are left to the CNI ADD, terminating ones to the CNI DEL.
 func (a *Agent) reconcile(ctx context.Context, key string) error {
@@ -152,6 +153,7 @@ func (a *Agent) reconcile(ctx context.Context, key string) error {
 	}
 	if !exists {
 		a.releaseWhere(ctx, func(e *enrolment) bool { return e.key == key }, "pod deleted")
+		a.forgetReports(key, "")
 		return nil
 	}
 	pod := obj.(*corev1.Pod)
@@ -174,13 +176,20 @@ func (a *Agent) reconcile(ctx context.Context, key string) error {
 			return nil // enrolled once the kubelet reports its address
 		}
 		a.discMu.Lock()
-		ns, err := a.disc.find(ips)
+		loc, err := a.disc.locate(uid, ips)
 		a.discMu.Unlock()
 		if err != nil {
-			a.fail(failDiscovery)
-			return err
+			// Not enrolled: an impostor must never get the pod's
+			// identity, and a retry may find the sandbox.
+			a.reportSandbox(pod, err)
+			return fmt.Errorf("pod %s not enrolled: %w", key, err)
 		}
-		return a.enrol(ctx, zdsPod(pod, ips), key, "", ns, keepCaptured)
+		a.forgetReports("", uid)
+		for _, n := range loc.notes {
+			a.reportOne(pod, n)
+		}
+		a.log.Debug("running pod's sandbox found", "pod", key, "uid", uid, "via", loc.via)
+		return a.enrol(ctx, zdsPod(pod, ips), key, loc.containerID, loc.ns, keepCaptured)
 	}
 	return nil
 }

@@ -77,7 +77,7 @@ func (n *isolated) startAgent(ctx context.Context, s *site) error {
 	if err := d.procs.spawn(d, name, n.get(s.node), "isthmus-cni", "agent", "--node", s.node, "--kubeconfig", kc,
 		"--system-namespace", ns, "--cni-bin-dir", bin, "--cni-conf-dir", conf, "--plugin-source", d.bin("isthmus-cni"),
 		"--plugin-socket", n.nodeDir(s, "plugin.sock"), "--ztunnel-socket", n.nodeDir(s, "ztunnel.sock"),
-		"--netns-dir", nsDir, "--proc-dir", "none", "--node-addresses", s.nodeIP.String()+","+s.bridge().Addr().String(),
+		"--netns-dir", nsDir, "--proc-dir", "none", "--state-dir", n.nodeDir(s, "cni-state"), "--node-addresses", s.nodeIP.String()+","+s.bridge().Addr().String(),
 		"--redirect-dns", "--monitoring-addr", "127.0.0.1:15014", "--log-format", "text"); err != nil {
 		return err
 	}
