@@ -45,8 +45,10 @@
 // connection's original destination with SO_ORIGINAL_DST (IPv4) or
 // IP6T_SO_ORIGINAL_DST (IPv6). Outbound connections are redirected to the
 // loopback address of their family (127.0.0.1 or ::1), inbound ones to the
-// pod's address on the interface they arrived on: ztunnel's in-pod listeners
-// listen on the wildcard address ([::] dual-stack, or 0.0.0.0 and [::]).
+// pod's address on the interface they arrived on: ztunnel's in-pod TCP
+// listeners (15001, 15006, 15008) listen on the wildcard address ([::]
+// dual-stack, or 0.0.0.0 and [::]); its DNS listener (15053) on loopback only,
+// which the output-hook DNS redirect reaches and no other host does.
 // NAT chains see only the first packet of a connection, so replies and
 // connections that existed before Apply are not affected.
 //
