@@ -219,7 +219,7 @@ func TestChartsApplyToAPIServer(t *testing.T) {
 			"ClusterRole/isthmus-cni-isthmus-system", "ClusterRoleBinding/isthmus-cni-isthmus-system",
 			"DaemonSet/isthmus-cni", "ServiceAccount/isthmus-cni"}},
 		{name: "cni with options", chart: "cni",
-			values: map[string]any{"excludedNamespaces": []any{"kube-system", "legacy"}, "redirectDNS": true, "uninstallOnExit": true},
+			values: map[string]any{"excludedNamespaces": []any{"kube-system", "legacy"}, "redirectDNS": false, "uninstallOnExit": true},
 			want: []string{
 				"ClusterRole/isthmus-cni-isthmus-system", "ClusterRoleBinding/isthmus-cni-isthmus-system",
 				"DaemonSet/isthmus-cni", "ServiceAccount/isthmus-cni"}},
@@ -367,7 +367,10 @@ func TestChartValues(t *testing.T) {
 			"--state-dir=/var/run/isthmus/cni-state", "--pod-cgroup-root=/kubepods", "--pod-cgroup-root=/kubepods.slice"} {
 			require.Contains(t, ctr.Args, want)
 		}
-		require.NotContains(t, ctr.Args, "--redirect-dns", "DNS capture is off by default")
+		require.Contains(t, ctr.Args, "--redirect-dns", "DNS capture is on by default, as Istio's")
+		off := render(t, "cni", namespace, map[string]any{"redirectDNS": false})
+		offArgs := convert[appsv1.DaemonSet](t, find(t, off, "DaemonSet", "isthmus-cni")).Spec.Template.Spec.Containers[0].Args
+		require.NotContains(t, offArgs, "--redirect-dns", "and can be turned off")
 		require.Equal(t, "system-node-critical", spec.PriorityClassName)
 		require.Equal(t, int32(0), ds.Spec.UpdateStrategy.RollingUpdate.MaxSurge.IntVal, "two agents never share a node")
 	})

@@ -85,8 +85,8 @@ type Options struct {
 	// from the node's (init) cgroup namespace makes the levels absolute.
 	// nil: the caller's. Needs CAP_SYS_ADMIN.
 	CgroupNS *os.File
-	// RedirectDNS sends the pod's UDP and TCP port 53 to DNSPort. Off until
-	// ztunnel serves DNS.
+	// RedirectDNS sends the pod's UDP and TCP port 53 to DNSPort, where
+	// ztunnel's in-pod DNS proxy listens on loopback.
 	RedirectDNS bool
 	// ExcludeDestinations are never captured on the way out (the node's
 	// own addresses, so that a pod's traffic to its node is untouched).
