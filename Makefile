@@ -95,6 +95,7 @@ FUZZ_TARGETS := \
 	./pilot/ca:FuzzCreateCertificate \
 	./pilot/ca:FuzzParseIdentity \
 	./pilot/ca:FuzzBearerToken \
+	./pilot/ca:FuzzTokenPrefilter \
 	./internal/spiffe:FuzzParse \
 	./internal/spiffe:FuzzParseTrustBundle \
 	./ztunnel/dns:FuzzAnswer
