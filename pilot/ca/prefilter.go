@@ -53,7 +53,8 @@ type prefiltered struct {
 	verified bool
 }
 
-// issuers holds what the prefilter knows of each cluster's token issuer. Safe for concurrent use.
+// issuers holds what the prefilter knows of each cluster's token issuer: one entry per cluster
+// that was ever federated (only those reach the prefilter). Safe for concurrent use.
 type issuers struct {
 	mu       sync.Mutex
 	clusters map[string]*issuer
@@ -83,17 +84,6 @@ func (is *issuers) of(cluster string) *issuer {
 		is.clusters[cluster] = i
 	}
 	return i
-}
-
-// forget drops what is known of clusters no longer federated (bounded memory).
-func (is *issuers) forget(keep func(string) bool) {
-	is.mu.Lock()
-	defer is.mu.Unlock()
-	for c := range is.clusters {
-		if !keep(c) {
-			delete(is.clusters, c)
-		}
-	}
 }
 
 // discoveryDoc is the part of the OIDC discovery document read here.
