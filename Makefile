@@ -104,10 +104,11 @@ FUZZ_TARGETS := \
 	./pilot/ca:FuzzCreateCertificate \
 	./pilot/ca:FuzzParseIdentity \
 	./pilot/ca:FuzzBearerToken \
+	./pilot/ca:FuzzTokenPrefilter \
 	./internal/spiffe:FuzzParse \
 	./internal/spiffe:FuzzParseTrustBundle \
 	./ztunnel/dns:FuzzAnswer \
-	./cni/zds:FuzzWire
+	./cni/zds:FuzzWire \
 	./cni/plugin:FuzzPluginInput
 
 ## fuzz: fuzz each target for FUZZTIME (e.g. `make fuzz FUZZTIME=5m`), one

@@ -7,13 +7,15 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
+	"net"
 	"slices"
 	"strings"
 	"sync"
 	"time"
 
-	"golang.org/x/time/rate"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	authnv1 "k8s.io/api/authentication/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -47,8 +49,17 @@ type Caller struct {
 
 // TokenReviewAuthenticator authenticates a Kubernetes ServiceAccount token from the
 // "authorization: Bearer" metadata with a TokenReview in the cluster named by the "clusterid"
-// metadata (DefaultCluster when absent). Verdicts are cached by a digest of (cluster, token), and
-// reviews are rate-limited per cluster. Safe for concurrent use; the token is never logged nor kept.
+// metadata (DefaultCluster when absent). Verdicts are cached by a digest of (cluster, token).
+//
+// Before a token is reviewed it is prefiltered (see prefilter): a token that cannot be one the
+// cluster issued (malformed, an algorithm the API server does not use, expired, not of a
+// ServiceAccount, another audience, another issuer, or a signature that does not verify with
+// the cluster's own keys from its OIDC discovery) is refused without a review. A review then
+// takes one token from three buckets, or from none: the caller's source address's, the claimed
+// ServiceAccount's (cluster/namespace/name) and the cluster's, so that garbage and floods from
+// some sources or accounts cannot keep a quiet caller's valid token from being reviewed.
+//
+// Safe for concurrent use; the token is never logged nor kept.
 type TokenReviewAuthenticator struct {
 	// Clusters gives the client of the cluster the caller names.
 	Clusters Clusters
@@ -65,13 +76,25 @@ type TokenReviewAuthenticator struct {
 	// Rate and Burst bound the reviews sent per cluster (0: DefaultReviewRate, DefaultReviewBurst).
 	Rate  float64
 	Burst int
+	// SourceRate and SourceBurst bound the reviews asked for from one source address (an IPv4
+	// address or an IPv6 /64; 0: DefaultReviewSourceRate, DefaultReviewSourceBurst).
+	SourceRate  float64
+	SourceBurst int
+	// AccountRate and AccountBurst bound the reviews of tokens claiming one ServiceAccount of
+	// one cluster (0: DefaultReviewAccountRate, DefaultReviewAccountBurst).
+	AccountRate  float64
+	AccountBurst int
 	// Now is the clock used to tell an expired token from an otherwise invalid one.
 	Now func() time.Time
+	// Logger receives what the prefilter cannot read of a cluster's issuer (nil: nothing).
+	Logger *slog.Logger
 
 	once     sync.Once
-	mu       sync.Mutex
-	verdicts *lru.Cache               // [sha256.Size]byte -> verdict
-	limiters map[string]*rate.Limiter // per cluster
+	verdicts *lru.Cache // [sha256.Size]byte -> verdict
+	clusters *limiterSet
+	sources  *limiterSet
+	accounts *limiterSet
+	issuers  issuers
 }
 
 // verdict is a cached review outcome: a caller or a refusal.
@@ -81,13 +104,31 @@ type verdict struct {
 	expires time.Time
 }
 
-// reviewCacheSize bounds the cached verdicts (a few MB at most).
-const reviewCacheSize = 10000
+// reviewCacheSize bounds the cached verdicts (a few MB at most); reviewLimitersSize bounds
+// the buckets kept per kind (sources, accounts, clusters): about 100 bytes each.
+const (
+	reviewCacheSize    = 10000
+	reviewLimitersSize = 10000
+)
 
 func (a *TokenReviewAuthenticator) init() {
 	a.once.Do(func() {
 		a.verdicts = lru.New(reviewCacheSize)
-		a.limiters = map[string]*rate.Limiter{}
+		orDefault := func(r float64, b int, dr float64, db int) (float64, int) {
+			if r <= 0 {
+				r = dr
+			}
+			if b <= 0 {
+				b = db
+			}
+			return r, b
+		}
+		r, b := orDefault(a.Rate, a.Burst, DefaultReviewRate, DefaultReviewBurst)
+		a.clusters = newLimiterSet(r, b, reviewLimitersSize)
+		r, b = orDefault(a.SourceRate, a.SourceBurst, DefaultReviewSourceRate, DefaultReviewSourceBurst)
+		a.sources = newLimiterSet(r, b, reviewLimitersSize)
+		r, b = orDefault(a.AccountRate, a.AccountBurst, DefaultReviewAccountRate, DefaultReviewAccountBurst)
+		a.accounts = newLimiterSet(r, b, reviewLimitersSize)
 	})
 }
 
@@ -120,7 +161,7 @@ func (a *TokenReviewAuthenticator) remember(key [sha256.Size]byte, token string,
 	}
 	var re *RefusalError
 	if err != nil {
-		if !errors.As(err, &re) || re.Reason == ReasonReviewUnavailable || re.Reason == ReasonReviewRateLimited {
+		if !errors.As(err, &re) || re.Reason == ReasonReviewUnavailable || re.Reason.rateLimited() {
 			return // a transient failure says nothing about the token
 		}
 		ttl /= 6
@@ -133,25 +174,6 @@ func (a *TokenReviewAuthenticator) remember(key [sha256.Size]byte, token string,
 		}
 	}
 	a.verdicts.Add(key, &verdict{caller: c, err: err, expires: expires})
-}
-
-// allow reports whether a review may be sent to cluster now.
-func (a *TokenReviewAuthenticator) allow(cluster string) bool {
-	a.mu.Lock()
-	l := a.limiters[cluster]
-	if l == nil {
-		r, b := a.Rate, a.Burst
-		if r <= 0 {
-			r = DefaultReviewRate
-		}
-		if b <= 0 {
-			b = DefaultReviewBurst
-		}
-		l = rate.NewLimiter(rate.Limit(r), b)
-		a.limiters[cluster] = l
-	}
-	a.mu.Unlock()
-	return l.Allow()
 }
 
 // Authenticate implements Authenticator.
@@ -167,17 +189,33 @@ func (a *TokenReviewAuthenticator) Authenticate(ctx context.Context) (*Caller, e
 	}
 	client, ok := a.Clusters.KubeClient(cluster)
 	if !ok {
-		return nil, refuse(ReasonUnknownCluster, "cluster %q is not federated", cluster)
+		return nil, refuse(ReasonUnknownCluster, "cluster %q is not federated", truncate(cluster, 64))
 	}
 	a.init()
 	key := sha256.Sum256([]byte(cluster + "\x00" + token))
 	if v, ok := a.cached(key); ok {
 		return v.caller, v.err
 	}
-	if !a.allow(cluster) {
+	p, err := a.prefilter(ctx, client, cluster, token)
+	if err != nil {
+		return nil, err
+	}
+	var src net.Addr
+	if pr, ok := peer.FromContext(ctx); ok {
+		src = pr.Addr
+	}
+	switch takeAll(a.now(), a.sources.get(sourceKey(src)), a.accounts.get(cluster+"/"+p.namespace+"/"+p.serviceAccount), a.clusters.get(cluster)) {
+	case 0:
+		return nil, refuse(ReasonSourceRateLimited, "too many token reviews asked for from this address; retry later")
+	case 1:
+		return nil, refuse(ReasonAccountRateLimited, "too many token reviews for %s/%s of cluster %q; retry later", p.namespace, p.serviceAccount, cluster)
+	case 2:
 		return nil, refuse(ReasonReviewRateLimited, "too many token reviews for cluster %q; retry later", cluster)
 	}
 	c, err := a.review(ctx, client, cluster, token)
+	if err == nil {
+		a.issuers.of(cluster).learn(p.claims.Issuer)
+	}
 	a.remember(key, token, c, err)
 	return c, err
 }

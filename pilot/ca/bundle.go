@@ -165,10 +165,11 @@ func generateSelfSigned(trustDomain string, ttl time.Duration, now time.Time) (m
 
 // leafRequest is what a leaf is made of once the caller has been authorized.
 type leafRequest struct {
-	publicKey any
-	uris      []*url.URL
-	dnsNames  []string
-	ttl       time.Duration
+	publicKey  any
+	uris       []*url.URL
+	dnsNames   []string
+	extensions []pkix.Extension // non-critical extensions of the CA's own (never from a CSR)
+	ttl        time.Duration
 }
 
 // signLeaf issues an end-entity certificate for both TLS client and server use. The lifetime is
@@ -190,6 +191,7 @@ func (b *bundle) signLeaf(req leafRequest, now time.Time) (*x509.Certificate, er
 		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
 		BasicConstraintsValid: true,
 		URIs:                  req.uris,
+		ExtraExtensions:       req.extensions,
 	}
 	for _, n := range req.dnsNames {
 		if ip := parseIP(n); ip != nil {

@@ -87,7 +87,12 @@ func New(cfg Config, deps Deps) (*CA, error) {
 			CacheTTL:       cfg.ReviewCacheTTL,
 			Rate:           cfg.ReviewRate,
 			Burst:          cfg.ReviewBurst,
+			SourceRate:     cfg.ReviewSourceRate,
+			SourceBurst:    cfg.ReviewSourceBurst,
+			AccountRate:    cfg.ReviewAccountRate,
+			AccountBurst:   cfg.ReviewAccountBurst,
 			Now:            deps.Now,
+			Logger:         deps.Logger.With("component", "ca"),
 		}
 	}
 	return c, nil

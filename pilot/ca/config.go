@@ -29,6 +29,13 @@ const (
 	DefaultReviewCacheTTL   = 30 * time.Second
 	DefaultReviewRate       = 50
 	DefaultReviewBurst      = 100
+	// Per source address and per claimed ServiceAccount: well under the cluster's, so that a
+	// few sources or one account cannot spend it. A ztunnel reviews one token per rotation
+	// (its verdict is cached), so these are far above what honest callers use.
+	DefaultReviewSourceRate   = 5
+	DefaultReviewSourceBurst  = 10
+	DefaultReviewAccountRate  = 10
+	DefaultReviewAccountBurst = 20
 )
 
 // RootCertKey is the key of the root bundle in the published ConfigMap and in the CA Secrets.
@@ -84,6 +91,17 @@ type Config struct {
 	// callers cannot turn pilot into a load generator against a cluster.
 	ReviewRate  float64
 	ReviewBurst int
+	// ReviewSourceRate and ReviewSourceBurst bound the TokenReviews asked
+	// for from one source address (IPv4 address or IPv6 /64; defaults 5
+	// per second, bursts of 10); past them a request is refused as
+	// review_rate_limited_source.
+	ReviewSourceRate  float64
+	ReviewSourceBurst int
+	// ReviewAccountRate and ReviewAccountBurst bound the TokenReviews of
+	// tokens claiming one ServiceAccount of one cluster (defaults 10 per
+	// second, bursts of 20); past them: review_rate_limited_account.
+	ReviewAccountRate  float64
+	ReviewAccountBurst int
 }
 
 // withDefaults returns cfg with every unset field given its default; it is the only place
@@ -139,6 +157,18 @@ func (cfg Config) withDefaults() Config {
 	}
 	if cfg.ReviewBurst <= 0 {
 		cfg.ReviewBurst = DefaultReviewBurst
+	}
+	if cfg.ReviewSourceRate <= 0 {
+		cfg.ReviewSourceRate = DefaultReviewSourceRate
+	}
+	if cfg.ReviewSourceBurst <= 0 {
+		cfg.ReviewSourceBurst = DefaultReviewSourceBurst
+	}
+	if cfg.ReviewAccountRate <= 0 {
+		cfg.ReviewAccountRate = DefaultReviewAccountRate
+	}
+	if cfg.ReviewAccountBurst <= 0 {
+		cfg.ReviewAccountBurst = DefaultReviewAccountBurst
 	}
 	return cfg
 }

@@ -24,6 +24,15 @@
 // "ImpersonatedIdentity" to the SPIFFE ID of a ServiceAccount that has a pod on the caller's own node
 // in the caller's cluster. The response chain is [leaf, intermediates..., root].
 //
+// Before any TokenReview a token is prefiltered (form, algorithm, expiry, ServiceAccount subject,
+// audience, the cluster's issuer, and its signature against the cluster's own keys from its OIDC
+// discovery), and a review is rate-limited per source address, per claimed ServiceAccount and per
+// cluster, so that floods of bad tokens cannot starve valid ones (docs/security.md, "The CA").
+//
+// A node account's own certificate (no impersonation) requires a token bound to its pod and is
+// bound to that pod's cluster and node by a non-critical extension (internal/nodebind), which
+// pilot's xDS server holds the node account's NODE_NAME to.
+//
 // # Trust domains
 //
 // Config.TrustDomain is the mesh's domain, whose material is the Secret above. A cluster may be in
@@ -62,8 +71,11 @@
 //
 // In the config cluster: get, list, watch and create Secrets in the control-plane namespace (the
 // CA Secrets and the trust-domain Secrets). In every
-// federated cluster (the remote reader account): create TokenReviews, get Pods (impersonation),
-// and get, list, watch, create and update ConfigMaps in the control-plane namespace (publisher).
+// federated cluster (the remote reader account): create TokenReviews, get Pods (impersonation and
+// node binding), get the OIDC discovery URLs /.well-known/openid-configuration and
+// /openid/v1/jwks (granted to every ServiceAccount by Kubernetes' default
+// system:service-account-issuer-discovery binding), and get, list, watch, create and update
+// ConfigMaps in the control-plane namespace (publisher).
 //
 // # Concurrency
 //

@@ -21,6 +21,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/isthmus-mesh/isthmus/internal/nodebind"
 	"github.com/isthmus-mesh/isthmus/pilot/ca"
 )
 
@@ -158,7 +159,17 @@ func TestRefusals(t *testing.T) {
 		{name: "cluster not federated", cluster: "cluster-9", token: good, csr: csrFor(t, ""),
 			code: codes.Unauthenticated, reason: ca.ReasonUnknownCluster},
 		{name: "token of another cluster presented as the config cluster's", cluster: configCluster, token: good, csr: csrFor(t, ""),
-			code: codes.Unauthenticated, reason: ca.ReasonTokenInvalid},
+			code: codes.Unauthenticated, reason: ca.ReasonForeignIssuer},
+		{name: "garbage token", cluster: remoteCluster, token: "made-up", csr: csrFor(t, ""),
+			code: codes.Unauthenticated, reason: ca.ReasonTokenMalformed},
+		{name: "unsigned token", cluster: remoteCluster, token: forgeAlg(t, good, "none"), csr: csrFor(t, ""),
+			code: codes.Unauthenticated, reason: ca.ReasonTokenAlgorithm},
+		{name: "token with forged claims", cluster: remoteCluster, csr: csrFor(t, ""),
+			token: forgeClaims(t, good, func(m map[string]any) { m["sub"] = "system:serviceaccount:kube-system:admin" }),
+			code:  codes.Unauthenticated, reason: ca.ReasonTokenSignature},
+		{name: "node account's own certificate with a token bound to no pod", cluster: remoteCluster,
+			token: token(t, remote.Client, ns, "ztunnel", []string{"istio-ca"}, nil), csr: csrFor(t, ""),
+			code: codes.PermissionDenied, reason: ca.ReasonNodeAccountPod},
 		{name: "wrong audience", cluster: remoteCluster, token: token(t, remote.Client, "shop", "web", []string{"some-api"}, nil), csr: csrFor(t, ""),
 			code: codes.Unauthenticated, reason: ca.ReasonWrongAudience},
 		{name: "CSR asks for another identity", cluster: remoteCluster, token: good, csr: csrFor(t, "spiffe://cluster.local/ns/kube-system/sa/admin"),
@@ -220,7 +231,17 @@ func TestNodeImpersonationOfPodOnOwnNode(t *testing.T) {
 
 	resp, err := call(context.Background(), client, remoteCluster, ztunnel, csrFor(t, ""), "spiffe://cluster.local/ns/books/sa/reviews")
 	require.NoError(t, err)
-	onlySAN(t, leafOf(t, resp, roots), "spiffe://cluster.local/ns/books/sa/reviews")
+	leaf := leafOf(t, resp, roots)
+	onlySAN(t, leaf, "spiffe://cluster.local/ns/books/sa/reviews")
+	_, err = nodebind.FromCertificate(leaf)
+	require.ErrorIs(t, err, nodebind.ErrAbsent, "a workload's certificate is bound to no node")
+
+	// Its own certificate is bound to its pod's node in its cluster.
+	resp, err = call(context.Background(), client, remoteCluster, ztunnel, csrFor(t, ""), "")
+	require.NoError(t, err)
+	leaf = leafOf(t, resp, roots)
+	onlySAN(t, leaf, "spiffe://cluster.local/ns/"+ns+"/sa/ztunnel")
+	require.Equal(t, nodebind.Binding{Cluster: remoteCluster, Node: "node-imp"}, leafNode(t, leaf))
 
 	// A node of the same name in another cluster does not count: "ratings" runs on node-imp of
 	// the config cluster only, so the remote cluster's ztunnel on node-imp may not have it.

@@ -258,6 +258,13 @@ func csrFor(t testing.TB, uri string) string {
 // connection that trusts roots and expects servingName.
 func serve(t testing.TB, c *ca.CA, roots []byte) *grpc.ClientConn {
 	t.Helper()
+	return dialFrom(t, serveOn(t, c), roots, "")
+}
+
+// serveOn runs c's CSR service on a real TLS listener at 127.0.0.1:0 until the test ends and
+// returns its address.
+func serveOn(t testing.TB, c *ca.CA) string {
+	t.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	srv := grpc.NewServer(grpc.Creds(credentials.NewTLS(c.ServerTLSConfig())))
@@ -267,16 +274,30 @@ func serve(t testing.TB, c *ca.CA, roots []byte) *grpc.ClientConn {
 		defer close(done)
 		_ = srv.Serve(lis)
 	}()
-	pool := x509.NewCertPool()
-	require.True(t, pool.AppendCertsFromPEM(roots))
-	conn, err := grpc.NewClient(lis.Addr().String(),
-		grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool, ServerName: servingName, MinVersion: tls.VersionTLS12})))
-	require.NoError(t, err)
 	t.Cleanup(func() {
-		_ = conn.Close()
 		srv.Stop()
 		<-done
 	})
+	return lis.Addr().String()
+}
+
+// dialFrom connects to addr, trusting roots and expecting servingName, from the loopback
+// source address src ("" for any).
+func dialFrom(t testing.TB, addr string, roots []byte, src string) *grpc.ClientConn {
+	t.Helper()
+	pool := x509.NewCertPool()
+	require.True(t, pool.AppendCertsFromPEM(roots))
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool, ServerName: servingName, MinVersion: tls.VersionTLS12}))}
+	if src != "" {
+		local := &net.TCPAddr{IP: net.ParseIP(src)}
+		opts = append(opts, grpc.WithContextDialer(func(ctx context.Context, a string) (net.Conn, error) {
+			d := net.Dialer{LocalAddr: local}
+			return d.DialContext(ctx, "tcp", a)
+		}))
+	}
+	conn, err := grpc.NewClient(addr, opts...)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
 	return conn
 }
 

@@ -17,11 +17,24 @@ const (
 	ReasonNoToken Reason = "no_token"
 	// ReasonUnknownCluster: the "clusterid" metadata names a cluster that is not federated.
 	ReasonUnknownCluster Reason = "unknown_cluster"
-	// ReasonTokenInvalid: TokenReview did not authenticate the token (bad signature, another
-	// issuer, deleted ServiceAccount or bound object, malformed).
+	// ReasonTokenInvalid: TokenReview did not authenticate the token (deleted ServiceAccount
+	// or bound object, a signature the prefilter could not check, ...).
 	ReasonTokenInvalid Reason = "token_invalid"
-	// ReasonTokenExpired: TokenReview refused the token and its exp claim has passed.
+	// ReasonTokenExpired: the token's exp claim has passed (found by the prefilter, or by
+	// TokenReview's refusal).
 	ReasonTokenExpired Reason = "token_expired"
+	// ReasonTokenMalformed: the token is not a compact JWS of JSON with an exp claim; no
+	// review was asked.
+	ReasonTokenMalformed Reason = "token_malformed"
+	// ReasonTokenAlgorithm: the token is signed with an algorithm Kubernetes API servers do not
+	// use (none, HMAC, ...); no review was asked.
+	ReasonTokenAlgorithm Reason = "token_algorithm"
+	// ReasonForeignIssuer: the token's iss is not the issuer of the cluster it is presented
+	// to; no review was asked.
+	ReasonForeignIssuer Reason = "token_foreign_issuer"
+	// ReasonTokenSignature: the token's signature does not verify with any key of the
+	// cluster's (from its OIDC discovery); no review was asked.
+	ReasonTokenSignature Reason = "token_bad_signature"
 	// ReasonWrongAudience: the token is not meant for any of Config.Audiences.
 	ReasonWrongAudience Reason = "wrong_audience"
 	// ReasonNotServiceAccount: the token authenticates a user that is not a ServiceAccount.
@@ -31,6 +44,16 @@ const (
 	// ReasonReviewRateLimited: too many TokenReviews to the caller's cluster
 	// right now (Config.ReviewRate).
 	ReasonReviewRateLimited Reason = "review_rate_limited"
+	// ReasonSourceRateLimited: too many TokenReviews asked for from the
+	// caller's source address (Config.ReviewSourceRate).
+	ReasonSourceRateLimited Reason = "review_rate_limited_source"
+	// ReasonAccountRateLimited: too many TokenReviews of tokens claiming the
+	// caller's ServiceAccount (Config.ReviewAccountRate).
+	ReasonAccountRateLimited Reason = "review_rate_limited_account"
+	// ReasonNodeAccountPod: a trusted node account asked for its own
+	// certificate with a token not bound to a live pod of its own scheduled
+	// on a node, so its certificate could not be bound to that node.
+	ReasonNodeAccountPod Reason = "node_account_pod"
 	// ReasonMalformedCSR: the CSR is not a well-signed PEM CERTIFICATE REQUEST with a usable key.
 	ReasonMalformedCSR Reason = "malformed_csr"
 	// ReasonIdentityMismatch: the CSR names an identity other than the one being issued.
@@ -58,22 +81,29 @@ const (
 func (r Reason) Code() codes.Code {
 	switch r {
 	case ReasonNoToken, ReasonUnknownCluster, ReasonTokenInvalid, ReasonTokenExpired,
-		ReasonWrongAudience, ReasonNotServiceAccount:
+		ReasonWrongAudience, ReasonNotServiceAccount, ReasonTokenMalformed, ReasonTokenAlgorithm,
+		ReasonForeignIssuer, ReasonTokenSignature:
 		return codes.Unauthenticated
 	case ReasonMalformedCSR, ReasonImpersonationInvalid:
 		return codes.InvalidArgument
 	case ReasonIdentityMismatch, ReasonImpersonationNotTrusted, ReasonImpersonationCallerPod,
-		ReasonImpersonationNotOnNode:
+		ReasonImpersonationNotOnNode, ReasonNodeAccountPod:
 		return codes.PermissionDenied
 	case ReasonReviewUnavailable, ReasonNotReady:
 		return codes.Unavailable
-	case ReasonReviewRateLimited:
+	case ReasonReviewRateLimited, ReasonSourceRateLimited, ReasonAccountRateLimited:
 		return codes.ResourceExhausted
 	case ReasonTrustDomainUnavailable:
 		return codes.FailedPrecondition
 	default:
 		return codes.Internal
 	}
+}
+
+// rateLimited reports whether r is a refusal for a review limit (transient: it says nothing
+// about the token).
+func (r Reason) rateLimited() bool {
+	return r == ReasonReviewRateLimited || r == ReasonSourceRateLimited || r == ReasonAccountRateLimited
 }
 
 // RefusalError is a request refused for a Reason. Its Error text is safe to send to the caller

@@ -34,9 +34,9 @@ func (c countingTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 }
 
 // TestTokenReviewsCachedAndRateLimited: the CA asks a cluster's API server
-// about a token once and reuses the verdict; a flood of made-up tokens
-// reaches the API server at most at the configured rate, and the rest are
-// refused as review_rate_limited without a review.
+// about a token once and reuses the verdict; made-up tokens never reach it;
+// a flood of real tokens reaches it at most at the configured rate, and the
+// rest are refused as review_rate_limited without a review.
 func TestTokenReviewsCachedAndRateLimited(t *testing.T) {
 	const ns = "isthmus-system"
 	cfgC, remote := clusters(t)
@@ -48,7 +48,8 @@ func TestTokenReviewsCachedAndRateLimited(t *testing.T) {
 	fed := federation{configCluster: cfgC.Client, remoteCluster: counted}
 	ensureNamespace(t, cfgC.Client, ns)
 	reg := prometheus.NewRegistry()
-	c, err := ca.New(ca.Config{ClusterID: configCluster, Namespace: ns, ServingSANs: []string{servingName}, ReviewRate: 0.001, ReviewBurst: 3},
+	c, err := ca.New(ca.Config{ClusterID: configCluster, Namespace: ns, ServingSANs: []string{servingName}, ReviewRate: 0.001, ReviewBurst: 3,
+		ReviewSourceRate: 1000, ReviewSourceBurst: 1000, ReviewAccountRate: 1000, ReviewAccountBurst: 1000},
 		ca.Deps{ConfigClient: cfgC.Client, Clusters: fed, Nodes: podLister{fed}, Registerer: reg})
 	require.NoError(t, err)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -64,19 +65,23 @@ func TestTokenReviewsCachedAndRateLimited(t *testing.T) {
 	}
 	require.Equal(t, int64(1), reviews.Load(), "one review for ten requests with one token")
 
-	codesSeen := map[codes.Code]int{}
+	// Made-up tokens never reach the API server.
 	for i := range 10 {
 		_, err := call(ctx, client, remoteCluster, fmt.Sprintf("made-up-%d", i), csrFor(t, ""), "")
+		require.Equal(t, codes.Unauthenticated, status.Code(err))
+	}
+	require.Equal(t, int64(1), reviews.Load(), "garbage is refused before any review")
+
+	// Real, distinct tokens: the burst allows two more reviews; the rest are refused first.
+	codesSeen := map[codes.Code]int{}
+	for range 10 {
+		_, err := call(ctx, client, remoteCluster, token(t, remote.Client, "shop", "web", []string{"istio-ca"}, nil), csrFor(t, ""), "")
 		codesSeen[status.Code(err)]++
 	}
-	require.Equal(t, int64(3), reviews.Load(), "the burst allows two more reviews; the rest are refused first")
-	require.Equal(t, map[codes.Code]int{codes.Unauthenticated: 2, codes.ResourceExhausted: 8}, codesSeen)
+	require.Equal(t, int64(3), reviews.Load())
+	require.Equal(t, map[codes.Code]int{codes.OK: 2, codes.ResourceExhausted: 8}, codesSeen)
 	require.Equal(t, 8.0, counter(t, reg, refusedTotal, string(ca.ReasonReviewRateLimited)))
 
-	// A refused token asked about again is answered from the cache.
-	_, err = call(ctx, client, remoteCluster, "made-up-0", csrFor(t, ""), "")
-	require.Equal(t, codes.Unauthenticated, status.Code(err))
-	require.Equal(t, int64(3), reviews.Load())
 	// And the good token still works without a review.
 	_, err = call(ctx, client, remoteCluster, good, csrFor(t, ""), "")
 	require.NoError(t, err)

@@ -6,17 +6,20 @@ import (
 	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/tls"
+	"crypto/x509/pkix"
 	"fmt"
 	"log/slog"
 	"net/url"
 	"sync"
 	"time"
 
+	"github.com/isthmus-mesh/isthmus/internal/nodebind"
 	"github.com/isthmus-mesh/isthmus/internal/spiffe"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	pb "istio.io/api/security/v1alpha1"
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
@@ -84,7 +87,9 @@ func (c *CA) createCertificate(ctx context.Context, req *pb.IstioCertificateRequ
 		return nil, caller, "", err
 	}
 	id := Identity{TrustDomain: td, Namespace: caller.Namespace, ServiceAccount: caller.ServiceAccount}.String()
+	own := true
 	if imp := req.GetMetadata().GetFields()[ImpersonatedIdentityMetadata].GetStringValue(); imp != "" && imp != id {
+		own = false
 		want, err := c.authorizeImpersonation(ctx, caller, td, imp)
 		if err != nil {
 			return nil, caller, "", err
@@ -98,11 +103,25 @@ func (c *CA) createCertificate(ctx context.Context, req *pb.IstioCertificateRequ
 	if err := checkCSRIdentity(csr, id); err != nil {
 		return nil, caller, id, &RefusalError{Reason: ReasonIdentityMismatch, Err: err}
 	}
+	var extensions []pkix.Extension
+	if own && c.trusted[caller.Namespace+"/"+caller.ServiceAccount] {
+		// A node account's own certificate is bound to the node of its pod: pilot's xDS
+		// server serves it that node only.
+		pod, err := c.callerPod(ctx, caller, ReasonNodeAccountPod)
+		if err != nil {
+			return nil, caller, id, err
+		}
+		ext, err := nodebind.Binding{Cluster: caller.Cluster, Node: pod.Spec.NodeName}.Extension()
+		if err != nil {
+			return nil, caller, id, &RefusalError{Reason: ReasonNodeAccountPod, Err: err}
+		}
+		extensions = append(extensions, ext)
+	}
 	u, err := url.Parse(id)
 	if err != nil {
 		return nil, caller, id, &RefusalError{Reason: ReasonSigningFailed, Err: err}
 	}
-	leaf, err := b.signLeaf(leafRequest{publicKey: csr.PublicKey, uris: []*url.URL{u}, ttl: c.ttl(req.GetValidityDuration())}, c.now())
+	leaf, err := b.signLeaf(leafRequest{publicKey: csr.PublicKey, uris: []*url.URL{u}, extensions: extensions, ttl: c.ttl(req.GetValidityDuration())}, c.now())
 	if err != nil {
 		return nil, caller, id, &RefusalError{Reason: ReasonSigningFailed, Err: err}
 	}
@@ -123,35 +142,46 @@ func (c *CA) authorizeImpersonation(ctx context.Context, caller *Caller, td, req
 	if want.TrustDomain != td {
 		return Identity{}, refuse(ReasonImpersonationInvalid, "trust domain %q is not %q, cluster %q's", want.TrustDomain, td, caller.Cluster)
 	}
+	pod, err := c.callerPod(ctx, caller, ReasonImpersonationCallerPod)
+	if err != nil {
+		return Identity{}, err
+	}
+	if c.deps.Nodes == nil || !c.deps.Nodes.ServiceAccountOnNode(caller.Cluster, pod.Spec.NodeName, want.Namespace, want.ServiceAccount) {
+		return Identity{}, refuse(ReasonImpersonationNotOnNode, "no pod of %s/%s on node %q of cluster %q", want.Namespace, want.ServiceAccount, pod.Spec.NodeName, caller.Cluster)
+	}
+	return want, nil
+}
+
+// callerPod returns the live pod the caller's token is bound to, of the caller's own
+// ServiceAccount and scheduled on a node, from the caller's cluster; a token without a pod, a
+// pod gone or replaced, of another ServiceAccount or not scheduled is refused for reason.
+func (c *CA) callerPod(ctx context.Context, caller *Caller, reason Reason) (*corev1.Pod, error) {
 	if caller.PodName == "" || caller.PodUID == "" {
-		return Identity{}, refuse(ReasonImpersonationCallerPod, "caller token is not bound to a pod")
+		return nil, refuse(reason, "caller token is not bound to a pod")
 	}
 	if c.deps.Clusters == nil {
-		return Identity{}, refuse(ReasonUnknownCluster, "no cluster clients to look up the caller's pod")
+		return nil, refuse(ReasonUnknownCluster, "no cluster clients to look up the caller's pod")
 	}
 	client, ok := c.deps.Clusters.KubeClient(caller.Cluster)
 	if !ok {
-		return Identity{}, refuse(ReasonUnknownCluster, "cluster %q is not federated", caller.Cluster)
+		return nil, refuse(ReasonUnknownCluster, "cluster %q is not federated", caller.Cluster)
 	}
 	lctx, cancel := context.WithTimeout(ctx, c.cfg.ReviewTimeout)
 	defer cancel()
 	pod, err := client.CoreV1().Pods(caller.Namespace).Get(lctx, caller.PodName, metav1.GetOptions{})
 	switch {
 	case apierrors.IsNotFound(err):
-		return Identity{}, refuse(ReasonImpersonationCallerPod, "caller pod %s/%s not found", caller.Namespace, caller.PodName)
+		return nil, refuse(reason, "caller pod %s/%s not found", caller.Namespace, caller.PodName)
 	case err != nil:
-		return Identity{}, &RefusalError{Reason: ReasonReviewUnavailable, Err: fmt.Errorf("look up caller pod: %w", err)}
+		return nil, &RefusalError{Reason: ReasonReviewUnavailable, Err: fmt.Errorf("look up caller pod: %w", err)}
 	case string(pod.UID) != caller.PodUID:
-		return Identity{}, refuse(ReasonImpersonationCallerPod, "caller pod %s/%s was replaced (uid changed)", caller.Namespace, caller.PodName)
+		return nil, refuse(reason, "caller pod %s/%s was replaced (uid changed)", caller.Namespace, caller.PodName)
 	case pod.Spec.ServiceAccountName != caller.ServiceAccount:
-		return Identity{}, refuse(ReasonImpersonationCallerPod, "caller pod %s/%s runs as %q", caller.Namespace, caller.PodName, pod.Spec.ServiceAccountName)
+		return nil, refuse(reason, "caller pod %s/%s runs as %q", caller.Namespace, caller.PodName, pod.Spec.ServiceAccountName)
 	case pod.Spec.NodeName == "":
-		return Identity{}, refuse(ReasonImpersonationCallerPod, "caller pod %s/%s is not scheduled", caller.Namespace, caller.PodName)
+		return nil, refuse(reason, "caller pod %s/%s is not scheduled", caller.Namespace, caller.PodName)
 	}
-	if c.deps.Nodes == nil || !c.deps.Nodes.ServiceAccountOnNode(caller.Cluster, pod.Spec.NodeName, want.Namespace, want.ServiceAccount) {
-		return Identity{}, refuse(ReasonImpersonationNotOnNode, "no pod of %s/%s on node %q of cluster %q", want.Namespace, want.ServiceAccount, pod.Spec.NodeName, caller.Cluster)
-	}
-	return want, nil
+	return pod, nil
 }
 
 // ServingCertificate makes a fresh key and a certificate for the control plane's own TLS

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/structpb"
 
+	"github.com/isthmus-mesh/isthmus/internal/nodebind"
 	"github.com/isthmus-mesh/isthmus/internal/spiffe"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 )
@@ -33,6 +34,12 @@ const (
 	RefusedNetwork        = "network_mismatch"
 	RefusedNodeChanged    = "node_changed"
 	RefusedAmbiguousClass = "ambiguous_network"
+	// RefusedNodeUnbound: a node account's certificate carries no (or a
+	// malformed) node binding (internal/nodebind), so it may speak for no node.
+	RefusedNodeUnbound = "node_unbound"
+	// RefusedNodeMismatch: a node account claims a node or cluster other than
+	// the one its certificate is bound to.
+	RefusedNodeMismatch = "node_mismatch"
 )
 
 // peerIdentity is who is at the other end of a stream.
@@ -42,6 +49,9 @@ type peerIdentity struct {
 	// td, ns and sa are the trust domain, namespace and ServiceAccount of
 	// a verified client certificate; spiffe is its SPIFFE ID.
 	td, ns, sa, spiffe string
+	// node is the certificate's node binding, or bindErr why it has none.
+	node    nodebind.Binding
+	bindErr error
 	// err is why a TLS peer has no usable identity.
 	err    error
 	reason string
@@ -67,7 +77,9 @@ func peerOf(ctx context.Context) peerIdentity {
 	if err != nil {
 		return peerIdentity{tls: true, reason: RefusedBadIdentity, err: fmt.Errorf("client certificate identity: %w", err)}
 	}
-	return peerIdentity{tls: true, td: wid.TrustDomain, ns: wid.Namespace, sa: wid.ServiceAccount, spiffe: wid.String()}
+	node, bindErr := nodebind.FromCertificate(info.State.PeerCertificates[0])
+	return peerIdentity{tls: true, td: wid.TrustDomain, ns: wid.Namespace, sa: wid.ServiceAccount, spiffe: wid.String(),
+		node: node, bindErr: bindErr}
 }
 
 // refusal is an authorization failure: a gRPC status and a metrics reason.
@@ -118,13 +130,16 @@ func (a *authorizer) open(p peerIdentity) error {
 // A plaintext stream (allowed only in development) keeps its claims.
 //
 // Rules for a certificate of namespace ns, ServiceAccount sa:
+//   - for a node account (ztunnel), CLUSTER_ID and NODE_NAME must be the
+//     cluster and node its certificate is bound to (the CA binds a node
+//     account's own certificate to its pod's node: internal/nodebind);
 //   - CLUSTER_ID must be a cluster where a workload of ns/sa runs; for a node
-//     account (ztunnel), one must run on the NODE_NAME it claims;
+//     account, one must run on the NODE_NAME it claims;
 //   - NETWORK, if given, must be the network of those workloads; if absent,
 //     it is set to it (or refused when they span several networks).
 //
-// A certificate does not name its cluster: two clusters that both run ns/sa
-// on a node of the same name cannot be told apart by it.
+// A workload certificate does not name its cluster: two clusters that both
+// run ns/sa cannot be told apart by it.
 func (a *authorizer) authorize(p peerIdentity, node *corev3.Node) error {
 	f := node.GetMetadata().GetFields()
 	if !p.tls {
@@ -147,6 +162,13 @@ func (a *authorizer) authorize(p peerIdentity, node *corev3.Node) error {
 		nodeName = f[MetadataNodeName].GetStringValue()
 		if nodeName == "" {
 			return refuse(codes.PermissionDenied, RefusedNoNode, "node account %s/%s must name its node in %s metadata", p.ns, p.sa, MetadataNodeName)
+		}
+		if p.bindErr != nil {
+			return refuse(codes.PermissionDenied, RefusedNodeUnbound, "certificate of node account %s/%s is not bound to a node: %v", p.ns, p.sa, p.bindErr)
+		}
+		if p.node.Node != nodeName || p.node.Cluster != cluster {
+			return refuse(codes.PermissionDenied, RefusedNodeMismatch, "certificate of node account %s/%s is bound to node %q of cluster %q, not node %q of cluster %q",
+				p.ns, p.sa, p.node.Node, p.node.Cluster, nodeName, cluster)
 		}
 	}
 	nets := a.reg.IdentityNetworks(cluster, nodeName, p.ns, p.sa)

@@ -26,6 +26,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
 
+	"github.com/isthmus-mesh/isthmus/internal/nodebind"
 	workloadv1 "github.com/isthmus-mesh/isthmus/pilot/api/workload/v1"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 	"github.com/isthmus-mesh/isthmus/pilot/xds"
@@ -59,8 +60,9 @@ func newAuthCA(t *testing.T) *authCA {
 }
 
 // leaf issues a certificate for uri (a SPIFFE ID) or, if ip is valid, a
-// serving certificate for that address.
-func (ca *authCA) leaf(t *testing.T, uri string, ip net.IP) tls.Certificate {
+// serving certificate for that address; bound to a node when bind is given,
+// as the mesh CA binds a node account's own certificate.
+func (ca *authCA) leaf(t *testing.T, uri string, ip net.IP, bind ...nodebind.Binding) tls.Certificate {
 	t.Helper()
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	require.NoError(t, err)
@@ -75,6 +77,11 @@ func (ca *authCA) leaf(t *testing.T, uri string, ip net.IP) tls.Certificate {
 	}
 	if ip != nil {
 		tmpl.IPAddresses = []net.IP{ip}
+	}
+	for _, b := range bind {
+		ext, err := b.Extension()
+		require.NoError(t, err)
+		tmpl.ExtraExtensions = append(tmpl.ExtraExtensions, ext)
 	}
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
 	require.NoError(t, err)
@@ -101,12 +108,12 @@ func startTLS(t *testing.T, reg *xdstest.Registry) *authEnv {
 }
 
 // dialAs connects with the client certificate of uri ("" for none), signed
-// by ca.
-func (e *authEnv) dialAs(t *testing.T, ca *authCA, uri string) *grpc.ClientConn {
+// by ca, bound to the node of bind when given.
+func (e *authEnv) dialAs(t *testing.T, ca *authCA, uri string, bind ...nodebind.Binding) *grpc.ClientConn {
 	t.Helper()
 	cfg := &tls.Config{MinVersion: tls.VersionTLS13, RootCAs: e.ca.pool, ServerName: "127.0.0.1"}
 	if uri != "" {
-		cfg.Certificates = []tls.Certificate{ca.leaf(t, uri, nil)}
+		cfg.Certificates = []tls.Certificate{ca.leaf(t, uri, nil, bind...)}
 	}
 	cc, err := grpc.NewClient(e.addr, grpc.WithTransportCredentials(credentials.NewTLS(cfg)))
 	require.NoError(t, err)
@@ -170,6 +177,10 @@ const (
 	clientID  = "spiffe://cluster.local/ns/default/sa/default"
 )
 
+// n1 is the node the ztunnel of authRegistry runs on, as its certificate
+// names it.
+var n1 = nodebind.Binding{Cluster: "c1", Node: "c1-n1"}
+
 // authRegistry places a ztunnel on node c1-n1 (cluster c1, network net1),
 // default/default workloads in c1 (net1) and c2 (net2), and a gateway to
 // net2.
@@ -190,7 +201,7 @@ func authRegistry() *xdstest.Registry {
 // another network's pod addresses.
 func TestAuthorizedClassFromIdentity(t *testing.T) {
 	e := startTLS(t, authRegistry())
-	zt := e.dialAs(t, e.ca, ztunnelID)
+	zt := e.dialAs(t, e.ca, ztunnelID, n1)
 
 	// No NETWORK claimed: pinned to the network of the ztunnel's pod.
 	c := openDelta(t, zt, wildcard(claims("zt-1", "c1", "", "c1-n1")))
@@ -250,7 +261,7 @@ func TestAuthorizedClassFromIdentity(t *testing.T) {
 // with its own status and reason, and that the server keeps serving others.
 func TestRefusedClaims(t *testing.T) {
 	e := startTLS(t, authRegistry())
-	zt := e.dialAs(t, e.ca, ztunnelID)
+	zt := e.dialAs(t, e.ca, ztunnelID, n1)
 	cases := []struct {
 		name   string
 		cc     *grpc.ClientConn
@@ -259,9 +270,13 @@ func TestRefusedClaims(t *testing.T) {
 		reason string
 	}{
 		{"another network", zt, claims("z", "c1", "net2", "c1-n1"), codes.PermissionDenied, xds.RefusedNetwork},
-		{"another node", zt, claims("z", "c1", "net1", "c1-n9"), codes.PermissionDenied, xds.RefusedNotPlaced},
-		{"another cluster", zt, claims("z", "c2", "", "c1-n1"), codes.PermissionDenied, xds.RefusedNotPlaced},
-		{"a cluster not (yet) in the registry", zt, claims("z", "c9", "", "c1-n1"), codes.Unavailable, xds.RefusedClusterUnknown},
+		{"another node", zt, claims("z", "c1", "net1", "c1-n9"), codes.PermissionDenied, xds.RefusedNodeMismatch},
+		{"another cluster", zt, claims("z", "c2", "", "c1-n1"), codes.PermissionDenied, xds.RefusedNodeMismatch},
+		{"a node its certificate names, where it does not run", e.dialAs(t, e.ca, ztunnelID, nodebind.Binding{Cluster: "c1", Node: "c1-n9"}),
+			claims("z", "c1", "net1", "c1-n9"), codes.PermissionDenied, xds.RefusedNotPlaced},
+		{"a cluster not (yet) in the registry", e.dialAs(t, e.ca, ztunnelID, nodebind.Binding{Cluster: "c9", Node: "c1-n1"}),
+			claims("z", "c9", "", "c1-n1"), codes.Unavailable, xds.RefusedClusterUnknown},
+		{"node account certificate bound to no node", e.dialAs(t, e.ca, ztunnelID), claims("z", "c1", "net1", "c1-n1"), codes.PermissionDenied, xds.RefusedNodeUnbound},
 		{"node account without node", zt, claims("z", "c1", "net1", ""), codes.PermissionDenied, xds.RefusedNoNode},
 		{"workload in a cluster it does not run in", e.dialAs(t, e.ca, "spiffe://cluster.local/ns/isthmus-system/sa/ztunnel-x"), claims("w", "c1", "", ""), codes.PermissionDenied, xds.RefusedNotPlaced},
 		{"another trust domain", e.dialAs(t, e.ca, "spiffe://evil.example/ns/isthmus-system/sa/ztunnel"), claims("z", "c1", "net1", "c1-n1"), codes.PermissionDenied, xds.RefusedBadIdentity},
@@ -279,7 +294,7 @@ func TestRefusedClaims(t *testing.T) {
 
 	// A certificate from another CA fails the TLS handshake.
 	t.Run("untrusted certificate", func(t *testing.T) {
-		refusedWith(t, e.dialAs(t, newAuthCA(t), ztunnelID), wildcard(claims("z", "c1", "net1", "c1-n1")), codes.Unavailable)
+		refusedWith(t, e.dialAs(t, newAuthCA(t), ztunnelID, n1), wildcard(claims("z", "c1", "net1", "c1-n1")), codes.Unavailable)
 	})
 
 	// A stream may not change its claims after it was admitted.
@@ -344,4 +359,41 @@ func TestPlaintextRefusedUnlessAllowed(t *testing.T) {
 	defer cc.Close()
 	refusedWith(t, cc, wildcard(claims("z", "c1", "net1", "c1-n1")), codes.Unauthenticated)
 	require.Equal(t, 1.0, refusals(t, e, xds.RefusedPlaintext))
+}
+
+// TestNodeAccountBoundToItsNode: a ztunnel's certificate speaks for the node
+// the CA bound it to, and no other. Nodes c1-n1 and c1-n2 both run a
+// ztunnel, so the registry alone would place either certificate on either
+// node; the ztunnel of c1-n1 claiming c1-n2 (to get that node's workloads
+// and policies) is refused, and so is a ztunnel certificate bound to no
+// node, while each ztunnel claiming its own node is served.
+func TestNodeAccountBoundToItsNode(t *testing.T) {
+	reg := authRegistry()
+	zt2 := xdstest.Pod("c1", "net1", "isthmus-system", "ztunnel-n2", ip("10.1.9.2"))
+	zt2.ServiceAccount, zt2.Node, zt2.HostNetwork = "ztunnel", "c1-n2", true
+	reg.SetWorkload(zt2)
+	e := startTLS(t, reg)
+	n2 := nodebind.Binding{Cluster: "c1", Node: "c1-n2"}
+	ztA, ztB := e.dialAs(t, e.ca, ztunnelID, n1), e.dialAs(t, e.ca, ztunnelID, n2)
+
+	// Each on its own node: served.
+	for name, cc := range map[string]*grpc.ClientConn{"c1-n1": ztA, "c1-n2": ztB} {
+		c := openDelta(t, cc, wildcard(claims("zt-"+name, "c1", "net1", name)))
+		c.apply(c.next())
+		require.Contains(t, c.state, "c1/default/local", name)
+	}
+
+	// A's certificate claiming B's node: refused, before anything is sent.
+	before := refusals(t, e.env, xds.RefusedNodeMismatch)
+	msg := refusedWith(t, ztA, wildcard(claims("zt-liar", "c1", "net1", "c1-n2")), codes.PermissionDenied)
+	require.Contains(t, msg, `bound to node "c1-n1"`)
+	require.Equal(t, before+1, refusals(t, e.env, xds.RefusedNodeMismatch))
+
+	// A node-account certificate without the binding: refused for either node.
+	unbound := e.dialAs(t, e.ca, ztunnelID)
+	for _, node := range []string{"c1-n1", "c1-n2"} {
+		before := refusals(t, e.env, xds.RefusedNodeUnbound)
+		refusedWith(t, unbound, wildcard(claims("zt-unbound", "c1", "net1", node)), codes.PermissionDenied)
+		require.Equal(t, before+1, refusals(t, e.env, xds.RefusedNodeUnbound))
+	}
 }

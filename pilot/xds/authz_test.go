@@ -191,7 +191,7 @@ func TestAuthorizationWaitsForPolicies(t *testing.T) {
 // when it claims the verified-node metadata itself.
 func TestAuthorizationNodeAccountsOnly(t *testing.T) {
 	e := startTLS(t, authRegistry())
-	zt := openDelta(t, e.dialAs(t, e.ca, ztunnelID), authzRequest(claims("zt-1", "c1", "", "c1-n1")))
+	zt := openDelta(t, e.dialAs(t, e.ca, ztunnelID, n1), authzRequest(claims("zt-1", "c1", "", "c1-n1")))
 	r := zt.next()
 	require.Equal(t, xds.AuthorizationType, r.GetTypeUrl())
 
