@@ -14,6 +14,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 
+	"github.com/isthmus-mesh/isthmus/multicluster"
 	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 )
@@ -134,6 +135,25 @@ func registerRemoteVia(t testing.TB, cp, id string) *cutter {
 	return cut
 }
 
+// rotateRemote gives the remote secret of cluster id (reached through
+// cut) a new token: pilot starts a new generation of the cluster, which
+// lists everything afresh and replaces the old one once synced.
+func rotateRemote(t testing.TB, cp, id string, cut *cutter) {
+	t.Helper()
+	ctx := context.Background()
+	c := clusters.Cluster(id)
+	token, err := remotesecret.EnsureReader(ctx, c.Client, remotesecret.ReaderOptions{Namespace: cp, TokenWait: time.Millisecond})
+	require.NoError(t, err)
+	kc, err := remotesecret.Kubeconfig(id, "https://"+cut.addr(), c.CAData(), token)
+	require.NoError(t, err)
+	secrets := clusters.Cluster("cluster-1").Client.CoreV1().Secrets(cp)
+	sec, err := secrets.Get(ctx, remotesecret.Secret(id, cp, nil).Name, metav1.GetOptions{})
+	require.NoError(t, err)
+	sec.Data[id] = kc
+	_, err = secrets.Update(ctx, sec, metav1.UpdateOptions{})
+	require.NoError(t, err)
+}
+
 // replace deletes pod db-0 and creates it again under the same name and
 // address (a new UID), with service account sa on node, ready; then, at
 // once, it turns not ready.
@@ -172,10 +192,11 @@ func (f *dbFixture) expectServed(t *testing.T, p *pilot, uid, status, sa string)
 // names pod db-0 by targetRef; db-0 is deleted and created again under the
 // same name and address (a new UID, another account and node) and turns
 // not ready right after. Whatever the order of the slice's and the pod's
-// events, and across a watch restart in which pilot missed them, the
-// address is the new pod's: its workload is the one served (with the
-// pod's readiness), the slice address has the pod's identity and
-// placement, and EDS keeps the slice's readiness (the documented rule).
+// events, across a watch restart in which pilot missed them, and across a
+// new generation of the cluster (its token rotated), the address is the
+// new pod's: its workload is the one served (with the pod's readiness),
+// the slice address has the pod's identity and placement, and EDS keeps
+// the slice's readiness (the documented rule).
 func TestSliceAddressFollowsReplacedPod(t *testing.T) {
 	const cp = "isthmus-replaced"
 	cut := registerRemoteVia(t, cp, "cluster-2")
@@ -252,6 +273,21 @@ func TestSliceAddressFollowsReplacedPod(t *testing.T) {
 			require.NoError(t, f.c.StopAPIServer())
 			require.NoError(t, f.c.RestartAPIServer())
 			cut.setCut(false)
+		}},
+		{"pilot cut off, token rotated", func(t *testing.T, f *dbFixture) {
+			// The new generation's state replaces the old one's, which
+			// still has the first pod.
+			before, ok := p.Multicluster.Status("cluster-2")
+			require.True(t, ok)
+			cut.setCut(true)
+			f.replace(t, "db-v2", "node-c")
+			rotateRemote(t, cp, "cluster-2", cut)
+			cut.setCut(false)
+			require.EventuallyWithT(t, func(c *assert.CollectT) {
+				st, _ := p.Multicluster.Status("cluster-2")
+				assert.Greater(c, st.Generation, before.Generation, "a new generation")
+				assert.Equal(c, multicluster.StateSynced, st.State)
+			}, time.Minute, 20*time.Millisecond)
 		}},
 	}
 	for i, tc := range cases {
