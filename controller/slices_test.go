@@ -25,7 +25,10 @@ type recordingSink struct {
 }
 
 func (r *recordingSink) Activate(_ model.ClusterID, _ uint64, st *model.ClusterState) {
-	r.workloads, r.shards = maps.Clone(st.Workloads), st.Shards
+	r.workloads, r.shards = maps.Clone(st.Workloads), maps.Clone(st.Shards) // another sink may hold st
+	if r.shards == nil {
+		r.shards = map[model.ServiceKey][]model.Endpoint{}
+	}
 	if r.workloads == nil {
 		r.workloads = map[string]*model.Workload{}
 	}

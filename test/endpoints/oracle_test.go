@@ -53,7 +53,7 @@ type world struct {
 	// sorted.
 	eds map[string][]string
 	// owners are the workloads served for their addresses: "uid status
-	// services".
+	// identity services".
 	owners []string
 	raw    map[string]map[model.ClusterID][]endpoint
 	// pods are the claims of every pod, services or not.
@@ -313,7 +313,7 @@ func (w *world) resolve() {
 		if !o.Ready {
 			status = "UNHEALTHY"
 		}
-		w.owners = append(w.owners, o.UID+" "+status+" "+strings.Join(o.services, ","))
+		w.owners = append(w.owners, o.UID+" "+status+" "+o.Identity+" "+strings.Join(o.services, ","))
 	}
 	slices.Sort(w.owners)
 	w.endpoints = map[string]map[model.ClusterID][]string{}
@@ -447,7 +447,7 @@ func (p *pilot) compare(c *assert.CollectT, w *world, namespaces []string) {
 				hosts = append(hosts, host)
 			}
 			slices.Sort(hosts)
-			owners = append(owners, name+" "+wl.GetStatus().String()+" "+strings.Join(hosts, ","))
+			owners = append(owners, name+" "+wl.GetStatus().String()+" "+wl.GetNamespace()+"/"+wl.GetServiceAccount()+" "+strings.Join(hosts, ","))
 		}
 	}
 	slices.Sort(owners)

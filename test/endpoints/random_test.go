@@ -20,6 +20,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 
+	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
 	"github.com/isthmus-mesh/isthmus/test/framework"
 )
 
@@ -31,19 +32,31 @@ var (
 )
 
 // TestRandomizedConsistency drives three clusters through random changes
-// (pods appear, disappear, turn ready or not, change labels, terminate;
-// EndpointSlices with and without targetRefs, naming pods that exist or
-// not; Services deleted and recreated; a node's locality; a remote API
-// server stopped and restarted; pilot restarted), then, once the changes
-// stop, requires pilot's registry, an EDS client and a workload client to
-// hold exactly what the clusters' objects say, endpoint by endpoint. Each
-// seed's addresses are drawn from a small pool, so pods and slice
-// addresses of both namespaces and all clusters collide often.
+// (pods appear, disappear, turn ready or not, change labels, terminate,
+// are deleted and created again under the same name and address and flip
+// their readiness right after; EndpointSlices with and without targetRefs,
+// naming pods that exist, that do not, or that are created right after;
+// Services deleted and recreated; a node's locality; a remote API server
+// stopped and restarted; pilot cut off from a remote while it changes,
+// whose API server restarts meanwhile so that pilot lists it again; pilot
+// restarted), then, once the changes stop, requires pilot's registry, an
+// EDS client and a workload client to hold exactly what the clusters'
+// objects say, endpoint by endpoint and address by address (the workload
+// served, its health and identity), and to still hold it after a quiet
+// period. Each seed's addresses are drawn from a small pool, so pods and
+// slice addresses of both namespaces and all clusters collide often.
 func TestRandomizedConsistency(t *testing.T) {
 	cp := "isthmus-random"
-	registerRemotes(t, cp)
+	cut := registerRemoteVia(t, cp, cutRemote)
+	ctx := context.Background()
+	kc, err := clusters.Cluster("cluster-2").ReaderKubeconfig(ctx, "cluster-2", remotesecret.ReaderOptions{Namespace: cp})
+	require.NoError(t, err)
+	sec := remotesecret.Secret("cluster-2", cp, kc)
+	sec.Annotations[remotesecret.NetworkAnnotation] = network
+	_, err = clusters.Cluster("cluster-1").Client.CoreV1().Secrets(cp).Create(ctx, sec, metav1.CreateOptions{})
+	require.NoError(t, err)
 	for seed := *firstSeed; seed < *firstSeed+uint64(*numSeeds); seed++ {
-		ok := t.Run(fmt.Sprint("seed-", seed), func(t *testing.T) { randomRun(t, cp, seed, *numSteps) })
+		ok := t.Run(fmt.Sprint("seed-", seed), func(t *testing.T) { randomRun(t, cp, cut, seed, *numSteps) })
 		if !ok {
 			t.Logf("replay: go test -race ./test/endpoints -run 'TestRandomizedConsistency' -endpoints.seed=%d -endpoints.changes=%d", seed, *numSteps)
 		}
@@ -58,15 +71,20 @@ type sim struct {
 	seed       uint64
 	namespaces []string
 	down       map[string]bool // remotes whose API server is stopped
+	cut        *cutter         // between pilot and cutRemote
+	isCut      bool
 }
+
+// cutRemote is the remote pilot reaches through a cutter.
+const cutRemote = "cluster-3"
 
 const (
 	podNames, sliceNames, nodeCount = 12, 8, 3
 	poolSize                        = 24 // addresses shared by pods and slice addresses
 )
 
-func randomRun(t *testing.T, cp string, seed uint64, steps int) {
-	s := &sim{t: t, rng: rand.New(rand.NewPCG(seed, 22)), ctx: context.Background(), seed: seed, down: map[string]bool{},
+func randomRun(t *testing.T, cp string, cut *cutter, seed uint64, steps int) {
+	s := &sim{t: t, rng: rand.New(rand.NewPCG(seed, 22)), ctx: context.Background(), seed: seed, down: map[string]bool{}, cut: cut,
 		namespaces: []string{fmt.Sprintf("r%d-a", seed), fmt.Sprintf("r%d-b", seed)}}
 	for _, c := range clusters.Clusters {
 		for _, ns := range s.namespaces {
@@ -80,6 +98,11 @@ func randomRun(t *testing.T, cp string, seed uint64, steps int) {
 	p := startPilot(t, cp)
 	stopAt, restartAt, pilotAt := steps/4+s.rng.IntN(steps/4), steps/2+s.rng.IntN(steps/4), s.rng.IntN(steps)
 	remote := clusterIDs[1+s.rng.IntN(2)]
+	// Pilot is cut off from cutRemote for a tenth of the run (its API
+	// server is restarted before pilot reconnects, so its watches cannot
+	// resume and list again), once in the first half and once in the
+	// second.
+	cutAt := []int{s.rng.IntN(steps / 4), steps/2 + s.rng.IntN(steps/4)}
 	start := time.Now()
 	for step := range steps {
 		switch step {
@@ -91,10 +114,19 @@ func randomRun(t *testing.T, cp string, seed uint64, steps int) {
 			delete(s.down, remote)
 		case pilotAt:
 			require.NoError(t, p.stop())
-			p = startPilot(t, cp, slices.Collect(maps.Keys(s.down))...)
+			p = startPilot(t, cp, s.unsynced()...)
+		}
+		for _, at := range cutAt {
+			switch step {
+			case at:
+				s.setCut(true)
+			case at + max(steps/10, 1):
+				s.setCut(false)
+			}
 		}
 		s.step()
 	}
+	s.setCut(false)
 	changed := time.Since(start)
 	w, err := expect(s.ctx, s.namespaces)
 	require.NoError(t, err)
@@ -102,6 +134,11 @@ func randomRun(t *testing.T, cp string, seed uint64, steps int) {
 	require.EventuallyWithT(t, func(c *assert.CollectT) { p.compare(c, w, s.namespaces) }, 2*time.Minute, 100*time.Millisecond,
 		"seed %d: pilot does not settle on the clusters' state", seed)
 	settled := time.Since(settle)
+	// Nothing drifts away once settled: after a quiet period pilot still
+	// serves exactly the clusters' state.
+	time.Sleep(quietPeriod)
+	require.EventuallyWithT(t, func(c *assert.CollectT) { p.compare(c, w, s.namespaces) }, time.Second, 100*time.Millisecond,
+		"seed %d: pilot drifts from the clusters' state after a quiet period", seed)
 	n, bound := 0, 0
 	for _, byCluster := range w.raw {
 		for _, eps := range byCluster {
@@ -117,6 +154,35 @@ func randomRun(t *testing.T, cp string, seed uint64, steps int) {
 		seed, steps, changed.Round(time.Millisecond), settled.Round(100*time.Millisecond), len(w.endpoints), n, bound, len(w.owners), p.Registry.ConflictCounts())
 }
 
+// quietPeriod is how long the final state must hold once pilot settled.
+const quietPeriod = 3 * time.Second
+
+// unsynced returns the remotes a restarted pilot cannot sync: those whose
+// API server is stopped or that it is cut off from.
+func (s *sim) unsynced() []string {
+	out := slices.Collect(maps.Keys(s.down))
+	if s.isCut {
+		out = append(out, cutRemote)
+	}
+	return out
+}
+
+// setCut cuts pilot off from cutRemote, or reconnects it: its API server
+// is restarted first (unless stopped anyway), so that pilot's watches
+// cannot resume from their versions and list again.
+func (s *sim) setCut(cut bool) {
+	if s.isCut == cut {
+		return
+	}
+	if !cut && !s.down[cutRemote] {
+		c := clusters.Cluster(cutRemote)
+		require.NoError(s.t, c.StopAPIServer())
+		require.NoError(s.t, c.RestartAPIServer())
+	}
+	s.cut.setCut(cut)
+	s.isCut = cut
+}
+
 // step makes one random change in a cluster whose API server runs.
 func (s *sim) step() {
 	var live []*framework.Cluster
@@ -128,21 +194,25 @@ func (s *sim) step() {
 	c := live[s.rng.IntN(len(live))]
 	ns := s.namespaces[s.rng.IntN(len(s.namespaces))]
 	switch op := s.rng.IntN(100); {
-	case op < 25:
+	case op < 18:
 		s.putPod(c, ns)
-	case op < 40:
+	case op < 27:
+		s.replacePod(c, ns)
+	case op < 38:
 		s.setReady(c, ns)
-	case op < 50:
+	case op < 45:
 		s.relabel(c, ns)
-	case op < 58:
+	case op < 52:
 		s.deletePod(c, ns, 0)
-	case op < 61:
+	case op < 55:
 		s.deletePod(c, ns, 30) // terminating: no kubelet ever finishes it
-	case op < 83:
+	case op < 73:
 		s.putSlice(c, ns)
-	case op < 89:
+	case op < 78:
+		s.sliceBeforePod(c, ns)
+	case op < 83:
 		s.deleteSlice(c, ns)
-	case op < 98:
+	case op < 91:
 		s.toggleService(c, ns)
 	default:
 		s.putNode(c, s.rng.IntN(nodeCount))
@@ -191,6 +261,50 @@ func (s *sim) putPod(c *framework.Cluster, ns string) {
 	s.ignore(err)
 }
 
+// replacePod deletes a pod and creates it again under the same name and
+// address (a new UID), half the time with the same account and node, then
+// at once flips its readiness (as a restarted StatefulSet pod whose probe
+// fails).
+func (s *sim) replacePod(c *framework.Cluster, ns string) {
+	name := s.podName()
+	pod, err := c.Client.CoreV1().Pods(ns).Get(s.ctx, name, metav1.GetOptions{})
+	if err != nil || pod.Status.PodIP == "" {
+		s.ignore(err)
+		return
+	}
+	ip := netip.MustParseAddr(pod.Status.PodIP)
+	opts := framework.PodOptions{Namespace: ns, Name: name, Labels: pod.Labels, ServiceAccount: pod.Spec.ServiceAccountName,
+		Node: pod.Spec.NodeName, IP: ip, Ready: s.rng.IntN(2) == 0, HostNetwork: pod.Spec.HostNetwork}
+	if s.rng.IntN(2) == 0 {
+		opts.ServiceAccount, opts.Node = fmt.Sprint("sa", s.rng.IntN(2)), fmt.Sprint("node-", s.rng.IntN(nodeCount))
+	}
+	s.ignore(c.Client.CoreV1().Pods(ns).Delete(s.ctx, name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}))
+	created, err := c.CreatePod(s.ctx, opts)
+	if err != nil {
+		s.ignore(err)
+		return
+	}
+	_, err = c.SetPodStatus(s.ctx, created, netip.Addr{}, !opts.Ready)
+	s.ignore(err)
+}
+
+// sliceBeforePod writes a slice naming, at a pool address, a pod that does
+// not exist yet, then creates that pod at that address.
+func (s *sim) sliceBeforePod(c *framework.Cluster, ns string) {
+	name := s.podName()
+	if s.podIP(c, ns, name).IsValid() {
+		return
+	}
+	ip := s.addr()
+	s.writeSlice(c, ns, fmt.Sprint("sl", s.rng.IntN(sliceNames)), fmt.Sprint("s", 3+s.rng.IntN(3)), discoveryv1.Endpoint{
+		Addresses: []string{ip.String()}, TargetRef: &corev1.ObjectReference{Kind: "Pod", Name: name},
+		Conditions: discoveryv1.EndpointConditions{Ready: ptr.To(s.rng.IntN(3) > 0)}, NodeName: ptr.To(fmt.Sprint("node-", s.rng.IntN(nodeCount))),
+	})
+	_, err := c.CreatePod(s.ctx, framework.PodOptions{Namespace: ns, Name: name, Labels: s.labels(), ServiceAccount: fmt.Sprint("sa", s.rng.IntN(2)),
+		Node: fmt.Sprint("node-", s.rng.IntN(nodeCount)), IP: ip, Ready: s.rng.IntN(3) > 0})
+	s.ignore(err)
+}
+
 // podIP returns the address of pod ns/name in c (invalid: none).
 func (s *sim) podIP(c *framework.Cluster, ns, name string) netip.Addr {
 	pod, err := c.Client.CoreV1().Pods(ns).Get(s.ctx, name, metav1.GetOptions{})
@@ -231,12 +345,8 @@ func (s *sim) deletePod(c *framework.Cluster, ns string, grace int64) {
 // four addresses: random conditions and nodes, half naming a pod by
 // targetRef (some in the other namespace, which must be ignored).
 func (s *sim) putSlice(c *framework.Cluster, ns string) {
-	name := fmt.Sprint("sl", s.rng.IntN(sliceNames))
-	es := &discoveryv1.EndpointSlice{
-		ObjectMeta:  metav1.ObjectMeta{Name: name, Namespace: ns, Labels: map[string]string{discoveryv1.LabelServiceName: fmt.Sprint("s", 3+s.rng.IntN(3))}},
-		AddressType: discoveryv1.AddressTypeIPv4,
-		Ports:       []discoveryv1.EndpointPort{{Name: ptr.To("http"), Port: ptr.To(int32(8080 + s.rng.IntN(2))), Protocol: ptr.To(corev1.ProtocolTCP)}},
-	}
+	name, svc := fmt.Sprint("sl", s.rng.IntN(sliceNames)), fmt.Sprint("s", 3+s.rng.IntN(3))
+	var eps []discoveryv1.Endpoint
 	maybe := func() *bool {
 		if s.rng.IntN(4) == 0 {
 			return nil
@@ -263,7 +373,18 @@ func (s *sim) putSlice(c *framework.Cluster, ns string) {
 		if s.rng.IntN(4) > 0 {
 			ep.NodeName = ptr.To(fmt.Sprint("node-", s.rng.IntN(nodeCount)))
 		}
-		es.Endpoints = append(es.Endpoints, ep)
+		eps = append(eps, ep)
+	}
+	s.writeSlice(c, ns, name, svc, eps...)
+}
+
+// writeSlice creates or replaces slice ns/name of service svc with eps.
+func (s *sim) writeSlice(c *framework.Cluster, ns, name, svc string, eps ...discoveryv1.Endpoint) {
+	es := &discoveryv1.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Name: name, Namespace: ns, Labels: map[string]string{discoveryv1.LabelServiceName: svc}},
+		AddressType: discoveryv1.AddressTypeIPv4,
+		Ports:       []discoveryv1.EndpointPort{{Name: ptr.To("http"), Port: ptr.To(int32(8080 + s.rng.IntN(2))), Protocol: ptr.To(corev1.ProtocolTCP)}},
+		Endpoints:   eps,
 	}
 	cur, err := c.Client.DiscoveryV1().EndpointSlices(ns).Get(s.ctx, name, metav1.GetOptions{})
 	switch {
@@ -319,6 +440,7 @@ func (s *sim) putNode(c *framework.Cluster, i int) {
 // cleanup restarts a stopped API server and deletes what the seed made, so
 // later seeds and tests start from clean clusters.
 func (s *sim) cleanup() {
+	s.cut.setCut(false)
 	for name := range s.down {
 		if err := clusters.Cluster(name).RestartAPIServer(); err != nil {
 			s.t.Errorf("restart %s: %v", name, err)
