@@ -224,7 +224,7 @@ func (s *ClusterSet) Stop() error {
 // PIDs returns the pids of the set's running processes (etcd and the
 // kube-apiservers).
 func (s *ClusterSet) PIDs() []int {
-	pids := pidsWithArg(s.etcd.DataDir)
+	pids := PIDsWithArg(s.etcd.DataDir)
 	for _, c := range s.Clusters {
 		if p := c.APIServerPID(); p != 0 {
 			pids = append(pids, p)
@@ -262,11 +262,11 @@ func (c *Cluster) StopAPIServer() error {
 // stopKill kills the process whose command line names dir, waits until it
 // is gone, then lets envtest reap it (stop).
 func stopKill(dir string, stop func() error, what string) error {
-	for _, p := range pidsWithArg(dir) {
+	for _, p := range PIDsWithArg(dir) {
 		_ = syscall.Kill(p, syscall.SIGKILL)
 	}
 	deadline := time.Now().Add(20 * time.Second)
-	for len(pidsWithArg(dir)) > 0 {
+	for len(PIDsWithArg(dir)) > 0 {
 		if time.Now().After(deadline) {
 			return fmt.Errorf("stop %s: still running after SIGKILL", what)
 		}
@@ -366,7 +366,7 @@ func SweepOrphans(base string) {
 		if !orphaned(dir, e.Name()) {
 			continue
 		}
-		for _, p := range pidsWithArg(dir) {
+		for _, p := range PIDsWithArg(dir) {
 			_ = syscall.Kill(-p, syscall.SIGKILL) // its process group (envtest sets Setpgid)
 			_ = syscall.Kill(p, syscall.SIGKILL)
 		}
@@ -379,8 +379,9 @@ func alive(pid int) bool {
 	return err == nil || errors.Is(err, syscall.EPERM)
 }
 
-// pidsWithArg lists processes whose command line contains s.
-func pidsWithArg(s string) []int {
+// PIDsWithArg lists the processes whose command line contains s (how a
+// cluster, or a real node, finds what it started under its folder).
+func PIDsWithArg(s string) []int {
 	procs, _ := os.ReadDir("/proc")
 	var out []int
 	for _, p := range procs {
@@ -397,7 +398,7 @@ func pidsWithArg(s string) []int {
 }
 
 func pidOfArg(s string) int {
-	if p := pidsWithArg(s); len(p) > 0 {
+	if p := PIDsWithArg(s); len(p) > 0 {
 		return p[0]
 	}
 	return 0
@@ -421,5 +422,5 @@ func RSSBytes(pid int) (int64, error) {
 // ProcessPIDs returns the pids of every process the set runs (etcd and the
 // API servers).
 func (s *ClusterSet) ProcessPIDs() []int {
-	return pidsWithArg(s.root)
+	return PIDsWithArg(s.root)
 }

@@ -62,7 +62,7 @@ func TestThreeClusters(t *testing.T) {
 	root := set.root
 	require.NoError(t, set.Stop())
 	stopped = true
-	require.Empty(t, pidsWithArg(root), "processes left behind")
+	require.Empty(t, PIDsWithArg(root), "processes left behind")
 	_, err = os.Stat(root)
 	require.True(t, os.IsNotExist(err), "cluster folder left behind")
 }
@@ -134,7 +134,7 @@ func TestSweepOrphans(t *testing.T) {
 	t.Cleanup(func() { _ = syscall.Kill(-keep.Process.Pid, syscall.SIGKILL); _ = keep.Wait() })
 
 	// Wait until both children have exec'd (their command lines name the folders).
-	require.Eventually(t, func() bool { return len(pidsWithArg(deadDir)) == 1 && len(pidsWithArg(liveDir)) == 1 }, 5*time.Second, 5*time.Millisecond, "%v %v", pidsWithArg(deadDir), pidsWithArg(liveDir))
+	require.Eventually(t, func() bool { return len(PIDsWithArg(deadDir)) == 1 && len(PIDsWithArg(liveDir)) == 1 }, 5*time.Second, 5*time.Millisecond, "%v %v", PIDsWithArg(deadDir), PIDsWithArg(liveDir))
 	SweepOrphans(base)
 	state, err := orphan.Process.Wait()
 	require.NoError(t, err)
@@ -143,7 +143,7 @@ func TestSweepOrphans(t *testing.T) {
 	require.True(t, os.IsNotExist(err))
 	_, err = os.Stat(liveDir)
 	require.NoError(t, err)
-	require.NotEmpty(t, pidsWithArg(liveDir), "a live owner's process is kept")
+	require.NotEmpty(t, PIDsWithArg(liveDir), "a live owner's process is kept")
 }
 
 // TestSweepOrphansByLock shows that a set's lock, not its owner's pid,

@@ -23,6 +23,7 @@ import (
 	vnetns "github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/isthmus-mesh/isthmus/test/framework"
 	"github.com/isthmus-mesh/isthmus/ztunnel/netns"
 )
 
@@ -318,7 +319,7 @@ func (n *Node) pids() []int {
 			out = append(out, p.cmd.Process.Pid)
 		}
 	}
-	out = append(out, pidsWithArg(n.cfg.dir)...)
+	out = append(out, framework.PIDsWithArg(n.cfg.dir)...)
 	return append(out, cgroupPIDs(n.cgroup)...)
 }
 
@@ -338,7 +339,7 @@ func (n *Node) stop() error {
 			errs = append(errs, p.stop())
 		}
 	}
-	killAll(pidsWithArg(n.cfg.dir))
+	killAll(framework.PIDsWithArg(n.cfg.dir))
 	if n.fwd != nil {
 		n.fwd.close()
 	}
@@ -399,22 +400,6 @@ func killAll(pids []int) {
 	}
 }
 
-// pidsWithArg lists processes whose command line contains s.
-func pidsWithArg(s string) []int {
-	procs, _ := os.ReadDir("/proc")
-	var out []int
-	for _, p := range procs {
-		pid, err := strconv.Atoi(p.Name())
-		if err != nil {
-			continue
-		}
-		cmd, err := os.ReadFile(filepath.Join("/proc", p.Name(), "cmdline"))
-		if err == nil && strings.Contains(string(cmd), s) {
-			out = append(out, pid)
-		}
-	}
-	return out
-}
 
 // launcher runs functions on one OS thread that it keeps locked: the
 // thread enters the node's namespaces, and the node's processes are forked

@@ -6,6 +6,8 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+
+	"github.com/isthmus-mesh/isthmus/test/framework"
 )
 
 // dirPrefix names every environment's folder in os.TempDir() and its
@@ -51,7 +53,7 @@ func sweepOrphans() {
 		if err != nil {
 			continue // alive, or not ours to judge
 		}
-		killAll(pidsWithArg(dir))
+		killAll(framework.PIDsWithArg(dir))
 		if removeCgroups(e.Name()) == nil {
 			_ = os.RemoveAll(dir)
 		}
