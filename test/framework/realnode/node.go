@@ -400,7 +400,6 @@ func killAll(pids []int) {
 	}
 }
 
-
 // launcher runs functions on one OS thread that it keeps locked: the
 // thread enters the node's namespaces, and the node's processes are forked
 // from it (a child inherits its thread's namespaces, and Pdeathsig fires
