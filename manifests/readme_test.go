@@ -112,6 +112,6 @@ func TestReadmeInstallCommands(t *testing.T) {
 			t.Errorf("README command no test runs: %s", cmd)
 		}
 	}
-	require.Equal(t, 8, helms, "the README installs four charts in each of two clusters")
+	require.Equal(t, 10, helms, "the README installs five charts in each of two clusters (the CNI agent included: ztunnel captures in-pod)")
 	require.Equal(t, 3, makes)
 }
