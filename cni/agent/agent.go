@@ -59,7 +59,6 @@ type Agent struct {
 	deps Deps
 	log  *slog.Logger
 	m    *metrics
-	cm   *captureMetrics
 	zds  *zds.Server
 	inst *installer
 
@@ -104,16 +103,12 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 	if err != nil {
 		return nil, fmt.Errorf("agent: metrics: %w", err)
 	}
-	cm, err := newCaptureMetrics(deps.Registry)
-	if err != nil {
-		return nil, fmt.Errorf("agent: metrics: %w", err)
-	}
-	a := &Agent{cfg: cfg, deps: deps, log: deps.Log, m: m, cm: cm, pods: map[string]*enrolment{}, reported: map[string]*reportState{}}
+	a := &Agent{cfg: cfg, deps: deps, log: deps.Log, m: m, pods: map[string]*enrolment{}, reported: map[string]*reportState{}}
 	a.zds, err = zds.New(zds.Config{SocketPath: cfg.ZtunnelSocket, AckTimeout: cfg.AckTimeout, AllowedUIDs: cfg.ZtunnelUIDs}, zds.Deps{
 		Log:           deps.Log.With("component", "zds"),
 		OnFailure:     func(r zds.FailureReason) { a.fail(string(r)) },
 		OnConnections: func(n int) { m.ztunnels.Set(float64(n)) },
-		OnRefused:     func(r zds.RefusalReason) { cm.refused.WithLabelValues(string(r)).Inc() },
+		OnRefused:     func(r zds.RefusalReason) { m.ztunnelRefused.WithLabelValues(string(r)).Inc() },
 		OnCapture:     a.setCapture,
 	})
 	if err != nil {

@@ -5,45 +5,9 @@ package agent
 import (
 	"os"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/isthmus-mesh/isthmus/cni/redirect"
 	"github.com/isthmus-mesh/isthmus/cni/zds"
 )
-
-// captureMetrics say how ztunnel's own sockets are told apart and who was
-// refused the ztunnel socket.
-type captureMetrics struct {
-	markOnly prometheus.Gauge
-	cgroups  prometheus.Gauge
-	refused  *prometheus.CounterVec
-}
-
-func newCaptureMetrics(reg *prometheus.Registry) (*captureMetrics, error) {
-	m := &captureMetrics{
-		markOnly: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "isthmus_cni_capture_mark_only",
-			Help: "1 while the pods' rules exempt every socket carrying ztunnel's mark (a connected ztunnel reported no cgroup id): any pod process with CAP_NET_RAW can then leave capture.",
-		}),
-		cgroups: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "isthmus_cni_capture_ztunnel_cgroups",
-			Help: "ztunnel cgroups whose marked sockets the pods' rules exempt from capture.",
-		}),
-		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "isthmus_cni_ztunnel_refused_total",
-			Help: "Connections to the ztunnel socket refused before their snapshot, by reason (peer-not-allowed, bad-hello).",
-		}, []string{"reason"}),
-	}
-	for _, r := range []zds.RefusalReason{zds.RefusedPeer, zds.RefusedHello} {
-		m.refused.WithLabelValues(string(r))
-	}
-	for _, c := range []prometheus.Collector{m.markOnly, m.cgroups, m.refused} {
-		if err := reg.Register(c); err != nil {
-			return nil, err
-		}
-	}
-	return m, nil
-}
 
 // setCapture is zds' OnCapture: the connected ztunnels changed what the
 // pods' rules exempt, so every enrolled pod's rules are re-written before
@@ -54,13 +18,13 @@ func (a *Agent) setCapture(c zds.Capture) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.capture, a.toldOf = c, true
-	a.cm.cgroups.Set(float64(len(c.Cgroups)))
+	a.m.cgroups.Set(float64(len(c.Cgroups)))
 	if c.MarkOnly {
-		a.cm.markOnly.Set(1)
+		a.m.markOnly.Set(1)
 		a.log.Warn("a connected ztunnel reported no cgroup id (Istio's ztunnel, or no cgroup v2): the pods' rules exempt every socket carrying ztunnel's mark, which any pod process with CAP_NET_RAW can set",
 			"cgroups", c.Cgroups)
 	} else {
-		a.cm.markOnly.Set(0)
+		a.m.markOnly.Set(0)
 		a.log.Info("the pods' rules exempt the marked sockets of ztunnel's cgroups only", "cgroups", c.Cgroups)
 	}
 	opts := a.redirectOptions()

@@ -2,6 +2,8 @@ package agent
 
 import (
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/isthmus-mesh/isthmus/cni/zds"
 )
 
 // Failure reasons counted by isthmus_cni_enrolment_failures_total (besides
@@ -22,6 +24,11 @@ type metrics struct {
 	ztunnels      prometheus.Gauge
 	installations *prometheus.CounterVec
 	sandbox       *prometheus.CounterVec
+	// How ztunnel's own sockets are told apart, and who was refused the
+	// ztunnel socket.
+	markOnly       prometheus.Gauge
+	cgroups        prometheus.Gauge
+	ztunnelRefused *prometheus.CounterVec
 }
 
 func newMetrics(reg *prometheus.Registry) (*metrics, error) {
@@ -50,11 +57,27 @@ func newMetrics(reg *prometheus.Registry) (*metrics, error) {
 			Name: "isthmus_cni_sandbox_problems_total",
 			Help: "Running pods whose sandbox was not found or not trusted (SandboxNotFound, SandboxAddressMismatch, SandboxRecordMismatch: not enrolled) or whose address another namespace carries (DuplicateAddress: enrolled through its own sandbox), by reason; once per pod and reason.",
 		}, []string{"reason"}),
+		markOnly: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "isthmus_cni_capture_mark_only",
+			Help: "1 while the pods' rules exempt every socket carrying ztunnel's mark (a connected ztunnel reported no cgroup id): any pod process with CAP_NET_RAW can then leave capture.",
+		}),
+		cgroups: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "isthmus_cni_capture_ztunnel_cgroups",
+			Help: "ztunnel cgroups whose marked sockets the pods' rules exempt from capture.",
+		}),
+		ztunnelRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "isthmus_cni_ztunnel_refused_total",
+			Help: "Connections to the ztunnel socket refused before their snapshot, by reason (peer-not-allowed, bad-hello).",
+		}, []string{"reason"}),
 	}
 	for _, r := range sandboxReasons {
 		m.sandbox.WithLabelValues(r)
 	}
-	for _, c := range []prometheus.Collector{m.enrolled, m.failures, m.pluginEvents, m.ztunnels, m.installations, m.sandbox} {
+	for _, r := range []zds.RefusalReason{zds.RefusedPeer, zds.RefusedHello} {
+		m.ztunnelRefused.WithLabelValues(string(r))
+	}
+	for _, c := range []prometheus.Collector{m.enrolled, m.failures, m.pluginEvents, m.ztunnels, m.installations, m.sandbox,
+		m.markOnly, m.cgroups, m.ztunnelRefused} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
