@@ -52,12 +52,31 @@ const serverImage = "server"
 // the node is left on the host, and the host's links and routes are as
 // before.
 func TestRealNode(t *testing.T) {
-	links, routes := hostNetwork(t)
-	paths := hostPaths()
+	before := snapshotHost(t)
 	var dir string
 	t.Run("Cluster", func(t *testing.T) {
 		dir = cluster(t)
 	})
+	requireHostClean(t, dir, before)
+}
+
+// hostState is what of the host a test's environment must leave as it
+// found it.
+type hostState struct {
+	links, routes []string
+	paths         map[string]bool
+}
+
+func snapshotHost(t *testing.T) hostState {
+	links, routes := hostNetwork(t)
+	return hostState{links, routes, hostPaths()}
+}
+
+// requireHostClean checks that nothing of the environment whose folder was
+// dir is left on the host after its teardown, and that the host's links,
+// routes and runtime folders are as before.
+func requireHostClean(t *testing.T, dir string, before hostState) {
+	t.Helper()
 	require.NotEmpty(t, dir)
 	_, err := os.Stat(dir)
 	require.ErrorIs(t, err, os.ErrNotExist, "the environment's folder outlived the teardown")
@@ -68,10 +87,10 @@ func TestRealNode(t *testing.T) {
 	mounts, err := os.ReadFile("/proc/self/mountinfo")
 	require.NoError(t, err)
 	require.NotContains(t, string(mounts), dir, "a node mount reached the host's mount namespace")
-	require.Equal(t, paths, hostPaths(), "the node wrote to the host's runtime folders")
-	links2, routes2 := hostNetwork(t)
-	require.Equal(t, links, links2, "the host's links changed")
-	require.Equal(t, routes, routes2, "the host's routes changed")
+	after := snapshotHost(t)
+	require.Equal(t, before.paths, after.paths, "the node wrote to the host's runtime folders")
+	require.Equal(t, before.links, after.links, "the host's links changed")
+	require.Equal(t, before.routes, after.routes, "the host's routes changed")
 }
 
 // cluster runs the scenario on a fresh environment and returns its folder.

@@ -19,7 +19,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 // TestCheckNamesWhatIsMissing: with no binaries, Start's check names each
 // missing one and the make target that builds it, instead of skipping.
 func TestCheckNamesWhatIsMissing(t *testing.T) {
-	err := Options{NodeBinDir: t.TempDir()}.check()
+	err := SetOptions{NodeBinDir: t.TempDir()}.check()
 	require.Error(t, err)
 	for _, b := range nodeBinaries {
 		require.ErrorContains(t, err, b+" missing in")
@@ -27,7 +27,7 @@ func TestCheckNamesWhatIsMissing(t *testing.T) {
 	require.ErrorContains(t, err, "run make nodebin")
 	require.ErrorContains(t, err, "set KUBEBUILDER_ASSETS")
 
-	err = Options{}.check()
+	err = SetOptions{}.check()
 	require.ErrorContains(t, err, "set ISTHMUS_NODEBIN")
 }
 
