@@ -1,40 +1,65 @@
-// Package realnode starts a Kubernetes cluster whose pods really run: the
-// control plane of test/framework (etcd, kube-apiserver) plus
-// kube-controller-manager and kube-scheduler, and one node (containerd, runc,
-// the reference CNI plugins and a kubelet) in a network and mount namespace of
-// the test's own, with images built locally and imported, never pulled.
+// Package realnode starts Kubernetes clusters whose pods really run: the
+// control planes of test/framework (one etcd, a kube-apiserver per
+// cluster) plus kube-controller-manager and kube-scheduler per cluster,
+// and real nodes (containerd, runc, the reference CNI plugins and a
+// kubelet), each in a network and mount namespace of the test's own, with
+// images built locally once and imported into every node, never pulled.
+// StartSet starts several clusters on several networks; Start one cluster
+// with one node (a set of one).
 //
 // The binaries come from hack/build-nodebin.sh (ISTHMUS_NODEBIN) and
 // hack/build-testbin.sh (KUBEBUILDER_ASSETS); `make test` builds both.
 //
-// Isolation. The node's namespaces are held by one process (the pause
+// Isolation. Each node's namespaces are held by one process (the pause
 // binary, started with unshare(CLONE_NEWNS|CLONE_NEWNET) and a private "/"),
 // so every mount the node makes (overlay snapshots, pod network namespaces,
 // volume tmpfs, the tmpfs on /run and /var/log that keep containerd's shim
 // sockets and the kubelet's log links off the host) lives and dies with it.
-// The node's IP sits on a veth pair whose two ends are both inside the node's
-// namespace (with a default route through it, which the kubelet wants); the
-// pods sit on a CNI bridge there. Nothing touches the host's routes,
-// firewall tables, /opt/cni, /etc/cni or /run/netns. The only host-side
-// traces are a cgroup named after the node in each cgroup hierarchy (the
-// kubelet's cgroupRoot), removed at teardown with every process in them.
+// The pods sit on a CNI bridge in the node's namespace. Nothing touches the
+// host's routes, links, firewall tables, /opt/cni, /etc/cni or /run/netns.
+// The only host-side traces are a cgroup named after the set's folder in
+// each cgroup hierarchy, with a cgroup per node below it (the kubelets'
+// cgroupRoot), removed at teardown with every process in them.
 //
-// The control plane runs on the host's loopback as in test/framework; the
-// kubelet reaches it through a forwarder that listens on the API server's
-// address inside the node's namespace. Tests reach pods with Node.DialContext,
-// which dials from inside the node's namespace.
+// Networks, as the demo builds them (test/demo/isolated.go) with
+// internal/nettopo, in namespaces of their own: network i (in the order
+// the clusters name them; clusters may share one) is 10.i.0.0/16 with a
+// router. Node k of network i has a veth uplink into the router: its eth0
+// is 10.i.k.2/24 (its InternalIP), the router's end 10.i.k.1 its default
+// route, its PodCIDR 10.i.(100+k).0/24 (the Node object's spec.podCIDR:
+// the set creates the Node before its kubelet registers), routed by the
+// router to the node, so pods of one network talk directly by pod IP,
+// without overlay or NAT. The routers join a wan namespace, whose forward
+// filter (a nettopo pass filter) refuses everything from one network to
+// another with ICMP admin-prohibited ("no route to host" at once, counted:
+// Set.WANRejected) but what a multi-network mesh lets cross:
+//   - gateways: a hostNetwork pod listening on its node's IP and a port,
+//     once the test calls Set.ExposeGateway(node IP:port) (only that port
+//     of the node crosses);
+//   - each cluster's API server: Env.APIServer, an address of its network
+//     (10.i.255.n:443) on the router, where a forwarder relays to the API
+//     server on the host's loopback; a remote secret's server for pods of
+//     other networks (the certificate names 127.0.0.1: set tls-server-name);
+//   - any other host listener, pilot's xDS say: Set.ExposeHost gives it
+//     such an address in a network.
+//
+// The control planes run on the host's loopback as in test/framework; each
+// kubelet reaches its API server through a forwarder that listens on the
+// API server's address inside the node's namespace. Tests reach pods with
+// Node.DialContext, which dials from inside the node's namespace; the test
+// server image (test/realnode/server) dials from inside a pod.
 //
 // Cost, measured on this machine (2 cores shared with other builds) with
 // `go test -v ./test/realnode`, which logs the figures: the node is Ready
 // 2-3.5 s after its kubelet starts, a pod Running 2-3 s after it was
-// created, and the whole cluster (etcd, kube-apiserver, the controllers,
-// containerd, kubelet, shims and containers) holds 710-725 MiB of RSS. Start
-// takes 25-45 s in all, mostly building the images and starting the API
-// server, which run in parallel.
+// created, and a one-node cluster (etcd, kube-apiserver, the controllers,
+// containerd, kubelet, shims and containers) holds 710-725 MiB of RSS.
+// Start takes 25-45 s in all, mostly building the images and starting the
+// API server, which run in parallel. SET_FIGURES
 //
-// Not yet: the API server cannot reach the kubelet (logs, exec, port-forward
-// fail: the node's IP exists only in its namespace), no kube-proxy (no
-// Service routing), no cluster DNS.
+// Not yet: the API server cannot reach the kubelets (logs, exec,
+// port-forward fail: the nodes' IPs exist only in their networks), no
+// kube-proxy (no Service routing), no cluster DNS.
 //
 // Everything needs root (namespaces, mounts, cgroups). Start fails the test
 // with a message naming what is missing (privilege, a binary, a cgroup

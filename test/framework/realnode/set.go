@@ -160,12 +160,11 @@ func (o SetOptions) withDefaults(t testing.TB) (SetOptions, error) {
 		if c.Network == "" {
 			c.Network = c.Name + "-network"
 		}
+		if c.Nodes < 0 {
+			continue // validate says so
+		}
 		if len(c.NodeNames) == 0 {
-			n := c.Nodes
-			if n == 0 {
-				n = 1
-			}
-			for k := 1; k <= n; k++ {
+			for k := 1; k <= max(c.Nodes, 1); k++ {
 				c.NodeNames = append(c.NodeNames, fmt.Sprintf("%s-node-%d", c.Name, k))
 			}
 		}
