@@ -4,7 +4,7 @@
 package realnode_test
 
 import (
-	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -260,18 +260,34 @@ func podState(p *corev1.Pod) string {
 // get sends GET / to address from inside the node and returns the body.
 func get(t *testing.T, node *realnode.Node, address string) string {
 	t.Helper()
+	code, body := fetch(t, node, "http://"+address+"/")
+	require.Equal(t, http.StatusOK, code, body)
+	return body
+}
+
+// fetch sends GET url from inside the node and returns the status and
+// body. A refused connection is retried for 30 s: a container is Running
+// before its server listens.
+func fetch(t *testing.T, node *realnode.Node, url string) (int, string) {
+	t.Helper()
 	tr := &http.Transport{DialContext: node.DialContext, DisableKeepAlives: true}
 	defer tr.CloseIdleConnections()
-	c := &http.Client{Transport: tr, Timeout: 10 * time.Second}
-	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+address+"/", nil)
-	require.NoError(t, err)
-	resp, err := c.Do(req)
-	require.NoError(t, err)
+	c := &http.Client{Transport: tr, Timeout: 30 * time.Second}
+	deadline := time.Now().Add(30 * time.Second)
+	var resp *http.Response
+	for {
+		req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, url, nil)
+		require.NoError(t, err)
+		resp, err = c.Do(req)
+		if errors.Is(err, unix.ECONNREFUSED) && time.Now().Before(deadline) {
+			time.Sleep(100 * time.Millisecond)
+			continue
+		}
+		require.NoError(t, err)
+		break
+	}
 	defer resp.Body.Close()
 	body, err := io.ReadAll(resp.Body)
 	require.NoError(t, err)
-	require.Equal(t, http.StatusOK, resp.StatusCode)
-	return string(body)
+	return resp.StatusCode, string(body)
 }

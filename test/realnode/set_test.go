@@ -6,7 +6,6 @@ import (
 	"crypto/x509"
 	"encoding/hex"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"net/netip"
@@ -179,16 +178,7 @@ func requireInCIDR(t *testing.T, n *realnode.Node, p *corev1.Pod) {
 // and body of its answer.
 func probe(t *testing.T, node *realnode.Node, podIP, kind, addr string) (int, string) {
 	t.Helper()
-	tr := &http.Transport{DialContext: node.DialContext, DisableKeepAlives: true}
-	defer tr.CloseIdleConnections()
-	c := &http.Client{Transport: tr, Timeout: 30 * time.Second}
-	u := fmt.Sprintf("http://%s/%s?addr=%s", net.JoinHostPort(podIP, "8080"), kind, url.QueryEscape(addr))
-	resp, err := c.Get(u)
-	require.NoError(t, err)
-	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
-	require.NoError(t, err)
-	return resp.StatusCode, string(body)
+	return fetch(t, node, fmt.Sprintf("http://%s/%s?addr=%s", net.JoinHostPort(podIP, "8080"), kind, url.QueryEscape(addr)))
 }
 
 // rejected reads the wan filter's refusal counter.
