@@ -17,8 +17,11 @@ import (
 	"github.com/stretchr/testify/require"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/isthmus-mesh/isthmus/internal/imagebuild"
+	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
 	"github.com/isthmus-mesh/isthmus/test/framework/realnode"
 )
 
@@ -57,36 +60,8 @@ func clusterSet(t *testing.T) string {
 	t.Logf("2 clusters, 3 nodes up in %v (slowest node Ready %v / %v after its kubelet started)",
 		set.Started.Round(time.Millisecond), c1.NodeReady.Round(time.Millisecond), c2.NodeReady.Round(time.Millisecond))
 
-	// Every node's PodCIDR is its own, and the Node object says so.
-	cidrs := map[netip.Prefix]bool{}
-	for _, e := range set.Clusters {
-		for _, n := range e.Nodes {
-			obj, err := e.Cluster.Client.CoreV1().Nodes().Get(t.Context(), n.Name, metav1.GetOptions{})
-			require.NoError(t, err)
-			require.Equal(t, n.PodCIDR.String(), obj.Spec.PodCIDR, "node %s", n.Name)
-			require.False(t, cidrs[n.PodCIDR], "PodCIDR %s twice", n.PodCIDR)
-			cidrs[n.PodCIDR] = true
-		}
-	}
-
-	ns := "realnode"
-	for _, e := range set.Clusters {
-		_, err := e.Cluster.Client.CoreV1().Namespaces().Create(t.Context(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{})
-		require.NoError(t, err)
-	}
-	gatewayArgs := []string{"-listen", fmt.Sprintf(":%d", gatewayPort)}
-	createServerPod(t, c1, ns, "a", c1.Nodes[0], false, nil)
-	createServerPod(t, c1, ns, "b", c1.Nodes[1], false, nil)
-	createServerPod(t, c2, ns, "far", c2.Node, false, nil)
-	createServerPod(t, c2, ns, "gateway", c2.Node, true, gatewayArgs)
-	a := waitPodRunning(t, c1.Cluster.Client, ns, "app=a")
-	b := waitPodRunning(t, c1.Cluster.Client, ns, "app=b")
-	far := waitPodRunning(t, c2.Cluster.Client, ns, "app=far")
-	gw := waitPodRunning(t, c2.Cluster.Client, ns, "app=gateway")
-	requireInCIDR(t, c1.Nodes[0], a)
-	requireInCIDR(t, c1.Nodes[1], b)
-	requireInCIDR(t, c2.Node, far)
-	require.Equal(t, c2.Node.IP.String(), gw.Status.PodIP)
+	requirePodCIDRs(t, set)
+	a, b, far, _ := startSetPods(t, c1, c2)
 	// a probes from inside its pod: a client on c1's first node asks it.
 	probeA := func(kind, addr string) (int, string) {
 		return probe(t, c1.Nodes[0], a.Status.PodIP, kind, addr)
@@ -144,11 +119,70 @@ func clusterSet(t *testing.T) string {
 		require.Equal(t, http.StatusOK, code, body)
 		require.Equal(t, want, body, "the TLS handshake from a pod of cluster-1 reached cluster-2's API server")
 		require.Equal(t, "10.2.255.1", c2.APIServer.Addr().String(), "the API server's address is in its network")
+
+		// The remote secret's kubeconfig works from network-1 (dialled
+		// from cluster-1's node): server, certificate name and token.
+		kc, err := c2.RemoteKubeconfig(t.Context(), "cluster-2", remotesecret.ReaderOptions{})
+		require.NoError(t, err)
+		cfg, err := clientcmd.RESTConfigFromKubeConfig(kc)
+		require.NoError(t, err)
+		require.Equal(t, "https://"+c2.APIServer.String(), cfg.Host)
+		cfg.Dial = c1.Nodes[0].DialContext
+		client, err := kubernetes.NewForConfig(cfg)
+		require.NoError(t, err)
+		_, err = client.CoreV1().Services("default").Get(t.Context(), "kubernetes", metav1.GetOptions{})
+		require.NoError(t, err)
+		cfg.Dial = nil // the host's loopback has no such address
+		client, err = kubernetes.NewForConfig(cfg)
+		require.NoError(t, err)
+		_, err = client.CoreV1().Services("default").Get(t.Context(), "kubernetes", metav1.GetOptions{})
+		require.Error(t, err)
 	})
 
 	t.Logf("set RSS (etcd, 2 apiservers, controllers, 3 x containerd+kubelet, shims, containers): %d MiB", set.RSSBytes()>>20)
 	t.Logf("cluster RSS with the shared etcd: cluster-1 (2 nodes) %d MiB, cluster-2 (1 node) %d MiB", c1.RSSBytes()>>20, c2.RSSBytes()>>20)
 	return set.Dir()
+}
+
+// requirePodCIDRs checks that every node's PodCIDR is its own, and that
+// its Node object says so.
+func requirePodCIDRs(t *testing.T, set *realnode.Set) {
+	t.Helper()
+	cidrs := map[netip.Prefix]bool{}
+	for _, e := range set.Clusters {
+		for _, n := range e.Nodes {
+			obj, err := e.Cluster.Client.CoreV1().Nodes().Get(t.Context(), n.Name, metav1.GetOptions{})
+			require.NoError(t, err)
+			require.Equal(t, n.PodCIDR.String(), obj.Spec.PodCIDR, "node %s", n.Name)
+			require.False(t, cidrs[n.PodCIDR], "PodCIDR %s twice", n.PodCIDR)
+			cidrs[n.PodCIDR] = true
+		}
+	}
+}
+
+// startSetPods runs the test server as pods a and b on cluster-1's two
+// nodes, far on cluster-2's node, and gateway, a hostNetwork pod on
+// cluster-2's node listening on gatewayPort, and returns them Running.
+func startSetPods(t *testing.T, c1, c2 *realnode.Env) (a, b, far, gw *corev1.Pod) {
+	t.Helper()
+	const ns = "realnode"
+	for _, e := range []*realnode.Env{c1, c2} {
+		_, err := e.Cluster.Client.CoreV1().Namespaces().Create(t.Context(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{})
+		require.NoError(t, err)
+	}
+	createServerPod(t, c1, ns, "a", c1.Nodes[0], false, nil)
+	createServerPod(t, c1, ns, "b", c1.Nodes[1], false, nil)
+	createServerPod(t, c2, ns, "far", c2.Node, false, nil)
+	createServerPod(t, c2, ns, "gateway", c2.Node, true, []string{"-listen", fmt.Sprintf(":%d", gatewayPort)})
+	a = waitPodRunning(t, c1.Cluster.Client, ns, "app=a")
+	b = waitPodRunning(t, c1.Cluster.Client, ns, "app=b")
+	far = waitPodRunning(t, c2.Cluster.Client, ns, "app=far")
+	gw = waitPodRunning(t, c2.Cluster.Client, ns, "app=gateway")
+	requireInCIDR(t, c1.Nodes[0], a)
+	requireInCIDR(t, c1.Nodes[1], b)
+	requireInCIDR(t, c2.Node, far)
+	require.Equal(t, c2.Node.IP.String(), gw.Status.PodIP)
+	return a, b, far, gw
 }
 
 // createServerPod creates a pod of the test server named name (label

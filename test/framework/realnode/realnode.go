@@ -39,7 +39,8 @@
 //   - each cluster's API server: Env.APIServer, an address of its network
 //     (10.i.255.n:443) on the router, where a forwarder relays to the API
 //     server on the host's loopback; a remote secret's server for pods of
-//     other networks (the certificate names 127.0.0.1: set tls-server-name);
+//     other networks (the certificate names 127.0.0.1, so the kubeconfig
+//     sets tls-server-name: Env.RemoteKubeconfig writes it);
 //   - any other host listener, pilot's xDS say: Set.ExposeHost gives it
 //     such an address in a network.
 //
@@ -56,7 +57,7 @@
 // containerd, kubelet, shims and containers) holds 710-725 MiB of RSS.
 // Start takes 25-45 s in all, mostly building the images and starting the
 // API server, which run in parallel. A set of two clusters with three nodes
-// (TestRealNodeSet) starts in 32-34 s (51 s on a loaded machine) and holds
+// (TestRealNodeSet) starts in 21-34 s (51 s on a loaded machine) and holds
 // 1510-1520 MiB of RSS (about 850 MiB for a two-node cluster with the
 // shared etcd, 710 for a one-node one).
 //

@@ -18,8 +18,10 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/isthmus-mesh/isthmus/internal/imagebuild"
+	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
 	"github.com/isthmus-mesh/isthmus/test/framework"
 )
 
@@ -496,4 +498,29 @@ func sumRSS(pids map[int]bool) int64 {
 		}
 	}
 	return sum
+}
+
+// RemoteKubeconfig is what a remote secret for this cluster holds when
+// its reader is in another network: the reader ServiceAccount's kubeconfig
+// (framework.Cluster.ReaderKubeconfig) whose server is the API server's
+// address in the cluster's network (APIServer), with the name its
+// certificate has (tls-server-name).
+func (e *Env) RemoteKubeconfig(ctx context.Context, clusterID string, opts remotesecret.ReaderOptions) ([]byte, error) {
+	kc, err := e.Cluster.ReaderKubeconfig(ctx, clusterID, opts)
+	if err != nil {
+		return nil, err
+	}
+	cfg, err := clientcmd.Load(kc)
+	if err != nil {
+		return nil, err
+	}
+	for _, c := range cfg.Clusters {
+		u, err := url.Parse(c.Server)
+		if err != nil {
+			return nil, err
+		}
+		c.TLSServerName = u.Hostname()
+		c.Server = "https://" + e.APIServer.String()
+	}
+	return clientcmd.Write(*cfg)
 }
