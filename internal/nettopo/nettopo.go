@@ -3,10 +3,12 @@
 // Package nettopo builds small networks of Linux network namespaces:
 // namespaces (anonymous, or bind-mounted at a path as `ip netns add` and
 // container runtimes do), veth pairs between them, bridges, addresses,
-// routes, links removed, and sysctls, all through netlink and system calls
-// (no `ip` binary). Every function works only inside the namespaces it is
-// given and returns an error instead of failing a test; the demo builds its
-// isolated networks with it, and ztunnel/netns/netnstest wraps it for tests.
+// routes, links removed, sysctls, and a forward filter that passes only
+// chosen addresses (a wan between networks: filter.go), all through netlink
+// and system calls (no `ip` or `nft` binary). Every function works only
+// inside the namespaces it is given and returns an error instead of failing
+// a test; the demo and test/framework/realnode build their isolated
+// networks with it, and ztunnel/netns/netnstest wraps it for tests.
 //
 // Creating and entering namespaces needs CAP_SYS_ADMIN, changing their
 // links CAP_NET_ADMIN — as root, or in a user namespace that owns them.
