@@ -4,11 +4,9 @@ import (
 	"context"
 	"time"
 
+	"github.com/isthmus-mesh/isthmus/internal/conntrack"
 	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
 )
-
-// drainPoll is how often Drain looks whether the pods' connections are gone.
-const drainPoll = 50 * time.Millisecond
 
 // DrainResult says how the connections open when a drain began ended.
 type DrainResult struct {
@@ -45,21 +43,7 @@ func (m *Manager) Drain(ctx context.Context, grace time.Duration) DrainResult {
 	}
 	res := DrainResult{Open: conns(pods)}
 	m.log.Info("draining pods", "pods", len(pods), "connections", res.Open, "grace", grace)
-	timer := time.NewTimer(grace)
-	defer timer.Stop()
-	tick := time.NewTicker(drainPoll)
-	defer tick.Stop()
-wait:
-	for conns(pods) > 0 {
-		select {
-		case <-tick.C:
-		case <-timer.C:
-			break wait
-		case <-ctx.Done():
-			break wait
-		}
-	}
-	res.Forced = conns(pods)
+	res.Forced = conntrack.WaitIdle(ctx, grace, func() int { return conns(pods) })
 	res.Drained = max(0, res.Open-res.Forced)
 	m.deps.Metrics.Drain(metrics.DrainDrained, res.Drained)
 	m.deps.Metrics.Drain(metrics.DrainForced, res.Forced)
