@@ -5,6 +5,7 @@ package netns_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"os"
 	"syscall"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/isthmus-mesh/isthmus/ztunnel/netns"
 	"github.com/isthmus-mesh/isthmus/ztunnel/netns/netnstest"
@@ -109,4 +111,32 @@ func acceptAll(t *testing.T, ln *net.TCPListener) []net.Conn {
 		require.NoError(t, err)
 		out = append(out, c)
 	}
+}
+
+// TestReusePortGroupIsOneUIDs: a socket of another effective uid cannot
+// join a SO_REUSEPORT group, even with SO_REUSEPORT set (a pod's processes
+// run as other uids than ztunnel's).
+func TestReusePortGroupIsOneUIDs(t *testing.T) {
+	ns := netnstest.New(t)
+	ln, err := netns.Listen(context.Background(), ns, "tcp4", "127.0.0.1:0", netns.ReusePortConfig())
+	require.NoError(t, err)
+	defer ln.Close()
+	var bindErr error
+	require.NoError(t, netns.Do(ns, func() error {
+		// setresuid on this (locked) thread only: the raw system call,
+		// not syscall.Setresuid, which changes every thread.
+		if _, _, e := unix.RawSyscall(unix.SYS_SETRESUID, ^uintptr(0), 65534, ^uintptr(0)); e != 0 {
+			return fmt.Errorf("set the thread's euid (needs root): %w", e)
+		}
+		other, err := (&net.ListenConfig{Control: netns.ReusePort}).Listen(context.Background(), "tcp4", ln.Addr().String())
+		if err == nil {
+			other.Close()
+		}
+		bindErr = err
+		if _, _, e := unix.RawSyscall(unix.SYS_SETRESUID, ^uintptr(0), 0, ^uintptr(0)); e != 0 {
+			return fmt.Errorf("restore the thread's euid: %w", e)
+		}
+		return nil
+	}))
+	require.ErrorIs(t, bindErr, syscall.EADDRINUSE, "another uid cannot share ztunnel's port")
 }

@@ -65,4 +65,3 @@ func (n *Node) drain(lns *listeners) {
 	n.m.Drain(metrics.DrainForced, forced)
 	wg.Wait()
 }
-
