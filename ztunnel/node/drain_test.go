@@ -1,11 +1,13 @@
 package node_test
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/netip"
+	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -16,7 +18,10 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/isthmus-mesh/isthmus/cni/zds"
 	workloadv1 "github.com/isthmus-mesh/isthmus/pilot/api/workload/v1"
+	"github.com/isthmus-mesh/isthmus/ztunnel/inpod"
+	"github.com/isthmus-mesh/isthmus/ztunnel/inpod/inpodtest"
 	"github.com/isthmus-mesh/isthmus/ztunnel/internal/catest"
 	"github.com/isthmus-mesh/isthmus/ztunnel/node"
 )
@@ -140,4 +145,48 @@ func TestNodeHandoff(t *testing.T) {
 	more(10)
 	require.Zero(t, alive(), "closed at the end of the grace period")
 	require.Zero(t, failed.Load(), "no new connection failed (last error: %v)", lastErr.Load())
+}
+
+// TestInPodStopWaitsForTheSuccessor: in-pod mode, a ztunnel stopped as
+// SIGTERM stops it drains as soon as the CNI agent says a newer ztunnel
+// has every pod, not after its (here one hour long) HandoffWait.
+func TestInPodStopWaitsForTheSuccessor(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "ztunnel.sock")
+	agent, err := zds.New(zds.Config{SocketPath: sock}, zds.Deps{})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	agentDone := make(chan error, 1)
+	go func() { agentDone <- agent.Run(ctx) }()
+	defer func() { cancel(); require.NoError(t, <-agentDone) }()
+
+	ca := catest.Start(t, catest.Options{ConfigCluster: "c1", Listen: netip.AddrPortFrom(nextAddr(), 0).String()})
+	ca.AddNode(t, "token-b", "c1", "node-b")
+	xc := cache.NewLinearCache(workloadv1.TypeURL)
+	xdsAddr := startXDS(t, xc, nextAddr(), nil)
+	old := startNode(t, "node-b", "c1", "token-b", xdsAddr, ca, func(c *node.Config) {
+		c.InPodSocket, c.HandoffWait, c.DrainGrace = sock, time.Hour, time.Second
+		c.SOCKS5Listen = node.Disabled
+	})
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Equal(c, 1, agent.Connected()) }, 15*time.Second, 10*time.Millisecond)
+
+	stopped := make(chan error, 1)
+	go func() { stopped <- old.stop() }()
+	select {
+	case err := <-stopped:
+		t.Fatalf("stopped (%v) with no successor, before its handoff wait", err)
+	case <-time.After(500 * time.Millisecond):
+	}
+	// The successor: another ztunnel's side of the protocol.
+	succ, err := inpod.New(inpod.Config{SocketPath: sock}, inpod.Deps{Handler: inpodtest.New(t)})
+	require.NoError(t, err)
+	sctx, scancel := context.WithCancel(context.Background())
+	succDone := make(chan error, 1)
+	go func() { succDone <- succ.Run(sctx) }()
+	defer func() { scancel(); require.NoError(t, <-succDone) }()
+	select {
+	case err := <-stopped:
+		require.NoError(t, err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the old ztunnel did not drain once its successor had the pods")
+	}
 }
