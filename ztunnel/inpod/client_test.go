@@ -196,6 +196,8 @@ func TestHandedOffWhenASuccessorHasEveryPod(t *testing.T) {
 		t.Fatal("the first ztunnel was not told of its successor")
 	}
 	require.True(t, c2.Synced())
+	// Through the server's lock: the test sees its snapshots as done.
+	require.EventuallyWithT(t, func(ct *assert.CollectT) { assert.Equal(ct, 2, srv.Connected()) }, 10*time.Second, 10*time.Millisecond)
 	require.Equal(t, []string{"a"}, h2.Pods())
 	select {
 	case <-c2.HandedOff():
