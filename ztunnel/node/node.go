@@ -475,8 +475,9 @@ func ignoreClosed(err error) error {
 	return err
 }
 
-// Close stops Run and waits for it to return; idempotent, and a no-op when
-// Run was never called.
+// Close stops Run as a requested stop (with the drain, when
+// Config.HandoffWait or DrainGrace is set) and waits for it to return;
+// idempotent, and a no-op when Run was never called.
 func (n *Node) Close() error {
 	n.runMu.Lock()
 	cancel, done := n.cancel, n.done
