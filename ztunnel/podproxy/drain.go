@@ -28,11 +28,12 @@ type DrainResult struct {
 // being served run on until they end by themselves or grace has passed
 // (or ctx ends); the rest are then closed, and the Manager is closed as by
 // Close. The pods' DNS listeners close at once (a query in flight on them
-// is lost; resolvers retry). AddPod fails from the start of the drain on.
+// is lost; resolvers retry). From the start of the drain on, AddPod takes
+// a pod without serving it (the next ztunnel does).
 // Outcomes are counted in isthmus_drain_connections_total.
 func (m *Manager) Drain(ctx context.Context, grace time.Duration) DrainResult {
 	m.mu.Lock()
-	m.closed = true
+	m.draining = true
 	pods := make([]*pod, 0, len(m.pods))
 	for _, p := range m.pods {
 		pods = append(pods, p)

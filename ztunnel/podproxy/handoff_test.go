@@ -15,7 +15,9 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/isthmus-mesh/isthmus/ztunnel/inpod"
 	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
+	"github.com/isthmus-mesh/isthmus/ztunnel/netns/netnstest"
 )
 
 // stream makes new connections from A to B's application, workers at a
@@ -103,6 +105,11 @@ func TestHandoff(t *testing.T) {
 	go func() { done <- old.Drain(context.Background(), grace) }()
 	require.Equal(t, long, alive(), "established connections survive within the grace period")
 	s.waitMore(t, 20) // through the closing of the first ztunnel's listeners
+	// A pod enrolled meanwhile is acked (a refusal would fail its
+	// enrolment), not served: the successor serves it.
+	c := netnstest.New(t)
+	require.NoError(t, old.AddPod(context.Background(), inpod.Pod{UID: "uid-c", Name: "c", Namespace: "app"}, dup(t, c)))
+	require.NotContains(t, old.Pods(), "app/c")
 
 	res := <-done
 	s.waitMore(t, 50) // and new connections go on through the successor

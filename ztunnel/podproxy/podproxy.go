@@ -114,9 +114,10 @@ type Manager struct {
 	deps Deps
 	log  *slog.Logger
 
-	mu     sync.Mutex
-	pods   map[string]*pod // by Kubernetes pod UID
-	closed bool
+	mu       sync.Mutex
+	pods     map[string]*pod // by Kubernetes pod UID
+	closed   bool
+	draining bool // Drain began: pods are taken, not served
 }
 
 // New returns a Manager serving no pod yet.
@@ -156,13 +157,21 @@ type pod struct {
 // AddPod implements inpod.PodHandler: it opens the pod's listeners inside
 // ns and serves them. A pod already served in the same namespace is kept
 // (ns is closed); one served in another namespace (a sandbox recreated
-// under the same UID) is replaced.
+// under the same UID) is replaced. Once Drain has begun a pod is taken
+// without being served (ns is closed): the ztunnel this one hands over to
+// serves it, and a refusal would fail the pod's enrolment at the agent.
 func (m *Manager) AddPod(_ context.Context, p inpod.Pod, ns *os.File) error {
 	id, err := netns.IDOf(ns)
 	if err != nil {
 		return fmt.Errorf("pod %s/%s: netns: %w", p.Namespace, p.Name, err)
 	}
 	m.mu.Lock()
+	if m.draining {
+		m.mu.Unlock()
+		ns.Close()
+		m.log.Info("draining: pod left to the next ztunnel", "pod", p.Namespace+"/"+p.Name)
+		return nil
+	}
 	if m.closed {
 		m.mu.Unlock()
 		return errors.New("podproxy: closed")
