@@ -315,15 +315,9 @@ func Route(ns *os.File, dst netip.Prefix, gw netip.Addr) error {
 }
 
 // Sysctl writes value to /proc/sys/<key> as seen from inside ns, e.g.
-// Sysctl(node, "net/ipv4/ip_forward", "1").
+// Sysctl(node, "net/ipv4/ip_forward", "1") (netns.Sysctl).
 func Sysctl(ns *os.File, key, value string) error {
-	err := netns.Do(ns, func() error {
-		return os.WriteFile(filepath.Join("/proc/sys", key), []byte(value), 0o644)
-	})
-	if err != nil {
-		return fmt.Errorf("nettopo: sysctl %s=%s: %w", key, value, err)
-	}
-	return nil
+	return netns.Sysctl(ns, key, value)
 }
 
 func prefixNet(p netip.Prefix) *net.IPNet {
