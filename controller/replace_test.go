@@ -191,6 +191,7 @@ func TestSliceAddressFollowsReplacedPodInEveryOrder(t *testing.T) {
 		assert.Contains(t, pw.Services, "pg.db.svc.cluster.local", "%s: the new pod is bound to the service", order)
 		assert.True(t, sw.Ready, "%s: the slice address keeps the slice's readiness", order)
 		assert.True(t, sw.NamesPod(pw), "%s: the slice address is bound to the new pod", order)
+		assert.True(t, sw.SliceOfPod && sw.Tunnelled(), "%s: bound, the slice address is reached as the pod is", order)
 		assert.True(t, reg.OwnsAddresses(podUID), "%s: the new pod is served for its address", order)
 		assert.False(t, reg.OwnsAddresses(sliceUID), "%s: not the slice address", order)
 		if got := reg.Workload(podUID); assert.NotNil(t, got, order) {

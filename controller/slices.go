@@ -240,13 +240,14 @@ func (v *view) sliceWorkload(b *sliceBuild, sl *sliceInfo, se *sliceEndpoint, se
 		}
 	}
 	if prev != nil && prev.Placement == pl && prev.Ready == se.ready && prev.Terminating == se.terminating &&
-		prev.Created == sl.created && prev.Name == cmp.Or(name, prev.UID[len(b.prefix):]) && sameServices(prev.Services, services) {
+		prev.Created == sl.created && prev.Name == cmp.Or(name, prev.UID[len(b.prefix):]) && prev.SliceOfPod == (name != "") &&
+		sameServices(prev.Services, services) {
 		return prev
 	}
 	uid := b.prefix + se.addr.String()
 	return &model.Workload{
 		UID: uid, Name: cmp.Or(name, uid[len(b.prefix):]), Addresses: []netip.Addr{se.addr}, Placement: pl,
-		Ready: se.ready, Terminating: se.terminating, Services: services, FromSlice: true, Created: sl.created,
+		Ready: se.ready, Terminating: se.terminating, Services: services, FromSlice: true, SliceOfPod: name != "", Created: sl.created,
 	}
 }
 

@@ -231,6 +231,7 @@ func TestSliceAddressOfAPod(t *testing.T) {
 	})
 	step(func() { v.putPod(pod(true, "pg2")) })
 	assert.Equal(t, "pg2", sink.workloads[bound].ServiceAccount)
+	assert.True(t, sink.workloads[bound].SliceOfPod, "bound to its pod: reached over HBONE")
 	assert.Equal(t, []string{bound, "c1/db/pg-0"}, sortedKeys(sink.last.Workloads), "only the pod and the address naming it")
 	assert.Equal(t, []model.ServiceKey{k}, slices.Collect(maps.Keys(sink.last.Shards)), "only the shard naming it")
 	// The slice turns ready: so does the address; the pod turning unready does not change it.
@@ -243,6 +244,7 @@ func TestSliceAddressOfAPod(t *testing.T) {
 	w := sink.workloads[bound]
 	assert.Equal(t, "10.0.1.1", w.Name)
 	assert.Equal(t, "default", w.ServiceAccount)
+	assert.False(t, w.SliceOfPod || w.Tunnelled(), "alone, the address has no ztunnel: reached in plaintext")
 	assert.Equal(t, "n1", w.Node)
 	assert.Nil(t, sink.workloads["c1/db/pg-0"])
 	// The slice goes: the pod that comes back is bound to nothing.

@@ -148,6 +148,11 @@ type Workload struct {
 	// names a pod of the slice's namespace that has this address, Name is
 	// that pod's name and Placement the pod's; readiness is the slice's.
 	FromSlice bool `json:"fromSlice,omitempty"`
+	// SliceOfPod is set on a FromSlice workload whose address is bound to a
+	// pod by its targetRef (Name and Placement are that pod's). An address
+	// without a pod (the API server behind the kubernetes Service, a
+	// database outside the cluster) is no ztunnel's: see Tunnelled.
+	SliceOfPod bool `json:"sliceOfPod,omitempty"`
 	// Created is when the object that claims the addresses was created
 	// (Unix seconds; Kubernetes timestamps have a one-second resolution):
 	// the pod, or the EndpointSlice an address was listed in. The oldest
@@ -276,7 +281,16 @@ func (w *Workload) Equal(o *Workload) bool {
 	return w.UID == o.UID && w.Name == o.Name && slices.Equal(w.Addresses, o.Addresses) &&
 		(w.Placement == o.Placement || (w.Placement != nil && o.Placement != nil && *w.Placement == *o.Placement)) &&
 		maps.Equal(w.Labels, o.Labels) && w.Ready == o.Ready && w.Terminating == o.Terminating &&
-		w.HostNetwork == o.HostNetwork && w.FromSlice == o.FromSlice && w.Created == o.Created
+		w.HostNetwork == o.HostNetwork && w.FromSlice == o.FromSlice && w.SliceOfPod == o.SliceOfPod && w.Created == o.Created
+}
+
+// Tunnelled reports whether w is reached over HBONE: a pod in its own
+// network namespace, or an EndpointSlice address bound to one. A
+// hostNetwork pod shares its node's namespace, where no ztunnel captures
+// for it, and a slice address without a pod has no ztunnel at all: both
+// are reached in plaintext, and no gateway forwards to them.
+func (w *Workload) Tunnelled() bool {
+	return !w.HostNetwork && (!w.FromSlice || w.SliceOfPod)
 }
 
 // NetworkGateway is an east-west gateway through which other networks reach

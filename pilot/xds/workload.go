@@ -130,10 +130,10 @@ func buildWorkload(c class, w *model.Workload, td trustDomains, service func(hos
 	if !healthy(w.Ready, w.Terminating) {
 		out.Status = workloadv1.WorkloadStatus_UNHEALTHY
 	}
-	if w.HostNetwork {
+	if !w.Tunnelled() {
 		out.TunnelProtocol = workloadv1.TunnelProtocol_NONE
-		out.HostNetwork = true
 	}
+	out.HostNetwork = w.HostNetwork
 	if !w.FromSlice {
 		out.WorkloadName, out.CanonicalName, out.CanonicalRevision = w.WorkloadName(), w.CanonicalName(), w.CanonicalRevision()
 	}
@@ -259,7 +259,9 @@ func remoteReady(c class, s *model.Service, td trustDomains) map[model.Network]*
 		}
 		for i := range shard {
 			e := &shard[i]
-			if e.Network() == c.Network || !healthy(e.Ready(), e.Terminating()) {
+			// Only what a gateway forwards to counts: it tunnels to HBONE
+			// endpoints of its network and to nothing else.
+			if e.Network() == c.Network || !healthy(e.Ready(), e.Terminating()) || !e.Workload.Tunnelled() {
 				continue
 			}
 			if out == nil {
