@@ -158,7 +158,7 @@ func New(cfg Config, deps Deps) (*Node, error) {
 // process collectors to reg.
 func registerProcessMetrics(reg prometheus.Registerer) error {
 	return errors.Join(reg.Register(collectors.NewGoCollector()),
-		reg.Register(collectors.NewProcessCollector(collectors.ProcessCollectorOpts{})), reg.Register(version.NewCollector()))
+		reg.Register(collectors.NewProcessCollector(collectors.ProcessCollectorOpts{})), reg.Register(version.NewCollector("ztunnel")))
 }
 
 func (n *Node) buildProxies() error {
