@@ -141,7 +141,7 @@ func New(cfg Config, deps Deps) (*Node, error) {
 	n.xds, err = xdsclient.New(xdsclient.Config{
 		Address: cfg.XDSAddress, NodeID: cfg.NodeID, NodeName: cfg.NodeName,
 		ClusterID: cfg.ClusterID, Network: cfg.Network, TrustDomain: cfg.TrustDomain,
-	}, xdsclient.Deps{Store: n.store, Credentials: xdsCreds, Log: log, Types: types})
+	}, xdsclient.Deps{Store: n.store, Credentials: xdsCreds, Log: log, Types: types, Registerer: deps.Registry})
 	if err != nil {
 		n.certs.Close()
 		return nil, err
@@ -189,6 +189,9 @@ func (n *Node) buildProxies() error {
 				Ready: n.xds.HasSynced, Log: n.log})
 		if err != nil {
 			return err
+		}
+		if err := n.deps.Registry.Register(n.pods.Collector()); err != nil {
+			return fmt.Errorf("ztunnel metrics: %w", err)
 		}
 		if n.inpod, err = inpod.New(inpod.Config{SocketPath: n.cfg.InPodSocket}, inpod.Deps{Handler: n.pods, Log: n.log}); err != nil {
 			return err
