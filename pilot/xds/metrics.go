@@ -183,6 +183,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m.sent = make(map[string]sentCounters, len(allTypes)+1)
 	for _, t := range append([]string{AuthorizationType}, allTypes...) {
 		m.sent[t] = m.newSent(t)
+		m.istio.rejects.WithLabelValues(metricType(t)) // export zeros, as for pushes
 	}
 	return m, nil
 }

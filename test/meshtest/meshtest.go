@@ -173,6 +173,9 @@ type ZtunnelOptions struct {
 	// TrustBundle, when set, is the SPIFFE trust bundle map the ztunnel
 	// verifies peers with; unset, pilot's PEM roots are its domain's only.
 	TrustBundle []byte
+	// Metrics serves /metrics on IP:15020; DNS serves the DNS proxy on
+	// IP:15053 (node mode).
+	Metrics, DNS bool
 }
 
 // RunZtunnel runs a ztunnel connected to pilot p (serving on pilotIP)
@@ -190,6 +193,12 @@ func RunZtunnel(t testing.TB, p *server.Server, pilotIP netip.Addr, o ZtunnelOpt
 		cfg.GatewayListen = at(15008)
 	} else {
 		cfg.SOCKS5Listen, cfg.OutboundListen = at(15080), at(15001)
+		if o.DNS {
+			cfg.DNSListen = at(15053)
+		}
+	}
+	if o.Metrics {
+		cfg.MetricsListen = at(15020)
 	}
 	z := &Ztunnel{IP: o.IP, Metrics: prometheus.NewRegistry()}
 	var err error

@@ -196,8 +196,17 @@ func (n *Node) buildProxies() error {
 		if n.inpod, err = inpod.New(inpod.Config{SocketPath: n.cfg.InPodSocket}, inpod.Deps{Handler: n.pods, Log: n.log}); err != nil {
 			return err
 		}
-	} else if n.in, err = proxy.NewInbound(pcfg, pdeps); err != nil {
-		return err
+	} else {
+		if n.in, err = proxy.NewInbound(pcfg, pdeps); err != nil {
+			return err
+		}
+		// Without in-pod mode no pod has a proxy of its own: Istio's gauge
+		// of them is 0.
+		if err := n.deps.Registry.Register(prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: podproxy.ActiveProxyCount, Help: "The total number of current workloads with active in-pod proxies (Istio's ztunnel metric): none without in-pod mode.",
+		})); err != nil {
+			return fmt.Errorf("ztunnel metrics: %w", err)
+		}
 	}
 	n.out, err = proxy.NewOutbound(pcfg, pdeps, state.Selector{})
 	return err

@@ -47,6 +47,9 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Help: "Total number of xDS responses received, by type URL (Istio's ztunnel metric).",
 		}, []string{"url"}),
 	}
+	for _, r := range []string{TerminationConnectionError, TerminationError, TerminationReconnect, TerminationComplete} {
+		m.terminations.WithLabelValues(r) // export zeros
+	}
 	if reg == nil {
 		return m, nil
 	}

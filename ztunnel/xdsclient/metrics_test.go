@@ -43,7 +43,10 @@ func TestIstioXDSMetrics(t *testing.T) {
 	terminations := func(reason string) float64 {
 		return value("istio_xds_connection_terminations_total", "reason", reason)
 	}
-	require.Zero(t, testutil.CollectAndCount(reg, "istio_xds_connection_terminations_total"))
+	require.Equal(t, 4, testutil.CollectAndCount(reg, "istio_xds_connection_terminations_total"), "zeros of every reason")
+	total, err := promread.Value(reg, "istio_xds_connection_terminations_total", nil)
+	require.NoError(t, err)
+	require.Zero(t, total)
 	srv.stop()
 	require.Eventually(t, func() bool {
 		return terminations(xdsclient.TerminationError)+terminations(xdsclient.TerminationReconnect) == 1 &&
