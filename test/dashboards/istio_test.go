@@ -9,6 +9,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/prometheus/prometheus/promql/parser"
 	"github.com/stretchr/testify/require"
 )
 
@@ -26,9 +27,9 @@ const notFedDoc = "../../docs/observability.md"
 // notFedHeading starts that table's section.
 const notFedHeading = "## Istio dashboard panels Isthmus does not feed"
 
-// istioDashboards returns the directory of Istio's dashboards in the
+// istioDashboardsDir returns the directory of Istio's dashboards in the
 // module cache, downloading the module if needed.
-func istioDashboards(t *testing.T) string {
+func istioDashboardsDir(t *testing.T) string {
 	t.Helper()
 	out, err := exec.Command("go", "mod", "download", "-json", IstioModule).Output()
 	if ee, ok := err.(*exec.ExitError); ok {
@@ -79,9 +80,36 @@ func dashboard(t *testing.T, path string) []panel {
 	return out
 }
 
-// notFedKey names one query of a dashboard panel: the dashboard, the
-// panel's title and the first metric the query selects.
-type notFedKey struct{ Dashboard, Panel, Metric string }
+// promqlParser is Prometheus's PromQL parser with default options.
+var promqlParser = parser.NewParser(parser.Options{})
+
+// notFedKey names queries of a dashboard panel: the dashboard, the
+// panel's title and a selector, `metric` or `metric{matchers}`, that the
+// first selector of the query must match: the same metric name, and each
+// matcher among its matchers.
+type notFedKey struct{ Dashboard, Panel, Selector string }
+
+// matches reports whether k names the query of panel whose first
+// selector is vs.
+func (k notFedKey) matches(dashboard, panel string, vs *parser.VectorSelector) bool {
+	if k.Dashboard != dashboard || k.Panel != panel {
+		return false
+	}
+	want, err := promqlParser.ParseMetricSelector(k.Selector)
+	if err != nil {
+		return false
+	}
+	have := map[string]bool{}
+	for _, m := range vs.LabelMatchers {
+		have[m.String()] = true
+	}
+	for _, m := range want {
+		if !have[m.String()] {
+			return false
+		}
+	}
+	return true
+}
 
 // notFed reads the table of docs/observability.md: | dashboard | panel |
 // metric | reason |, every reason given.
@@ -112,6 +140,8 @@ func notFed(t *testing.T) map[notFedKey]string {
 		}
 		k := notFedKey{cells[0], cells[1], cells[2]}
 		require.NotContains(t, out, k, "duplicate row %q", line)
+		_, err := promqlParser.ParseMetricSelector(k.Selector)
+		require.NoError(t, err, "selector of row %q", line)
 		require.NotEmpty(t, cells[3], "row %q gives no reason", line)
 		out[k] = cells[3]
 	}

@@ -105,24 +105,17 @@ func fill(expr string, vars map[string]string) string {
 	return expr
 }
 
-// selected returns the metric names expr selects, in order.
-func selected(expr parser.Expr) []string {
-	var out []string
+// firstSelector returns the first vector selector of expr (in PromQL's
+// walk order), nil if there is none.
+func firstSelector(expr parser.Expr) *parser.VectorSelector {
+	var first *parser.VectorSelector
 	parser.Inspect(expr, func(n parser.Node, _ []parser.Node) error {
-		if vs, ok := n.(*parser.VectorSelector); ok {
-			name := vs.Name
-			if name == "" {
-				for _, m := range vs.LabelMatchers {
-					if m.Name == labels.MetricName {
-						name = m.Value
-					}
-				}
-			}
-			out = append(out, name)
+		if vs, ok := n.(*parser.VectorSelector); ok && first == nil {
+			first = vs
 		}
 		return nil
 	})
-	return out
+	return first
 }
 
 // evaluate runs expr as an instant query at ts and reports whether it
