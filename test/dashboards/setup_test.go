@@ -101,31 +101,14 @@ func runMesh(t *testing.T) *mesh {
 	meshtest.EchoApp(t, cartApp, "cart-0")
 	meshtest.EchoApp(t, webApp, "web-0")
 
-	// A policy in the config cluster, in a namespace without workloads
-	// (it denies all there): pilot counts its event.
-	require.NoError(t, c1.EnsureNamespace(ctx, "audit", nil))
-	policies, err := versioned.NewForConfig(c1.Config)
-	require.NoError(t, err)
-	_, err = policies.SecurityV1().AuthorizationPolicies("audit").Create(ctx, &securityclient.AuthorizationPolicy{
-		ObjectMeta: metav1.ObjectMeta{Name: "deny-all", Namespace: "audit"}}, metav1.CreateOptions{})
-	require.NoError(t, err)
+	denyAllPolicy(t, c1)
 
 	m := &mesh{targets: []target{{
 		URL:    "http://" + p.MonitoringAddr() + "/metrics",
 		Labels: map[string]string{"namespace": meshtest.Namespace, "pod": pilotPod, "app": pilotApp},
 	}}}
 	zt := func(c *framework.Cluster, mode node.Mode, name, nodeName, sa, network string, ip netip.Addr) *meshtest.Ztunnel {
-		tok := meshtest.ProxyPod(t, c, name, nodeName, sa, ip)
-		z := meshtest.RunZtunnel(t, p, pilotIP, meshtest.ZtunnelOptions{Mode: mode, Cluster: c.Name, Network: network, Node: nodeName,
-			ServiceAccount: sa, Token: tok, IP: ip, Metrics: true, DNS: mode == node.ModeNode})
-		pod, err := c.Client.CoreV1().Pods(meshtest.Namespace).Get(ctx, name, metav1.GetOptions{})
-		require.NoError(t, err)
-		l := map[string]string{"namespace": pod.Namespace, "pod": pod.Name}
-		for k, v := range pod.Labels {
-			l[k] = v
-		}
-		m.targets = append(m.targets, target{URL: "http://" + netip.AddrPortFrom(ip, 15020).String() + "/metrics", Labels: l})
-		return z
+		return m.ztunnel(t, p, pilotIP, c, mode, name, nodeName, sa, network, ip)
 	}
 	z1 := zt(c1, node.ModeNode, "ztunnel-node-1a", "node-1a", "ztunnel", "network-1", node1)
 	zt(c1, node.ModeGateway, "eastwest-gateway-1", "gw-node-1", "eastwest-gateway", "network-1", gw1)
@@ -149,6 +132,38 @@ func runMesh(t *testing.T) *mesh {
 		dnsQuery(t, buyerIP, netip.AddrPortFrom(node1, 15053), "web.front.svc.cluster.local.")
 	}
 	return m
+}
+
+// ztunnel runs a ztunnel of pod name (created with meshtest.ProxyPod) with
+// its metrics and, in node mode, DNS served, and adds it to the targets
+// with the labels of its pod object.
+func (m *mesh) ztunnel(t *testing.T, p *server.Server, pilotIP netip.Addr, c *framework.Cluster, mode node.Mode,
+	name, nodeName, sa, network string, ip netip.Addr) *meshtest.Ztunnel {
+	t.Helper()
+	tok := meshtest.ProxyPod(t, c, name, nodeName, sa, ip)
+	z := meshtest.RunZtunnel(t, p, pilotIP, meshtest.ZtunnelOptions{Mode: mode, Cluster: c.Name, Network: network, Node: nodeName,
+		ServiceAccount: sa, Token: tok, IP: ip, Metrics: true, DNS: mode == node.ModeNode})
+	pod, err := c.Client.CoreV1().Pods(meshtest.Namespace).Get(context.Background(), name, metav1.GetOptions{})
+	require.NoError(t, err)
+	l := map[string]string{"namespace": pod.Namespace, "pod": pod.Name}
+	for k, v := range pod.Labels {
+		l[k] = v
+	}
+	m.targets = append(m.targets, target{URL: "http://" + netip.AddrPortFrom(ip, 15020).String() + "/metrics", Labels: l})
+	return z
+}
+
+// denyAllPolicy creates a policy in the config cluster c, in a namespace
+// without workloads (it denies all there): pilot counts its event.
+func denyAllPolicy(t *testing.T, c *framework.Cluster) {
+	t.Helper()
+	ctx := context.Background()
+	require.NoError(t, c.EnsureNamespace(ctx, "audit", nil))
+	policies, err := versioned.NewForConfig(c.Config)
+	require.NoError(t, err)
+	_, err = policies.SecurityV1().AuthorizationPolicies("audit").Create(ctx, &securityclient.AuthorizationPolicy{
+		ObjectMeta: metav1.ObjectMeta{Name: "deny-all", Namespace: "audit"}}, metav1.CreateOptions{})
+	require.NoError(t, err)
 }
 
 // dnsQuery asks ztunnel's DNS proxy at server for name's A record from

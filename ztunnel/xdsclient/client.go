@@ -148,17 +148,6 @@ type TypeHandler interface {
 	Versions() map[string]string
 }
 
-// Stats counts the client's protocol events.
-type Stats struct {
-	// Streams is the number of streams opened.
-	Streams int64
-	// Responses, ACKs and NACKs count responses received and answered.
-	Responses, ACKs, NACKs int64
-	// Resources and Removals count the resources and removals received
-	// (a resume after a reconnect that re-sends nothing adds none).
-	Resources, Removals int64
-}
-
 // Client is a delta xDS client feeding a state.Store. Run drives it; the
 // other methods are safe for concurrent use.
 type Client struct {
@@ -254,12 +243,6 @@ func (c *Client) Synced() <-chan struct{} { return c.syncedCh }
 
 // Connected reports whether a stream to pilot is currently open.
 func (c *Client) Connected() bool { return c.connected.Load() }
-
-// Stats returns the protocol counters.
-func (c *Client) Stats() Stats {
-	return Stats{Streams: c.streams.Load(), Responses: c.responses.Load(), ACKs: c.acks.Load(), NACKs: c.nacks.Load(),
-		Resources: c.resources.Load(), Removals: c.removals.Load()}
-}
 
 // Versions returns the resources the client holds, name -> version.
 func (c *Client) Versions() map[string]string {

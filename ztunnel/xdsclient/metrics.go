@@ -28,6 +28,23 @@ const (
 // take.
 const OtherType = "other"
 
+// Stats counts the client's protocol events.
+type Stats struct {
+	// Streams is the number of streams opened.
+	Streams int64
+	// Responses, ACKs and NACKs count responses received and answered.
+	Responses, ACKs, NACKs int64
+	// Resources and Removals count the resources and removals received
+	// (a resume after a reconnect that re-sends nothing adds none).
+	Resources, Removals int64
+}
+
+// Stats returns the protocol counters.
+func (c *Client) Stats() Stats {
+	return Stats{Streams: c.streams.Load(), Responses: c.responses.Load(), ACKs: c.acks.Load(), NACKs: c.nacks.Load(),
+		Resources: c.resources.Load(), Removals: c.removals.Load()}
+}
+
 // metrics are the client's Prometheus series under Istio's ztunnel names:
 // istio_xds_connection_terminations_total{reason} and
 // istio_xds_message_total{url}. Safe for concurrent use.
