@@ -30,10 +30,23 @@ export ISTHMUS_NODEBIN := $(NODEBIN)
 
 FUZZTIME  ?= 30s
 FUZZ_FLAGS ?=
-.PHONY: all build demo-bin images images-check push test bench soak fuzz fuzz-targets lint testbin nodebin istio-dashboards generate demo demo-once clean
+.PHONY: help help-check all build demo-bin images images-check push test bench soak fuzz fuzz-targets lint testbin nodebin istio-dashboards generate demo demo-once clean
 
+## help: every target with what it does (the "## target:" comments of this file).
+help:
+	@awk '/^## [a-z][a-z-]*:/ { if (doc != "") print doc; sub(/^## /, ""); t = $$0; sub(/:.*/, "", t); d = $$0; sub(/^[^:]*: */, "", d); doc = sprintf("  %-14s %s", t, d); next } \
+	  /^## / && doc != "" { sub(/^## /, ""); doc = doc " " $$0; next } { if (doc != "") print doc; doc = "" } END { if (doc != "") print doc }' $(firstword $(MAKEFILE_LIST)) | fold -s -w 92 | sed '2,$$s/^\([^ ]\)/                   \1/'
+
+## help-check: fail when a target of .PHONY has no "## target:" comment (run by lint).
+help-check:
+	@missing=""; for t in $$(sed -n 's/^\.PHONY://p' $(firstword $(MAKEFILE_LIST))); do \
+	  grep -q "^## $$t:" $(firstword $(MAKEFILE_LIST)) || missing="$$missing $$t"; done; \
+	  if [ -n "$$missing" ]; then echo "targets without a '## target:' comment:$$missing"; exit 1; fi
+
+## all: the same as build.
 all: build
 
+## build: every command (pilot, ztunnel, isthmus-cni, isthmusctl) into bin/.
 build:
 	$(GO) build -trimpath -ldflags "$(LDFLAGS)" -o bin/ ./cmd/...
 
@@ -78,8 +91,8 @@ ISTIO_MODULE := $(shell sed -n 's/^const IstioModule = "\(.*\)"$$/\1/p' test/das
 istio-dashboards:
 	$(GO) mod download $(ISTIO_MODULE)
 
-## lint: gofmt check and go vet.
-lint:
+## lint: gofmt check, go vet and help-check.
+lint: help-check
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	  if [ -n "$$out" ]; then echo "gofmt needed on:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
@@ -137,8 +150,6 @@ fuzz-targets:
 	if [ "$$have" != "$$want" ]; then \
 	  printf 'FUZZ_TARGETS lists:\n%s\nbut the tree has:\n%s\n' "$$want" "$$have"; exit 1; fi
 
-## generate: regenerate the committed protobuf Go code (needs protoc; see
-## hack/gen-proto.sh) and the analyze message catalogue (analysis/msg).
 ## soak: the randomized consistency run of pilot against three real clusters,
 ## longer than in `make test`: SOAK_SEEDS seeds of SOAK_CHANGES changes each.
 SOAK_SEEDS   ?= 20
@@ -148,7 +159,8 @@ soak: testbin
 	$(GO) test -race -count=1 -timeout 4h -run 'TestRandomizedConsistency' -v ./test/endpoints/ \
 	  -args -endpoints.seed=$(SOAK_SEED) -endpoints.seeds=$(SOAK_SEEDS) -endpoints.changes=$(SOAK_CHANGES)
 
-## generate: regenerate the committed protobuf Go code (needs protoc; see hack/gen-proto.sh).
+## generate: regenerate the committed protobuf Go code (needs protoc; see
+## hack/gen-proto.sh) and the analyze message catalogue (analysis/msg).
 generate:
 	hack/gen-proto.sh
 	$(GO) run ./analysis/msg/gen
@@ -163,5 +175,7 @@ demo: testbin build demo-bin
 demo-once:
 	$(MAKE) demo DEMO_FLAGS=--once
 
+## clean: remove what the build writes in the checkout (bin/, out/); the
+## machine's caches (Go, the Kubernetes and node binaries) stay.
 clean:
 	rm -rf bin/ out/

@@ -285,7 +285,7 @@ func lw(list cache.ListWithContextFunc, w cache.WatchFuncWithContext) *cache.Lis
 
 // watch runs a reflector of one kind into a store feeding the view.
 func (d *Discovery) watch(ctx context.Context, name string, example runtime.Object, lw *cache.ListWatch, put func(any), remove func(string)) {
-	s := &store{v: d.v, put: put, remove: remove, keys: map[string]struct{}{}}
+	s := &store{name: name, v: d.v, put: put, remove: remove, keys: map[string]struct{}{}}
 	d.stores = append(d.stores, s)
 	r := cache.NewReflectorWithOptions(lw, example, s, cache.ReflectorOptions{Name: name + "@" + string(d.v.cluster)})
 	d.wg.Go(func() { r.RunWithContext(ctx) })
@@ -299,7 +299,7 @@ func (d *Discovery) watchNamespaced(ctx context.Context, name string, example ru
 		d.watch(ctx, name, example, lw, put, remove)
 		return
 	}
-	s := &store{v: d.v, put: put, remove: remove, keys: map[string]struct{}{}, inScope: d.v.inScope}
+	s := &store{name: name, v: d.v, put: put, remove: remove, keys: map[string]struct{}{}, inScope: d.v.inScope}
 	d.stores = append(d.stores, s)
 	d.scope.add(name, example, lw, s)
 }
@@ -316,6 +316,18 @@ func (d *Discovery) HasSynced() bool {
 	return true
 }
 
+// ObjectCounts implements multicluster.ObjectCounter: how many objects each
+// watch holds (after discovery selectors), by the watch's kind.
+func (d *Discovery) ObjectCounts() map[string]int {
+	out := make(map[string]int, len(d.stores))
+	for _, s := range d.stores {
+		s.mu.Lock()
+		out[s.name] += len(s.keys)
+		s.mu.Unlock()
+	}
+	return out
+}
+
 // Close stops the watches, waits for them, and withdraws the view from the
 // sink unless a newer generation serves.
 func (d *Discovery) Close() {
@@ -329,6 +341,7 @@ func (d *Discovery) Close() {
 // store is a cache.ReflectorStore that keeps no objects: it converts each
 // one into the view and remembers only keys (to diff relists).
 type store struct {
+	name   string // the kind it watches, as ObjectCounts reports it
 	v      *view
 	put    func(any)
 	remove func(key string)

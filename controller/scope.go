@@ -83,7 +83,7 @@ func (sc *scope) start(ctx context.Context, kube kubernetes.Interface) {
 	if s := sc.sel.ServerSelector(); s != nil {
 		server = s.String()
 	}
-	s := &store{v: v, keys: map[string]struct{}{},
+	s := &store{name: "selected-namespaces", v: v, keys: map[string]struct{}{},
 		put: func(obj any) {
 			ns := obj.(*corev1.Namespace)
 			v.setDiscovered(ns.Name, sc.sel.Matches(ns.Labels))

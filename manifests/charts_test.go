@@ -26,6 +26,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/discovery/cached/memory"
 	"k8s.io/client-go/dynamic"
@@ -310,6 +311,27 @@ func TestChartValues(t *testing.T) {
 		args, _, _ := unstructured.NestedSlice(ds.Object, "spec", "template", "spec", "containers")
 		require.Contains(t, args[0].(map[string]any)["args"], "--mode=node")
 		require.Contains(t, args[0].(map[string]any)["args"], "--xds-address=isthmusd.isthmus-system.svc:15012")
+	})
+	t.Run("ztunnel drain: flags, and the grace period derived from them", func(t *testing.T) {
+		ds := convert[appsv1.DaemonSet](t, find(t, render(t, "ztunnel", namespace, nil), "DaemonSet", "ztunnel"))
+		require.Subset(t, ds.Spec.Template.Spec.Containers[0].Args, []string{"--handoff-wait=10s", "--drain-grace=30s"})
+		require.Equal(t, int64(10+30+10), *ds.Spec.Template.Spec.TerminationGracePeriodSeconds)
+		require.Equal(t, intstr.FromInt32(1), *ds.Spec.UpdateStrategy.RollingUpdate.MaxSurge, "the new ztunnel starts before the old one stops")
+
+		ds = convert[appsv1.DaemonSet](t, find(t, render(t, "ztunnel", namespace, map[string]any{
+			"drain": map[string]any{"handoffWaitSeconds": 5, "graceSeconds": 60}}), "DaemonSet", "ztunnel"))
+		require.Subset(t, ds.Spec.Template.Spec.Containers[0].Args, []string{"--handoff-wait=5s", "--drain-grace=60s"})
+		require.Equal(t, int64(75), *ds.Spec.Template.Spec.TerminationGracePeriodSeconds)
+		ds = convert[appsv1.DaemonSet](t, find(t, render(t, "ztunnel", namespace, map[string]any{
+			"terminationGracePeriodSeconds": 120}), "DaemonSet", "ztunnel"))
+		require.Equal(t, int64(120), *ds.Spec.Template.Spec.TerminationGracePeriodSeconds, "a longer one set is kept")
+
+		ch, err := loader.Load("ztunnel")
+		require.NoError(t, err)
+		inst := action.NewInstall(&action.Configuration{Log: func(string, ...any) {}})
+		inst.DryRun, inst.ClientOnly, inst.ReleaseName, inst.Namespace = true, true, "z", namespace
+		_, err = inst.Run(ch, map[string]any{"terminationGracePeriodSeconds": 30})
+		require.ErrorContains(t, err, "terminationGracePeriodSeconds 30 is shorter than the drain")
 	})
 	t.Run("ztunnel gateway mode", func(t *testing.T) {
 		objs := render(t, "ztunnel", namespace, map[string]any{"mode": "gateway", "gateway": map[string]any{"replicas": 3}})

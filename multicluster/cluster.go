@@ -133,8 +133,8 @@ func (i *instance) start(kubeconfig []byte) error {
 		}
 		return err
 	}
-	i.components = comps
 	i.mu.Lock()
+	i.components = comps
 	i.status.State, i.status.Reason, i.status.LastTransitionTime = StateSyncing, ReasonSyncing, time.Now()
 	i.mu.Unlock()
 	client.Informers.Start(i.ctx.Done())

@@ -126,7 +126,7 @@ func New(cfg Config, configClient *Client, build ClientBuilder) (*Controller, er
 	if err != nil {
 		return nil, fmt.Errorf("multicluster: %w", err)
 	}
-	return &Controller{
+	c := &Controller{
 		cfg:           cfg,
 		meshSelection: mesh,
 		policy:        KubeconfigPolicy{AllowedOptions: cfg.AllowedKubeconfigOptions, Exec: cfg.Exec.Allowlist},
@@ -136,7 +136,11 @@ func New(cfg Config, configClient *Client, build ClientBuilder) (*Controller, er
 		metrics:       newMetrics(cfg.Registerer),
 		clusters:      map[model.ClusterID]*entry{},
 		refused:       map[string]map[model.ClusterID]Status{},
-	}, nil
+	}
+	if cfg.Registerer != nil {
+		cfg.Registerer.MustRegister(newClusterCollector(c))
+	}
+	return c, nil
 }
 
 // AddComponent registers a per-cluster component; call it before Run.

@@ -179,6 +179,34 @@ func TestEnrolment(t *testing.T) {
 		require.True(t, hasRules(t, b))
 	})
 
+	t.Run("a pod's own label enrols it where its namespace is not enrolled, and opts it out where it is", func(t *testing.T) {
+		ctx := context.Background()
+		cUID := string(c.obj.UID)
+		require.NoError(t, e.c.EnsureNamespace(ctx, e.mesh, nil))
+		require.EventuallyWithT(t, func(ct *assert.CollectT) { assert.Empty(ct, z.h.Pods()) }, 20*time.Second, 20*time.Millisecond)
+		e.relabel(c, map[string]string{"istio.io/dataplane-mode": "ambient"})
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
+			ok, err := redirect.Present(c.ns)
+			assert.NoError(ct, err)
+			assert.True(ct, ok)
+			assert.Equal(ct, []string{cUID}, z.h.Pods())
+		}, 20*time.Second, 20*time.Millisecond)
+		require.Equal(t, cUID+" 15001", mustAsk(t, c.ns, ap(b.ip, 9999)), "c is captured, alone in its namespace")
+		z.h.Next(t)
+		require.False(t, hasRules(t, a), "a pod's label decides for that pod only")
+
+		// Back: the namespace enrolled, c opted out by its label.
+		e.relabel(c, map[string]string{"istio.io/dataplane-mode": "none"})
+		require.NoError(t, e.c.EnsureNamespace(ctx, e.mesh, map[string]string{"isthmus.io/dataplane-mode": "ambient"}))
+		require.EventuallyWithT(t, func(ct *assert.CollectT) {
+			assert.Equal(ct, []string{aUID, bUID}, sortedPair(aUID, bUID, z.h.Pods()))
+			ok, err := redirect.Present(c.ns)
+			assert.NoError(ct, err)
+			assert.False(ct, ok)
+		}, 20*time.Second, 20*time.Millisecond)
+		require.True(t, hasRules(t, a))
+	})
+
 	t.Run("while ztunnel is away captured traffic fails closed; a restarted ztunnel gets the full snapshot", func(t *testing.T) {
 		z.stop()
 		_, err := ask(a.ns, ap(b.ip, 8080))

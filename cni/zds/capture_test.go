@@ -47,8 +47,10 @@ func hello(t *testing.T, path string, cgroup uint64) *peer {
 	return p.hello(cgroup)
 }
 
+// hello says hello as a version 1 ztunnel: it is sent no HandedOff when a
+// newer one connects (TestHandOff covers that).
 func (p *peer) hello(cgroup uint64) *peer {
-	require.NoError(p.t, zds.Write(p.uc, zds.Hello{Version: zds.Version, CgroupID: cgroup}, nil))
+	require.NoError(p.t, zds.Write(p.uc, zds.Hello{Version: 1, CgroupID: cgroup}, nil))
 	return p
 }
 

@@ -88,7 +88,8 @@ func (c Capture) Equal(o Capture) bool {
 // Error is a message one ztunnel connection did not take.
 type Error struct {
 	Reason FailureReason
-	// Op is "add", "del" or "snapshot"; UID names the pod (not for snapshot).
+	// Op is "add", "del", "snapshot" or "handoff"; UID names the pod (not
+	// for snapshot and handoff).
 	Op, UID string
 	// Msg is ztunnel's error for Refused, else the transport's.
 	Msg string
@@ -320,8 +321,8 @@ func (s *Server) serve(ctx context.Context, uc *net.UnixConn) {
 		fd.Close()
 		err = errors.New("zds: a file descriptor came with hello")
 	}
-	if err == nil && hello.Version != Version {
-		err = fmt.Errorf("zds: ztunnel speaks version %d, want %d", hello.Version, Version)
+	if err == nil && (hello.Version < MinVersion || hello.Version > Version) {
+		err = fmt.Errorf("zds: ztunnel speaks version %d, want %d to %d", hello.Version, MinVersion, Version)
 	}
 	if err != nil {
 		log.Warn("ztunnel connection refused", "error", err)
@@ -334,11 +335,11 @@ func (s *Server) serve(ctx context.Context, uc *net.UnixConn) {
 	// any pod.
 	s.join(uc, hello.CgroupID)
 	defer s.leave(ctx, uc)
-	c := newConn(uc)
+	c := newConn(uc, hello.Version)
 	if !s.snapshot(c) {
 		return
 	}
-	log.Info("ztunnel connected and in step", "cgroup", hello.CgroupID)
+	log.Info("ztunnel connected and in step", "cgroup", hello.CgroupID, "version", hello.Version)
 	select {
 	case <-c.dead:
 	case <-ctx.Done():
@@ -395,10 +396,12 @@ func (s *Server) tellLocked() {
 }
 
 // snapshot sends every recorded pod and SnapshotSent, then registers c; it
-// reports false (and closes c) if the connection failed.
+// reports false (and closes c) if the connection failed. When c took every
+// pod, the ztunnels connected before it are told (handOff).
 func (s *Server) snapshot(c *conn) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	complete := true
 	for _, uid := range s.sortedUIDs() {
 		e := s.pods[uid]
 		if err := c.send(Request{Add: &e.pod}, e.netns, "add", uid, s.cfg.AckTimeout); err != nil {
@@ -407,6 +410,7 @@ func (s *Server) snapshot(c *conn) bool {
 				c.close()
 				return false
 			}
+			complete = false
 		}
 	}
 	if err := c.send(Request{SnapshotSent: &SnapshotSent{}}, nil, "snapshot", "", s.cfg.AckTimeout); err != nil {
@@ -414,9 +418,31 @@ func (s *Server) snapshot(c *conn) bool {
 		c.close()
 		return false
 	}
+	if complete {
+		s.handOff()
+	}
 	s.conns[c] = struct{}{}
 	s.connectionsChanged()
 	return true
+}
+
+// handOff tells every registered ztunnel of version 2 or later that a newer
+// one has every pod (s.mu held). One that breaks or misses the deadline is
+// dropped, as in broadcast.
+func (s *Server) handOff() {
+	for o := range s.conns {
+		if o.version < 2 {
+			continue
+		}
+		err := o.send(Request{HandedOff: &HandedOff{}}, nil, "handoff", "", s.cfg.AckTimeout)
+		if err == nil {
+			continue
+		}
+		s.failed(err)
+		if err.Reason != Refused {
+			s.dropLocked(o)
+		}
+	}
 }
 
 // conn is one ztunnel connection. A reader goroutine delivers acks; send
@@ -424,6 +450,7 @@ func (s *Server) snapshot(c *conn) bool {
 // server's mutex.
 type conn struct {
 	uc      *net.UnixConn
+	version int // of the peer's hello
 	acks    chan Ack
 	dead    chan struct{} // closed by the reader when it ends
 	closed  chan struct{} // closed by close
@@ -431,8 +458,8 @@ type conn struct {
 	once    sync.Once
 }
 
-func newConn(uc *net.UnixConn) *conn {
-	c := &conn{uc: uc, acks: make(chan Ack), dead: make(chan struct{}), closed: make(chan struct{})}
+func newConn(uc *net.UnixConn, version int) *conn {
+	c := &conn{uc: uc, version: version, acks: make(chan Ack), dead: make(chan struct{}), closed: make(chan struct{})}
 	go c.read()
 	return c
 }

@@ -253,3 +253,104 @@ func TestValidate(t *testing.T) {
 	_, err := zds.New(zds.Config{}, zds.Deps{})
 	require.ErrorContains(t, err, "SocketPath is required")
 }
+
+// snapshotAcked reads and acks a snapshot of n adds, refusing those named.
+func (p *peer) snapshotAcked(n int, refuse ...string) {
+	p.t.Helper()
+	for range n {
+		req, _ := p.next()
+		require.NotNil(p.t, req.Add)
+		msg := ""
+		for _, uid := range refuse {
+			if req.Add.UID == uid {
+				msg = "refused " + uid
+			}
+		}
+		p.ack(msg)
+	}
+	req, _ := p.next()
+	require.NotNil(p.t, req.SnapshotSent)
+	p.ack("")
+}
+
+// quiet checks that p is sent nothing for a moment.
+func (p *peer) quiet() {
+	p.t.Helper()
+	_ = p.uc.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
+	var req zds.Request
+	_, err := zds.Read(p.uc, &req)
+	require.ErrorIs(p.t, err, os.ErrDeadlineExceeded, "nothing sent, got %+v", req)
+}
+
+// TestHandOff: several ztunnels are served at once, each with every pod;
+// when a newer one has taken every pod, those of version 2 connected before
+// it are told HandedOff (a version 1 peer, which would not understand it,
+// is not), and a newer one that refused a pod hands nothing off.
+func TestHandOff(t *testing.T) {
+	ns := nsFile(t)
+	f := start(t, zds.Config{})
+	ctx := context.Background()
+	require.NoError(t, f.srv.AddPod(ctx, pod("a"), ns))
+	require.NoError(t, f.srv.AddPod(ctx, pod("b"), ns))
+
+	v1 := dial(t, f.path, 1)
+	v1.snapshotAcked(2)
+	old := dial(t, f.path, zds.Version)
+	old.snapshotAcked(2)
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Equal(c, 2, f.srv.Connected()) }, 10*time.Second, 10*time.Millisecond)
+	v1.quiet() // a version 1 ztunnel is never sent HandedOff
+
+	// A successor that refuses a pod does not take them all.
+	partial := dial(t, f.path, zds.Version)
+	partial.snapshotAcked(2, "b")
+	old.quiet()
+
+	newer := dial(t, f.path, zds.Version)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		newer.snapshotAcked(2)
+	}()
+	// Both version 2 ztunnels connected before it are told.
+	for _, got := range ackAll(old, partial) {
+		require.NotNil(t, got.HandedOff, "%+v", got)
+	}
+	<-done
+	v1.quiet()
+	newer.quiet()
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Equal(c, 4, f.srv.Connected()) }, 10*time.Second, 10*time.Millisecond)
+
+	// Every ztunnel still gets every update.
+	errc := make(chan error, 1)
+	go func() { errc <- f.srv.DelPod(ctx, "a") }()
+	for _, got := range ackAll(old, v1, partial, newer) {
+		require.NotNil(t, got.Del, "%+v", got)
+		require.Equal(t, "a", got.Del.UID)
+	}
+	require.NoError(t, <-errc)
+	require.Equal(t, 4, f.srv.Connected())
+}
+
+// ackAll reads one request on each peer and acks it, all at once (the
+// server sends to one peer after another, in no set order); a peer that
+// reads nothing valid yields an empty Request.
+func ackAll(peers ...*peer) []zds.Request {
+	out := make([]zds.Request, len(peers))
+	var wg sync.WaitGroup
+	for i, p := range peers {
+		wg.Go(func() {
+			_ = p.uc.SetReadDeadline(time.Now().Add(10 * time.Second))
+			fd, err := zds.Read(p.uc, &out[i])
+			if fd != nil {
+				fd.Close()
+			}
+			if err != nil {
+				out[i] = zds.Request{}
+				return
+			}
+			_ = zds.Write(p.uc, zds.Ack{}, nil)
+		})
+	}
+	wg.Wait()
+	return out
+}

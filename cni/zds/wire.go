@@ -14,6 +14,18 @@
 //	agent   -> ztunnel Request{snapshotSent: {}}
 //	ztunnel -> agent   Ack{}                  ztunnel drops pods the snapshot did not name
 //	agent   -> ztunnel Request{add: ...} / Request{del: {uid}}, each acked, as pods come and go
+//	agent   -> ztunnel Request{handedOff: {}}  (version 2) a newer ztunnel has every pod
+//	ztunnel -> agent   Ack{}
+//
+// Several ztunnels may be connected at once (a new one starting while the
+// old one drains, make-before-break): each gets every pod, and the pods'
+// rules exempt all of them (below). When a ztunnel has acked its whole
+// snapshot without refusing a pod, the agent sends HandedOff to every
+// ztunnel connected before it that speaks version 2: that one may now stop
+// accepting in the pods and drain (its listeners and the new one's share
+// the ports with SO_REUSEPORT; see ztunnel/podproxy). The agent accepts a
+// hello of any version from MinVersion to Version and sends a peer only the
+// messages of its version.
 //
 // The socket file is mode 0600 from its creation, and the agent accepts a
 // connection only from a process whose uid (SO_PEERCRED) is its own or one
@@ -46,8 +58,11 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Version is the protocol version this package speaks.
-const Version = 1
+// Version is the protocol version this package speaks: 2 adds HandedOff.
+const Version = 2
+
+// MinVersion is the oldest version the agent still serves.
+const MinVersion = 1
 
 // MaxMessage bounds one datagram; a larger one is a protocol error.
 const MaxMessage = 64 << 10
@@ -82,12 +97,18 @@ type DelPod struct {
 // SnapshotSent follows the adds of a full snapshot.
 type SnapshotSent struct{}
 
+// HandedOff tells a ztunnel (of version 2 or later) that a ztunnel which
+// connected after it has taken every enrolled pod: it may stop accepting
+// and drain. It is sent once per newer ztunnel in step.
+type HandedOff struct{}
+
 // Request is one message from the agent; exactly one field is set. An Add
 // carries the pod's network namespace as its file descriptor.
 type Request struct {
 	Add          *Pod          `json:"add,omitempty"`
 	Del          *DelPod       `json:"del,omitempty"`
 	SnapshotSent *SnapshotSent `json:"snapshotSent,omitempty"`
+	HandedOff    *HandedOff    `json:"handedOff,omitempty"`
 }
 
 // Ack answers one Request; Error is empty on success.
@@ -99,14 +120,14 @@ type Ack struct {
 // hasFD says whether a descriptor came with the message.
 func (r *Request) Validate(hasFD bool) error {
 	n := 0
-	for _, set := range []bool{r.Add != nil, r.Del != nil, r.SnapshotSent != nil} {
+	for _, set := range []bool{r.Add != nil, r.Del != nil, r.SnapshotSent != nil, r.HandedOff != nil} {
 		if set {
 			n++
 		}
 	}
 	switch {
 	case n != 1:
-		return fmt.Errorf("zds: a request sets exactly one of add, del, snapshotSent (%d set)", n)
+		return fmt.Errorf("zds: a request sets exactly one of add, del, snapshotSent, handedOff (%d set)", n)
 	case r.Add != nil && r.Add.UID == "":
 		return errors.New("zds: add without a pod uid")
 	case r.Add != nil && !hasFD:

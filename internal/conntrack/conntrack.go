@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/netip"
 	"sync"
+	"time"
 )
 
 // Errors returned by Add.
@@ -286,4 +287,31 @@ func (c *trackedConn) Close() error {
 		c.t.mu.Unlock()
 	})
 	return c.Conn.Close()
+}
+
+// drainPoll is how often WaitIdle counts.
+const drainPoll = 50 * time.Millisecond
+
+// WaitIdle waits until count (the connections of one or more trackers, as
+// Len reports them) is zero, grace has passed, or ctx ends, whichever
+// comes first, and returns the last count: the connections a drain must
+// close. It polls count every 50ms.
+func WaitIdle(ctx context.Context, grace time.Duration, count func() int) int {
+	timer := time.NewTimer(grace)
+	defer timer.Stop()
+	tick := time.NewTicker(drainPoll)
+	defer tick.Stop()
+	for {
+		left := count()
+		if left == 0 {
+			return 0
+		}
+		select {
+		case <-tick.C:
+		case <-timer.C:
+			return count()
+		case <-ctx.Done():
+			return count()
+		}
+	}
 }

@@ -1,6 +1,7 @@
 package conntrack
 
 import (
+	"context"
 	"net"
 	"sync/atomic"
 	"testing"
@@ -126,4 +127,17 @@ func TestDialerTracksAndCloseConnsKeepsTheTrackerOpen(t *testing.T) {
 	_, err = d.DialContext(t.Context(), "tcp", ln.Addr().String())
 	require.ErrorIs(t, err, ErrClosed)
 	require.Equal(t, 0, tr.Len())
+}
+
+// TestWaitIdle: it returns 0 as soon as the count is zero, the count left
+// when the grace period ends, and the count when the context ends.
+func TestWaitIdle(t *testing.T) {
+	var n atomic.Int32
+	n.Store(3)
+	go n.Store(0) // the connections end
+	require.Zero(t, WaitIdle(context.Background(), time.Hour, func() int { return int(n.Load()) }))
+	require.Equal(t, 2, WaitIdle(context.Background(), 10*time.Millisecond, func() int { return 2 }), "grace over")
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	require.Equal(t, 5, WaitIdle(ctx, time.Hour, func() int { return 5 }), "context ended")
 }

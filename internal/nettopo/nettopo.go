@@ -3,10 +3,12 @@
 // Package nettopo builds small networks of Linux network namespaces:
 // namespaces (anonymous, or bind-mounted at a path as `ip netns add` and
 // container runtimes do), veth pairs between them, bridges, addresses,
-// routes, links removed, and sysctls, all through netlink and system calls
-// (no `ip` binary). Every function works only inside the namespaces it is
-// given and returns an error instead of failing a test; the demo builds its
-// isolated networks with it, and ztunnel/netns/netnstest wraps it for tests.
+// routes, links removed, sysctls, and a forward filter that passes only
+// chosen addresses (a wan between networks: filter.go), all through netlink
+// and system calls (no `ip` or `nft` binary). Every function works only
+// inside the namespaces it is given and returns an error instead of failing
+// a test; the demo and test/framework/realnode build their isolated
+// networks with it, and ztunnel/netns/netnstest wraps it for tests.
 //
 // Creating and entering namespaces needs CAP_SYS_ADMIN, changing their
 // links CAP_NET_ADMIN — as root, or in a user namespace that owns them.
@@ -313,15 +315,9 @@ func Route(ns *os.File, dst netip.Prefix, gw netip.Addr) error {
 }
 
 // Sysctl writes value to /proc/sys/<key> as seen from inside ns, e.g.
-// Sysctl(node, "net/ipv4/ip_forward", "1").
+// Sysctl(node, "net/ipv4/ip_forward", "1") (netns.Sysctl).
 func Sysctl(ns *os.File, key, value string) error {
-	err := netns.Do(ns, func() error {
-		return os.WriteFile(filepath.Join("/proc/sys", key), []byte(value), 0o644)
-	})
-	if err != nil {
-		return fmt.Errorf("nettopo: sysctl %s=%s: %w", key, value, err)
-	}
-	return nil
+	return netns.Sysctl(ns, key, value)
 }
 
 func prefixNet(p netip.Prefix) *net.IPNet {

@@ -135,14 +135,19 @@ func TestEqualActivationAndUpdatesEmitNothing(t *testing.T) {
 	// The old generation's updates and removal are ignored.
 	reg.Update("c1", 1, &model.ClusterDelta{Shards: map[model.ServiceKey][]model.Endpoint{echo: nil}})
 	reg.Deactivate("c1", 1)
-	time.Sleep(50 * time.Millisecond)
-	require.Equal(t, 1, rec.count())
+	// A change to another service, made after them: the next change set
+	// holds it alone. Anything the calls above had emitted would come
+	// before it or with it (the registry applies calls in order).
+	reg.Update("c1", 2, &model.ClusterDelta{Services: map[model.ServiceKey]*model.ClusterService{{Namespace: "demo", Name: "marker"}: svc("c1", "demo", "marker", t0, httpPort)}})
+	require.Eventually(t, func() bool { return rec.count() >= 2 }, time.Second, time.Millisecond)
+	require.Equal(t, 2, rec.count())
+	require.Equal(t, []model.Change{{Kind: model.ServiceChange, Op: model.Added, Key: "marker.demo.svc.cluster.local"}}, rec.all()[1].Changes)
 	require.Len(t, reg.Service("echo.demo.svc.cluster.local").Shards["c1"], 1)
 
 	// A real change is published.
 	reg.Update("c1", 2, &model.ClusterDelta{Shards: map[model.ServiceKey][]model.Endpoint{echo: {ep("c1", "n1", "10.0.0.2")}}})
-	require.Eventually(t, func() bool { return rec.count() == 2 }, time.Second, time.Millisecond)
-	require.Equal(t, []model.Change{{Kind: model.ServiceChange, Op: model.Updated, Key: "echo.demo.svc.cluster.local"}}, rec.all()[1].Changes)
+	require.Eventually(t, func() bool { return rec.count() == 3 }, time.Second, time.Millisecond)
+	require.Equal(t, []model.Change{{Kind: model.ServiceChange, Op: model.Updated, Key: "echo.demo.svc.cluster.local"}}, rec.all()[2].Changes)
 }
 
 func TestDeactivateRemovesEverythingInOneEvent(t *testing.T) {

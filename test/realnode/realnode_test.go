@@ -4,7 +4,7 @@
 package realnode_test
 
 import (
-	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -52,12 +52,31 @@ const serverImage = "server"
 // the node is left on the host, and the host's links and routes are as
 // before.
 func TestRealNode(t *testing.T) {
-	links, routes := hostNetwork(t)
-	paths := hostPaths()
+	before := snapshotHost(t)
 	var dir string
 	t.Run("Cluster", func(t *testing.T) {
 		dir = cluster(t)
 	})
+	requireHostClean(t, dir, before)
+}
+
+// hostState is what of the host a test's environment must leave as it
+// found it.
+type hostState struct {
+	links, routes []string
+	paths         map[string]bool
+}
+
+func snapshotHost(t *testing.T) hostState {
+	links, routes := hostNetwork(t)
+	return hostState{links, routes, hostPaths()}
+}
+
+// requireHostClean checks that nothing of the environment whose folder was
+// dir is left on the host after its teardown, and that the host's links,
+// routes and runtime folders are as before.
+func requireHostClean(t *testing.T, dir string, before hostState) {
+	t.Helper()
 	require.NotEmpty(t, dir)
 	_, err := os.Stat(dir)
 	require.ErrorIs(t, err, os.ErrNotExist, "the environment's folder outlived the teardown")
@@ -68,10 +87,10 @@ func TestRealNode(t *testing.T) {
 	mounts, err := os.ReadFile("/proc/self/mountinfo")
 	require.NoError(t, err)
 	require.NotContains(t, string(mounts), dir, "a node mount reached the host's mount namespace")
-	require.Equal(t, paths, hostPaths(), "the node wrote to the host's runtime folders")
-	links2, routes2 := hostNetwork(t)
-	require.Equal(t, links, links2, "the host's links changed")
-	require.Equal(t, routes, routes2, "the host's routes changed")
+	after := snapshotHost(t)
+	require.Equal(t, before.paths, after.paths, "the node wrote to the host's runtime folders")
+	require.Equal(t, before.links, after.links, "the host's links changed")
+	require.Equal(t, before.routes, after.routes, "the host's routes changed")
 }
 
 // cluster runs the scenario on a fresh environment and returns its folder.
@@ -241,18 +260,34 @@ func podState(p *corev1.Pod) string {
 // get sends GET / to address from inside the node and returns the body.
 func get(t *testing.T, node *realnode.Node, address string) string {
 	t.Helper()
+	code, body := fetch(t, node, "http://"+address+"/")
+	require.Equal(t, http.StatusOK, code, body)
+	return body
+}
+
+// fetch sends GET url from inside the node and returns the status and
+// body. A refused connection is retried for 30 s: a container is Running
+// before its server listens.
+func fetch(t *testing.T, node *realnode.Node, url string) (int, string) {
+	t.Helper()
 	tr := &http.Transport{DialContext: node.DialContext, DisableKeepAlives: true}
 	defer tr.CloseIdleConnections()
-	c := &http.Client{Transport: tr, Timeout: 10 * time.Second}
-	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+address+"/", nil)
-	require.NoError(t, err)
-	resp, err := c.Do(req)
-	require.NoError(t, err)
+	c := &http.Client{Transport: tr, Timeout: 30 * time.Second}
+	deadline := time.Now().Add(30 * time.Second)
+	var resp *http.Response
+	for {
+		req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, url, nil)
+		require.NoError(t, err)
+		resp, err = c.Do(req)
+		if errors.Is(err, unix.ECONNREFUSED) && time.Now().Before(deadline) {
+			time.Sleep(100 * time.Millisecond)
+			continue
+		}
+		require.NoError(t, err)
+		break
+	}
 	defer resp.Body.Close()
 	body, err := io.ReadAll(resp.Body)
 	require.NoError(t, err)
-	require.Equal(t, http.StatusOK, resp.StatusCode)
-	return string(body)
+	return resp.StatusCode, string(body)
 }

@@ -102,6 +102,10 @@ func NewCommand(stderr io.Writer, run RunFunc) *cobra.Command {
 	f.StringVar(&cfg.MetricsListen, "metrics-addr", d.MetricsListen, `metrics listen address ("none" disables)`)
 	f.StringVar(&cfg.GatewayListen, "gateway-addr", "", "gateway mode: HBONE listen address (default 0.0.0.0:<hbone-port>)")
 	f.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", d.ShutdownTimeout, "time allowed for a graceful stop")
+	f.DurationVar(&cfg.HandoffWait, "handoff-wait", d.HandoffWait,
+		"on SIGTERM, how long to keep serving until a newer ztunnel has taken every enrolled pod (the CNI agent says when) before draining anyway")
+	f.DurationVar(&cfg.DrainGrace, "drain-grace", d.DrainGrace,
+		"on SIGTERM, once handed over: how long established connections may run on before they are closed (the DaemonSet's terminationGracePeriodSeconds follows it)")
 	lc.AddFlags(f)
 	return cmd
 }

@@ -258,8 +258,27 @@ func NewServer(cfg ServerConfig, deps ServerDeps) (*Server, error) {
 		h1: &http.Server{MaxHeaderBytes: 4 * cfg.MaxHeaderBytes, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)},
 		t:  conntrack.New(conntrack.Limits{MaxConns: cfg.MaxConns, MaxPerPeer: cfg.MaxConnsPerPeer}),
 	}
+	// Registers the HTTP/2 connections with h1, so that Drain (h1's
+	// Shutdown) sends each of them a graceful GOAWAY.
+	if err := http2.ConfigureServer(s.h1, s.h2); err != nil {
+		return nil, fmt.Errorf("hbone: %w", err)
+	}
 	return s, nil
 }
+
+// Drain tells every HBONE connection (with an HTTP/2 GOAWAY) to open no
+// new stream on it: clients move their next streams to a new connection,
+// while the streams open now run on to their end (or until Close). It does
+// not close listeners; the caller stops accepting first. Safe to call more
+// than once and together with Close.
+func (s *Server) Drain() {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel() // h1 serves no connection itself: nothing to wait for
+	_ = s.h1.Shutdown(ctx)
+}
+
+// Conns returns the number of HBONE connections being served.
+func (s *Server) Conns() int { return s.t.Len() }
 
 // Serve accepts HBONE connections on ln until ln fails or the server is
 // closed. The server owns ln and closes it.

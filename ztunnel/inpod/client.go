@@ -17,6 +17,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -102,6 +103,9 @@ type Client struct {
 	cfg    Config
 	deps   Deps
 	synced atomic.Bool
+
+	handedOff     chan struct{} // closed at the agent's first HandedOff
+	handedOffOnce sync.Once
 }
 
 // New checks cfg and deps.
@@ -116,8 +120,15 @@ func New(cfg Config, deps Deps) (*Client, error) {
 	if deps.Log == nil {
 		deps.Log = slog.New(slog.DiscardHandler)
 	}
-	return &Client{cfg: cfg, deps: deps}, nil
+	return &Client{cfg: cfg, deps: deps, handedOff: make(chan struct{})}, nil
 }
+
+// HandedOff is closed once the agent has said that a ztunnel which
+// connected after this one serves every enrolled pod (zds.HandedOff): this
+// process may then stop accepting in the pods and drain. It stays closed
+// (should that successor go away later, the agent's snapshot to it and the
+// pods' rules are the agent's concern, not this process').
+func (c *Client) HandedOff() <-chan struct{} { return c.handedOff }
 
 // Synced reports whether the current connection has delivered a full
 // snapshot (ztunnel's readiness can wait for it).
@@ -221,6 +232,12 @@ func (c *Client) handle(ctx context.Context, req *zds.Request, netns *os.File) e
 		}
 		return nil
 	case req.SnapshotSent != nil:
+		return nil
+	case req.HandedOff != nil:
+		c.handedOffOnce.Do(func() {
+			c.deps.Log.Info("a newer ztunnel serves every enrolled pod: this one may drain")
+			close(c.handedOff)
+		})
 		return nil
 	}
 	return errors.New("inpod: empty request")

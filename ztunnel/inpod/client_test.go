@@ -169,3 +169,44 @@ func TestNewValidates(t *testing.T) {
 	_, err = inpod.New(inpod.Config{SocketPath: "x"}, inpod.Deps{})
 	require.ErrorContains(t, err, "Handler")
 }
+
+// TestHandedOffWhenASuccessorHasEveryPod: two ztunnels connected at once
+// each serve every pod (in their own listeners); once the second has taken
+// them all, the first is told it may drain, the second is not.
+func TestHandedOffWhenASuccessorHasEveryPod(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "ztunnel.sock")
+	srv, _ := agent(t, path)
+	ctx := context.Background()
+	nsA := netnstest.New(t)
+	require.NoError(t, srv.AddPod(ctx, pod("a"), nsA))
+
+	h1 := inpodtest.New(t, 16001)
+	c1, _ := ztunnel(t, path, h1)
+	require.EventuallyWithT(t, func(ct *assert.CollectT) { assert.True(ct, c1.Synced()) }, 10*time.Second, 10*time.Millisecond)
+	select {
+	case <-c1.HandedOff():
+		t.Fatal("handed off with no successor")
+	default:
+	}
+	h2 := inpodtest.New(t, 17001)
+	c2, _ := ztunnel(t, path, h2)
+	select {
+	case <-c1.HandedOff():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the first ztunnel was not told of its successor")
+	}
+	require.True(t, c2.Synced())
+	// Through the server's lock: the test sees its snapshots as done.
+	require.EventuallyWithT(t, func(ct *assert.CollectT) { assert.Equal(ct, 2, srv.Connected()) }, 10*time.Second, 10*time.Millisecond)
+	require.Equal(t, []string{"a"}, h2.Pods())
+	select {
+	case <-c2.HandedOff():
+		t.Fatal("the successor was told to hand off")
+	default:
+	}
+	for port, want := range map[uint16]string{16001: "a 16001", 17001: "a 17001"} {
+		got, err := answer(nsA, port)
+		require.NoError(t, err)
+		require.Equal(t, want, got, "both serve the pod")
+	}
+}

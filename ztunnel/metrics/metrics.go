@@ -1,6 +1,10 @@
 // Package metrics defines ztunnel's Prometheus metrics: TCP connections and
 // bytes per source/destination identity, cluster and network, and refused
-// HBONE requests and TLS handshake errors by reason. Collectors are
+// HBONE requests and TLS handshake errors by reason, and the connections
+// of a drain by outcome (isthmus_drain_connections_total{outcome="drained"
+// or "forced"}: when a ztunnel hands its pods to a new one, or stops, the
+// connections open then that end by themselves within the grace period,
+// and those closed at its end). Collectors are
 // registered on an injected registry; all methods are safe for concurrent use
 // and a nil *Metrics is a valid no-op.
 package metrics
@@ -37,6 +41,7 @@ type Metrics struct {
 	sent, received   *prometheus.CounterVec
 	refused, tlsErrs *prometheus.CounterVec
 	captured         *prometheus.CounterVec
+	drain            *prometheus.CounterVec
 	istio            istioTCP
 }
 
@@ -90,6 +95,10 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		captured: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "isthmus_captured_connections_total", Help: "Connections of enrolled pods accepted by their in-pod listeners, by direction.",
 		}, []string{"direction"}),
+		drain: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "isthmus_drain_connections_total",
+			Help: "Connections open when this ztunnel began to drain (a handoff to a new ztunnel, or shutdown), by outcome: drained (ended by themselves within the grace period) or forced (closed at its end).",
+		}, []string{"outcome"}),
 		istio: istioTCP{
 			opened: prometheus.NewCounterVec(prometheus.CounterOpts{
 				Name: "istio_tcp_connections_opened_total", Help: "TCP connections opened (Istio's standard metric).",
@@ -108,7 +117,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 			}, []string{"reporter"}),
 		},
 	}
-	for _, c := range []prometheus.Collector{m.opened, m.closed, m.sent, m.received, m.refused, m.tlsErrs, m.captured,
+	for _, c := range []prometheus.Collector{m.opened, m.closed, m.sent, m.received, m.refused, m.tlsErrs, m.captured, m.drain,
 		m.istio.opened, m.istio.closed, m.istio.sent, m.istio.received, m.istio.open} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
@@ -258,6 +267,27 @@ func (m *Metrics) Captured(direction string) {
 	if m != nil {
 		m.captured.WithLabelValues(direction).Inc()
 	}
+}
+
+// Outcomes of a drain (Drain).
+const (
+	// DrainDrained: a connection that ended by itself within the grace period.
+	DrainDrained = "drained"
+	// DrainForced: a connection still open at its end, closed by ztunnel.
+	DrainForced = "forced"
+)
+
+// Drain counts n connections of a drain with outcome (DrainDrained or
+// DrainForced).
+func (m *Metrics) Drain(outcome string, n int) {
+	if m != nil && n > 0 {
+		m.drain.WithLabelValues(outcome).Add(float64(n))
+	}
+}
+
+// DrainCount returns the drain count for outcome.
+func (m *Metrics) DrainCount(outcome string) float64 {
+	return counterValue(m, func(m *Metrics) prometheus.Counter { return m.drain.WithLabelValues(outcome) })
 }
 
 // CapturedCount returns the captured-connection count for direction.

@@ -125,6 +125,20 @@ type Config struct {
 	Mark uint32
 	// ShutdownTimeout bounds the graceful stop of the HTTP servers.
 	ShutdownTimeout time.Duration
+	// HandoffWait and DrainGrace shape a requested stop (the context of
+	// Run ends: SIGTERM). In node mode ztunnel first keeps serving until a
+	// newer ztunnel serves every enrolled pod (the CNI agent says so), for
+	// at most HandoffWait (without InPodSocket there is no such word: it
+	// waits HandoffWait); it then stops accepting — the newer ztunnel's
+	// listeners, bound beside its own with SO_REUSEPORT, take the new
+	// connections — and lets the connections it serves run on for
+	// DrainGrace before it closes them. Zero skips that step (both zero:
+	// the stop is immediate, as before); DefaultConfig (the command's
+	// flags) has 10s and 30s. The DaemonSet's
+	// terminationGracePeriodSeconds must exceed their sum plus
+	// ShutdownTimeout (the chart derives it). Gateways stop at once.
+	HandoffWait time.Duration
+	DrainGrace  time.Duration
 	// HTTPReadHeaderTimeout and HTTPIdleTimeout bound the admin, readiness
 	// and metrics servers' wait for a request's headers and for the next
 	// request on an idle connection.
@@ -158,6 +172,8 @@ func DefaultConfig() Config {
 		ReadinessListen:       anyAddr(defaults.ReadinessPort),
 		MetricsListen:         anyAddr(defaults.MetricsPort),
 		ShutdownTimeout:       5 * time.Second,
+		HandoffWait:           10 * time.Second,
+		DrainGrace:            30 * time.Second,
 		HTTPReadHeaderTimeout: 10 * time.Second,
 		HTTPIdleTimeout:       60 * time.Second,
 		DNSListen:             Disabled,
@@ -199,6 +215,7 @@ func (c Config) withDefaults() Config {
 	if c.ShutdownTimeout <= 0 {
 		c.ShutdownTimeout = d.ShutdownTimeout
 	}
+	c.HandoffWait, c.DrainGrace = max(0, c.HandoffWait), max(0, c.DrainGrace)
 	if c.HTTPReadHeaderTimeout <= 0 {
 		c.HTTPReadHeaderTimeout = d.HTTPReadHeaderTimeout
 	}
@@ -263,7 +280,10 @@ type Deps struct {
 	// Registry receives the metrics and serves /metrics; a fresh registry
 	// by default.
 	Registry *prometheus.Registry
-	// Listen opens every listener; net.Listen by default.
+	// Listen opens every listener. By default the proxies' (outbound,
+	// SOCKS5, inbound, gateway, node DNS) set SO_REUSEPORT, so that a new
+	// ztunnel can bind them beside this one while it drains, and the
+	// admin, readiness and metrics listeners are plain net.Listen.
 	Listen proxy.ListenFunc
 	// Plaintext decides whether enrolled pods accept plaintext (non-HBONE)
 	// inbound connections (PeerAuthentication); nil refuses all (STRICT).

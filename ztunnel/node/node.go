@@ -35,6 +35,7 @@ import (
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/isthmus-mesh/isthmus/ztunnel/inpod"
 	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
+	"github.com/isthmus-mesh/isthmus/ztunnel/netns"
 	"github.com/isthmus-mesh/isthmus/ztunnel/podproxy"
 	"github.com/isthmus-mesh/isthmus/ztunnel/proxy"
 	"github.com/isthmus-mesh/isthmus/ztunnel/state"
@@ -63,6 +64,11 @@ type Node struct {
 	pods  *podproxy.Manager // node mode with InPodSocket
 	inpod *inpod.Client
 	dnsM  *dns.Metrics
+	m     *metrics.Metrics
+
+	// proxyListen opens the proxies' listeners, httpListen the admin,
+	// readiness and metrics ones (Deps.Listen).
+	proxyListen, httpListen proxy.ListenFunc
 
 	runMu   sync.Mutex
 	started bool
@@ -87,16 +93,16 @@ func New(cfg Config, deps Deps) (*Node, error) {
 	if err := registerProcessMetrics(deps.Registry); err != nil {
 		return nil, fmt.Errorf("ztunnel metrics: %w", err)
 	}
-	if deps.Listen == nil {
-		deps.Listen = net.Listen
-	}
 	if deps.Token == nil {
 		deps.Token = caclient.TokenFile(cfg.TokenFile)
 	}
 	log := deps.Log.With("node", cfg.NodeName, "cluster", cfg.ClusterID, "network", cfg.Network, "mode", string(cfg.Mode))
 	n := &Node{
-		cfg: cfg, deps: deps, log: log, store: state.NewStore(),
+		cfg: cfg, deps: deps, log: log, store: state.NewStore(), proxyListen: deps.Listen, httpListen: deps.Listen,
 		id: identity.Identity{TrustDomain: cfg.TrustDomain, Namespace: cfg.Namespace, ServiceAccount: cfg.ServiceAccount},
+	}
+	if deps.Listen == nil {
+		n.proxyListen, n.httpListen = reusePortListen, net.Listen
 	}
 	var roots caclient.RootSource
 	if deps.RootsPEM != nil {
@@ -170,7 +176,8 @@ func (n *Node) buildProxies() error {
 	// One Self for the node's namespace: every proxy knows every listener
 	// (and the node's addresses) as ztunnel, never to be dialled.
 	n.self = proxy.NewSelf(proxy.SelfConfig{NodeIPs: n.cfg.NodeIPs})
-	pdeps := proxy.Deps{Store: n.store, Certs: n.certs, Metrics: m, Log: n.log, Listen: n.deps.Listen, Self: n.self}
+	n.m = m
+	pdeps := proxy.Deps{Store: n.store, Certs: n.certs, Metrics: m, Log: n.log, Listen: n.proxyListen, Self: n.self}
 	if n.authz != nil {
 		pdeps.Authorizer = n.authz
 	}
@@ -273,7 +280,11 @@ func (n *Node) listen() (*listeners, error) {
 		if addr == Disabled {
 			return nil
 		}
-		ln, err := n.deps.Listen("tcp", addr)
+		listen := n.proxyListen
+		if dst == &l.admin || dst == &l.ready || dst == &l.metrics {
+			listen = n.httpListen
+		}
+		ln, err := listen("tcp", addr)
 		if err != nil {
 			return fmt.Errorf("listen %s on %s: %w", what, addr, err)
 		}
@@ -287,7 +298,7 @@ func (n *Node) listen() (*listeners, error) {
 		errs = append(errs, open(&l.outbound, n.cfg.OutboundListen, "outbound"), open(&l.socks, n.cfg.SOCKS5Listen, "socks5"),
 			open(&l.dnsTCP, n.cfg.DNSListen, "dns"))
 		if l.dnsTCP != nil {
-			pc, err := net.ListenPacket("udp", n.cfg.DNSListen)
+			pc, err := netns.ReusePortConfig().ListenPacket(context.Background(), "udp", n.cfg.DNSListen)
 			if err != nil {
 				errs = append(errs, fmt.Errorf("listen dns (udp) on %s: %w", n.cfg.DNSListen, err))
 			}
@@ -313,7 +324,10 @@ func only(path string, h http.Handler) http.Handler {
 }
 
 // Run binds the listeners, starts every component and blocks until ctx
-// ends, Close is called, or a component fails; it then stops accepting,
+// ends, Close is called, or a component fails. On a requested stop in node
+// mode it first hands over and drains (Config.HandoffWait and DrainGrace:
+// it keeps serving until a newer ztunnel has the pods, then stops
+// accepting and lets its connections run for the grace period); it then
 // closes the proxies (ending their connections), stops the xDS and CA
 // clients and returns the first failure (nil for a requested stop). Run
 // may be called once.
@@ -332,9 +346,15 @@ func (n *Node) Run(ctx context.Context) error {
 		return err
 	}
 	g, gctx := errgroup.WithContext(ctx)
+	// The components run on past ctx, through a drain (the agent's
+	// connection brings word of the successor, the inbound keeps its
+	// connections, policies are still enforced), until stopServing.
+	sctx, stopServing := context.WithCancel(context.WithoutCancel(gctx))
+	defer stopServing()
 	servers := n.serveHTTP(g, lns)
-	if err := n.startParts(gctx, g, lns); err != nil {
+	if err := n.startParts(sctx, g, lns); err != nil {
 		cancel()
+		stopServing()
 		_ = n.stop(ctx, servers, lns) // the HTTP servers do not end with ctx
 		_ = g.Wait()
 		return err
@@ -342,6 +362,11 @@ func (n *Node) Run(ctx context.Context) error {
 	n.log.Info("ztunnel started", "identity", n.id.String(), "xds", n.cfg.XDSAddress, "ca", n.cfg.CAAddress)
 	g.Go(func() error {
 		<-gctx.Done()
+		if ctx.Err() != nil && n.gw == nil && n.cfg.HandoffWait+n.cfg.DrainGrace > 0 {
+			// A requested stop, not a failure: hand over, then drain.
+			n.drain(lns)
+		}
+		stopServing()
 		return n.stop(ctx, servers, lns)
 	})
 	err = g.Wait()
@@ -462,8 +487,9 @@ func ignoreClosed(err error) error {
 	return err
 }
 
-// Close stops Run and waits for it to return; idempotent, and a no-op when
-// Run was never called.
+// Close stops Run as a requested stop (with the drain, when
+// Config.HandoffWait or DrainGrace is set) and waits for it to return;
+// idempotent, and a no-op when Run was never called.
 func (n *Node) Close() error {
 	n.runMu.Lock()
 	cancel, done := n.cancel, n.done

@@ -5,11 +5,13 @@ import (
 	"crypto/x509"
 	"encoding/binary"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
 	"net/netip"
+	"sync"
 	"testing"
 	"time"
 
@@ -94,13 +96,15 @@ func startEcho(t *testing.T, addr netip.Addr) {
 	testnet.Serve(t, netip.AddrPortFrom(addr, appPort).String(), testnet.Echo)
 }
 
-// ztunnel is one running node with its listen addresses.
+// ztunnel is one running node with its listen addresses; stop ends its
+// Run as SIGTERM does and returns Run's error.
 type ztunnel struct {
 	n                                  *node.Node
 	socks, admin, readyURL, metricsURL string
+	stop                               func() error
 }
 
-func startNode(t *testing.T, name, cluster, token, xdsAddr string, ca *catest.Server) *ztunnel {
+func startNode(t *testing.T, name, cluster, token, xdsAddr string, ca *catest.Server, opts ...func(*node.Config)) *ztunnel {
 	t.Helper()
 	host := nextAddr()
 	at := func(port uint16) string { return netip.AddrPortFrom(host, port).String() }
@@ -108,12 +112,16 @@ func startNode(t *testing.T, name, cluster, token, xdsAddr string, ca *catest.Se
 		socks: at(15080), admin: at(15000),
 		readyURL: "http://" + at(15021) + "/healthz/ready", metricsURL: "http://" + at(15020) + "/metrics",
 	}
-	n, err := node.New(node.Config{
+	cfg := node.Config{
 		NodeName: name, ClusterID: cluster, Network: "n1", TrustDomain: td,
 		XDSAddress: xdsAddr, CAAddress: ca.Addr, NoAuthorization: true, // the test's xDS server serves workloads only
 		OutboundListen: at(15001), SOCKS5Listen: z.socks, AdminListen: z.admin,
 		ReadinessListen: at(15021), MetricsListen: at(15020),
-	}, node.Deps{
+	}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	n, err := node.New(cfg, node.Deps{
 		Token: caclient.StaticToken(token), RootsPEM: ca.RootsPEM, XDSCredentials: insecure.NewCredentials(),
 		Log: slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug})).With("test_node", name),
 	})
@@ -122,9 +130,17 @@ func startNode(t *testing.T, name, cluster, token, xdsAddr string, ca *catest.Se
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- n.Run(ctx) }()
+	var once sync.Once
+	var runErr error
+	z.stop = func() error {
+		once.Do(func() {
+			cancel()
+			runErr = <-done
+		})
+		return runErr
+	}
 	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-done)
+		require.NoError(t, z.stop())
 		require.NoError(t, n.Close())
 	})
 	return z
@@ -134,18 +150,46 @@ func startNode(t *testing.T, name, cluster, token, xdsAddr string, ca *catest.Se
 // half-closes and returns the reply code and what came back.
 func socksEcho(t *testing.T, socks string, src netip.Addr, host string, port uint16, msg string) (byte, string) {
 	t.Helper()
+	tc, code, err := socksConnect(socks, src, host, port)
+	require.NoError(t, err)
+	defer tc.Close()
+	if code != 0 {
+		return code, ""
+	}
+	_, err = tc.Write([]byte(msg))
+	require.NoError(t, err)
+	require.NoError(t, tc.CloseWrite())
+	got, err := io.ReadAll(tc)
+	require.NoError(t, err)
+	return 0, string(got)
+}
+
+// socksConnect opens a SOCKS5 CONNECT from src through socks to host:port
+// and returns the connection and the reply code.
+func socksConnect(socks string, src netip.Addr, host string, port uint16) (*net.TCPConn, byte, error) {
 	d := net.Dialer{LocalAddr: net.TCPAddrFromAddrPort(netip.AddrPortFrom(src, 0)), Timeout: 5 * time.Second}
 	c, err := d.Dial("tcp", socks)
-	require.NoError(t, err)
-	defer c.Close()
+	if err != nil {
+		return nil, 0, err
+	}
 	tc := c.(*net.TCPConn)
-	require.NoError(t, tc.SetDeadline(time.Now().Add(10*time.Second)))
-	_, err = tc.Write([]byte{5, 1, 0})
-	require.NoError(t, err)
+	fail := func(err error) (*net.TCPConn, byte, error) {
+		tc.Close()
+		return nil, 0, err
+	}
+	if err := tc.SetDeadline(time.Now().Add(10 * time.Second)); err != nil {
+		return fail(err)
+	}
+	if _, err := tc.Write([]byte{5, 1, 0}); err != nil {
+		return fail(err)
+	}
 	var sel [2]byte
-	_, err = io.ReadFull(tc, sel[:])
-	require.NoError(t, err)
-	require.Equal(t, [2]byte{5, 0}, sel)
+	if _, err := io.ReadFull(tc, sel[:]); err != nil {
+		return fail(err)
+	}
+	if sel != [2]byte{5, 0} {
+		return fail(fmt.Errorf("socks method selection %v", sel))
+	}
 	req := []byte{5, 1, 0}
 	if a, err := netip.ParseAddr(host); err == nil {
 		b := a.As4()
@@ -154,20 +198,17 @@ func socksEcho(t *testing.T, socks string, src netip.Addr, host string, port uin
 		req = append(append(req, 3, byte(len(host))), host...)
 	}
 	req = binary.BigEndian.AppendUint16(req, port)
-	_, err = tc.Write(req)
-	require.NoError(t, err)
-	var reply [10]byte
-	_, err = io.ReadFull(tc, reply[:])
-	require.NoError(t, err)
-	if reply[1] != 0 {
-		return reply[1], ""
+	if _, err := tc.Write(req); err != nil {
+		return fail(err)
 	}
-	_, err = tc.Write([]byte(msg))
-	require.NoError(t, err)
-	require.NoError(t, tc.CloseWrite())
-	got, err := io.ReadAll(tc)
-	require.NoError(t, err)
-	return 0, string(got)
+	var reply [10]byte
+	if _, err := io.ReadFull(tc, reply[:]); err != nil {
+		return fail(err)
+	}
+	if err := tc.SetDeadline(time.Time{}); err != nil {
+		return fail(err)
+	}
+	return tc, reply[1], nil
 }
 
 var httpClient = &http.Client{Timeout: 5 * time.Second}

@@ -116,9 +116,10 @@ type Manager struct {
 	deps Deps
 	log  *slog.Logger
 
-	mu     sync.Mutex
-	pods   map[string]*pod // by Kubernetes pod UID
-	closed bool
+	mu       sync.Mutex
+	pods     map[string]*pod // by Kubernetes pod UID
+	closed   bool
+	draining bool // Drain began: pods are taken, not served
 }
 
 // New returns a Manager serving no pod yet.
@@ -151,18 +152,28 @@ type pod struct {
 	lns    []net.Listener
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
+	// drainOnce guards stopAccepting (Drain).
+	drainOnce sync.Once
 }
 
 // AddPod implements inpod.PodHandler: it opens the pod's listeners inside
 // ns and serves them. A pod already served in the same namespace is kept
 // (ns is closed); one served in another namespace (a sandbox recreated
-// under the same UID) is replaced.
+// under the same UID) is replaced. Once Drain has begun a pod is taken
+// without being served (ns is closed): the ztunnel this one hands over to
+// serves it, and a refusal would fail the pod's enrolment at the agent.
 func (m *Manager) AddPod(_ context.Context, p inpod.Pod, ns *os.File) error {
 	id, err := netns.IDOf(ns)
 	if err != nil {
 		return fmt.Errorf("pod %s/%s: netns: %w", p.Namespace, p.Name, err)
 	}
 	m.mu.Lock()
+	if m.draining {
+		m.mu.Unlock()
+		ns.Close()
+		m.log.Info("draining: pod left to the next ztunnel", "pod", p.Namespace+"/"+p.Name)
+		return nil
+	}
 	if m.closed {
 		m.mu.Unlock()
 		return errors.New("podproxy: closed")
@@ -266,10 +277,14 @@ func (m *Manager) Close() error {
 // and IPv4), or IPv4 only where the namespace has no IPv6. For 15001,
 // 15006 and 15008: the pod's rules redirect inbound connections to the
 // pod's address on the interface they arrived on.
+//
+// Every in-pod listener (these and DNS's) sets SO_REUSEPORT, so that a new
+// ztunnel opens its own beside them before this one drains (Drain).
 func listen(ns *os.File, port uint16) (net.Listener, error) {
-	ln, err := netns.Listen(context.Background(), ns, "tcp", netip.AddrPortFrom(netip.IPv6Unspecified(), port).String(), nil)
+	ctx := context.Background()
+	ln, err := netns.Listen(ctx, ns, "tcp", netip.AddrPortFrom(netip.IPv6Unspecified(), port).String(), netns.ReusePortConfig())
 	if err != nil {
-		ln, err = netns.Listen(context.Background(), ns, "tcp4", netip.AddrPortFrom(netip.IPv4Unspecified(), port).String(), nil)
+		ln, err = netns.Listen(ctx, ns, "tcp4", netip.AddrPortFrom(netip.IPv4Unspecified(), port).String(), netns.ReusePortConfig())
 	}
 	return ln, err
 }
@@ -297,7 +312,7 @@ func listenLoopback(ns *os.File, port uint16) (pcs []net.PacketConn, lns []net.L
 			udp, tcp = "udp6", "tcp6"
 		}
 		addr := netip.AddrPortFrom(lo, port).String()
-		pc, perr := netns.ListenPacket(ctx, ns, udp, addr, nil)
+		pc, perr := netns.ListenPacket(ctx, ns, udp, addr, netns.ReusePortConfig())
 		if perr != nil {
 			if i > 0 { // no IPv6 in the pod
 				break
@@ -305,7 +320,7 @@ func listenLoopback(ns *os.File, port uint16) (pcs []net.PacketConn, lns []net.L
 			return pcs, lns, fmt.Errorf("listen on udp %s in the pod: %w", addr, perr)
 		}
 		pcs = append(pcs, pc)
-		ln, lerr := netns.Listen(ctx, ns, tcp, addr, nil)
+		ln, lerr := netns.Listen(ctx, ns, tcp, addr, netns.ReusePortConfig())
 		if lerr != nil {
 			return pcs, lns, fmt.Errorf("listen on tcp %s in the pod: %w", addr, lerr)
 		}
@@ -338,6 +353,13 @@ func (m *Manager) start(info inpod.Pod, ns *os.File, id netns.ID) (_ *pod, err e
 		// Every connection made for the pod leaves from its namespace,
 		// marked so that its rules do not capture it again.
 		Dialer: &netns.Dialer{NetNS: ns, Mark: m.cfg.Mark}}
+	// Connections the kernel queued for this ztunnel's listeners when they
+	// close (Drain, or a restart) move to a successor's listeners beside
+	// them instead of being reset.
+	if err := netns.EnableListenerMigration(ns); err != nil {
+		m.log.Warn("pod: connections queued when ztunnel's listeners close will be reset, not handed to the next ztunnel",
+			"pod", info.Namespace+"/"+info.Name, "err", err)
+	}
 	open := func(port uint16) (net.Listener, error) {
 		ln, err := listen(ns, port)
 		if err != nil {

@@ -102,11 +102,12 @@ type Inbound struct {
 	// address a connection arrived at.
 	pod string
 
-	mu    sync.Mutex
-	lns   map[netip.Addr]net.Listener
-	ready bool
-	wg    sync.WaitGroup
-	once  sync.Once
+	mu       sync.Mutex
+	lns      map[netip.Addr]net.Listener
+	ready    bool
+	draining bool // Drain was called: no more listeners
+	wg       sync.WaitGroup
+	once     sync.Once
 }
 
 // NewInbound returns an Inbound.
@@ -176,6 +177,9 @@ func (in *Inbound) reconcile(snap *state.Snapshot) {
 	}
 	in.mu.Lock()
 	defer in.mu.Unlock()
+	if in.draining {
+		return
+	}
 	for a, ln := range in.lns {
 		if !want[a] {
 			in.deps.Self.Remove(ln.Addr())
@@ -203,6 +207,25 @@ func (in *Inbound) reconcile(snap *state.Snapshot) {
 	}
 	in.ready = true
 }
+
+// Drain stops accepting (it closes the listeners the Inbound opened itself,
+// and opens no more) and tells every HBONE connection to take no new
+// stream (hbone.Server.Drain); the streams open now run on until they end
+// or Close. Listeners given to Serve are the caller's to close.
+func (in *Inbound) Drain() {
+	in.mu.Lock()
+	in.draining = true
+	for a, ln := range in.lns {
+		in.deps.Self.Remove(ln.Addr())
+		ln.Close()
+		delete(in.lns, a)
+	}
+	in.mu.Unlock()
+	in.srv.Drain()
+}
+
+// Conns returns the number of HBONE connections being served.
+func (in *Inbound) Conns() int { return in.srv.Conns() }
 
 // Close stops all listeners and connections and waits; idempotent.
 func (in *Inbound) Close() error {

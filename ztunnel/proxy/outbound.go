@@ -120,6 +120,9 @@ func (o *Outbound) Close() error {
 	return o.client.Close()
 }
 
+// Conns returns the number of client connections being served.
+func (o *Outbound) Conns() int { return o.t.Len() }
+
 // source returns the local workload owning the client address of c. A node
 // address is nobody's: hostNetwork workloads, and ztunnel itself, share it.
 func (o *Outbound) source(c net.Conn) (*state.Workload, error) {

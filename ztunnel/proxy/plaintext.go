@@ -72,6 +72,9 @@ func (p *PlaintextInbound) Close() error {
 	return nil
 }
 
+// Conns returns the number of connections being served.
+func (p *PlaintextInbound) Conns() int { return p.t.Len() }
+
 func (p *PlaintextInbound) handle(c net.Conn) {
 	p.deps.Metrics.Captured(metrics.DirectionInboundPlaintext)
 	dst, _, err := netns.OriginalDst(c)

@@ -27,6 +27,23 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
 {{/* The pod template, shared by the DaemonSet and the Deployment. */}}
+{{- /*
+terminationGracePeriodSeconds: the drain (drain.handoffWaitSeconds +
+drain.graceSeconds) plus 10 s for the rest of the stop, unless a longer one
+is set; a shorter one is refused.
+*/ -}}
+{{- define "ztunnel.terminationGracePeriod" -}}
+{{- $min := add (int .Values.drain.handoffWaitSeconds) (int .Values.drain.graceSeconds) 10 -}}
+{{- $set := int .Values.terminationGracePeriodSeconds -}}
+{{- if eq $set 0 -}}
+{{- $min -}}
+{{- else if lt $set (int $min) -}}
+{{- fail (printf "terminationGracePeriodSeconds %d is shorter than the drain: drain.handoffWaitSeconds + drain.graceSeconds + 10 = %d" $set (int $min)) -}}
+{{- else -}}
+{{- $set -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "ztunnel.podTemplate" -}}
 metadata:
   labels:
@@ -46,7 +63,7 @@ metadata:
 spec:
   serviceAccountName: {{ .Values.serviceAccount.name }}
   hostNetwork: false
-  terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
+  terminationGracePeriodSeconds: {{ include "ztunnel.terminationGracePeriod" . }}
   {{- with .Values.priorityClassName }}
   priorityClassName: {{ . }}
   {{- end }}
@@ -83,6 +100,8 @@ spec:
         - --outbound-addr=:{{ .Values.ports.outbound }}
         - --socks5-addr=:{{ .Values.ports.socks5 }}
         {{- end }}
+        - --handoff-wait={{ .Values.drain.handoffWaitSeconds }}s
+        - --drain-grace={{ .Values.drain.graceSeconds }}s
         - --pod-dns={{ .Values.dns.podDNS }}
         {{- range .Values.dns.upstreams }}
         - --dns-upstream={{ . }}

@@ -55,8 +55,8 @@ state = %q
 }
 
 // cniConfig is the node's CNI network: a bridge that is the pods' gateway
-// (no masquerading: nothing leaves the node), host-local addresses from
-// PodCIDR kept in the test's folder. containerd adds loopback itself.
+// (no masquerading: pods keep their IPs across the network), host-local addresses from
+// the node's PodCIDR kept in the test's folder. containerd adds loopback itself.
 func (n *Node) cniConfig() []byte {
 	b, _ := json.MarshalIndent(map[string]any{
 		"cniVersion": "1.0.0",
@@ -65,7 +65,7 @@ func (n *Node) cniConfig() []byte {
 			"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false, "hairpinMode": true,
 			"ipam": map[string]any{
 				"type":    "host-local",
-				"ranges":  [][]map[string]string{{{"subnet": podCIDR.String(), "gateway": podGW.String()}}},
+				"ranges":  [][]map[string]string{{{"subnet": n.PodCIDR.String(), "gateway": n.PodCIDR.Addr().Next().String()}}},
 				"routes":  []map[string]string{{"dst": "0.0.0.0/0"}},
 				"dataDir": filepath.Join(n.cfg.dir, "cni", "ipam"),
 			},

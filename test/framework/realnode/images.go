@@ -15,26 +15,26 @@ import (
 
 // buildImages builds the pause image and the test's images for this
 // machine's platform with internal/imagebuild (static binaries on its
-// from-scratch base) into one docker-archive tarball, which containerd
-// imports; it fills e.images (name -> reference).
-func (e *Env) buildImages() (string, error) {
+// from-scratch base) into one docker-archive tarball, which every node's
+// containerd imports; it fills s.images (name -> reference).
+func (s *Set) buildImages() (string, error) {
 	t0 := time.Now()
-	images := append([]imagebuild.Image{{Name: pauseImage, Package: "./test/framework/realnode/pause", Description: "real-node test sandbox"}}, e.opts.Images...)
+	images := append([]imagebuild.Image{{Name: pauseImage, Package: "./test/framework/realnode/pause", Description: "real-node test sandbox"}}, s.opts.Images...)
 	platform := "linux/" + runtime.GOARCH
 	cfg := imagebuild.Config{
-		ModuleDir: e.opts.ModuleDir, Images: images, Platforms: []string{platform},
+		ModuleDir: s.opts.ModuleDir, Images: images, Platforms: []string{platform},
 		Version: imageVersion, Commit: "test", Registry: imageRegistry, Repository: imageRepo,
-		OutDir: filepath.Join(e.dir, "images"),
+		OutDir: filepath.Join(s.dir, "images"),
 	}
-	res, err := imagebuild.Build(context.Background(), cfg, imagebuild.Deps{Log: e.log})
+	res, err := imagebuild.Build(context.Background(), cfg, imagebuild.Deps{Log: s.log})
 	if err != nil {
 		return "", fmt.Errorf("build images: %w", err)
 	}
-	e.images = map[string]string{}
+	s.images = map[string]string{}
 	for _, b := range res.Images {
-		e.images[b.Image.Name] = b.Ref
+		s.images[b.Image.Name] = b.Ref
 	}
-	e.log.Info("images built", "images", len(images), "took", time.Since(t0).Round(time.Millisecond))
+	s.log.Info("images built", "images", len(images), "took", time.Since(t0).Round(time.Millisecond))
 	return res.Tarballs[platform], nil
 }
 

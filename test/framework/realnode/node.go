@@ -19,21 +19,11 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/vishvananda/netlink"
-	vnetns "github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/isthmus-mesh/isthmus/internal/nettopo"
 	"github.com/isthmus-mesh/isthmus/test/framework"
 	"github.com/isthmus-mesh/isthmus/ztunnel/netns"
-)
-
-// The node's addresses, inside its own network namespace (so they clash
-// with nothing on the host or in another node).
-var (
-	nodePrefix = netip.MustParsePrefix("10.200.0.2/24")
-	nodeGW     = netip.MustParseAddr("10.200.0.1")
-	podCIDR    = netip.MustParsePrefix("10.244.0.0/24")
-	podGW      = netip.MustParseAddr("10.244.0.1")
 )
 
 // Node is one real node: containerd and a kubelet in a network and mount
@@ -41,9 +31,12 @@ var (
 type Node struct {
 	// Name is the node's name in the cluster.
 	Name string
-	// IP is the node's InternalIP (on eth0 in its namespace).
+	// IP is the node's InternalIP (on eth0 in its namespace, linked to its
+	// network's router).
 	IP netip.Addr
-	// PodCIDR is the range the node's CNI bridge hands out pod IPs from.
+	// PodCIDR is the range the node's CNI bridge hands out pod IPs from
+	// (also the Node object's spec.podCIDR), routed to the node by its
+	// network's router.
 	PodCIDR netip.Prefix
 
 	cfg     nodeConfig
@@ -68,6 +61,14 @@ type nodeConfig struct {
 	images                string // docker-archive tarball imported into containerd
 	log                   *slog.Logger
 	logFile               func(name string) io.Writer
+	logDir                string // where logFile writes
+
+	// The node's network: its address on eth0, its default gateway, its
+	// pods' range, and uplink, which makes eth0 in the node's namespace.
+	addr    netip.Prefix
+	gateway netip.Addr
+	podCIDR netip.Prefix
+	uplink  func(node *os.File) error
 }
 
 // DialContext dials address from inside the node's network namespace, as a
@@ -86,7 +87,7 @@ func (n *Node) DialContext(ctx context.Context, network, address string) (net.Co
 // cgroups, then containerd (importing the images) and the kubelet.
 func startNode(cfg nodeConfig) (n *Node, err error) {
 	n = &Node{
-		Name: cfg.name, IP: nodePrefix.Addr(), PodCIDR: podCIDR, cfg: cfg,
+		Name: cfg.name, IP: cfg.addr.Addr(), PodCIDR: cfg.podCIDR, cfg: cfg,
 		cgroup: cfg.cgroup,
 	}
 	defer func() {
@@ -170,47 +171,19 @@ func (n *Node) enterNamespaces() error {
 	})
 }
 
-// setupNetwork brings lo up and puts the node's IP on a veth whose peer is
-// in the same namespace, with a default route through it (the kubelet and
-// the API server's address logic want one; the kernel has no dummy links).
+// setupNetwork brings lo up, links the node to its network (eth0, with a
+// default route through the router) and forwards the pods' packets.
 func (n *Node) setupNetwork() error {
-	h, err := netlink.NewHandleAt(vnetns.NsHandle(int(n.netns.Fd())))
-	if err != nil {
+	if err := nettopo.LoopbackUp(n.netns); err != nil {
 		return err
 	}
-	defer h.Close()
-	lo, err := h.LinkByName("lo")
-	if err != nil {
+	if err := n.cfg.uplink(n.netns); err != nil {
+		return fmt.Errorf("uplink: %w", err)
+	}
+	if err := nettopo.Route(n.netns, netip.PrefixFrom(netip.IPv4Unspecified(), 0), n.cfg.gateway); err != nil {
 		return err
 	}
-	if err := h.LinkSetUp(lo); err != nil {
-		return err
-	}
-	veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "eth0"}, PeerName: "uplink0"}
-	if err := h.LinkAdd(veth); err != nil {
-		return fmt.Errorf("add veth: %w", err)
-	}
-	eth0, err := h.LinkByName("eth0")
-	if err != nil {
-		return err
-	}
-	peer, err := h.LinkByName("uplink0")
-	if err != nil {
-		return err
-	}
-	addr := &netlink.Addr{IPNet: &net.IPNet{IP: nodePrefix.Addr().AsSlice(), Mask: net.CIDRMask(nodePrefix.Bits(), 32)}}
-	if err := h.AddrAdd(eth0, addr); err != nil {
-		return err
-	}
-	for _, l := range []netlink.Link{peer, eth0} {
-		if err := h.LinkSetUp(l); err != nil {
-			return err
-		}
-	}
-	return h.RouteAdd(&netlink.Route{
-		LinkIndex: eth0.Attrs().Index, Gw: nodeGW.AsSlice(), Flags: int(netlink.FLAG_ONLINK),
-		Dst: &net.IPNet{IP: net.IPv4zero.To4(), Mask: net.CIDRMask(0, 32)},
-	})
+	return nettopo.Sysctl(n.netns, "net/ipv4/ip_forward", "1")
 }
 
 // forwardAPIServer listens on the API server's address inside the node's
@@ -303,7 +276,7 @@ func (n *Node) startKubelet() error {
 func (n *Node) exited() error {
 	for _, p := range n.procs {
 		if err := p.exited(); err != nil {
-			return fmt.Errorf("%w (log in %s)", err, filepath.Join(filepath.Dir(n.cfg.dir), "logs", p.name+".log"))
+			return fmt.Errorf("%w (log in %s)", err, filepath.Join(n.cfg.logDir, p.name+".log"))
 		}
 	}
 	return nil

@@ -1,40 +1,69 @@
-// Package realnode starts a Kubernetes cluster whose pods really run: the
-// control plane of test/framework (etcd, kube-apiserver) plus
-// kube-controller-manager and kube-scheduler, and one node (containerd, runc,
-// the reference CNI plugins and a kubelet) in a network and mount namespace of
-// the test's own, with images built locally and imported, never pulled.
+// Package realnode starts Kubernetes clusters whose pods really run: the
+// control planes of test/framework (one etcd, a kube-apiserver per
+// cluster) plus kube-controller-manager and kube-scheduler per cluster,
+// and real nodes (containerd, runc, the reference CNI plugins and a
+// kubelet), each in a network and mount namespace of the test's own, with
+// images built locally once and imported into every node, never pulled.
+// StartSet starts several clusters on several networks; Start one cluster
+// with one node (a set of one).
 //
 // The binaries come from hack/build-nodebin.sh (ISTHMUS_NODEBIN) and
 // hack/build-testbin.sh (KUBEBUILDER_ASSETS); `make test` builds both.
 //
-// Isolation. The node's namespaces are held by one process (the pause
+// Isolation. Each node's namespaces are held by one process (the pause
 // binary, started with unshare(CLONE_NEWNS|CLONE_NEWNET) and a private "/"),
 // so every mount the node makes (overlay snapshots, pod network namespaces,
 // volume tmpfs, the tmpfs on /run and /var/log that keep containerd's shim
 // sockets and the kubelet's log links off the host) lives and dies with it.
-// The node's IP sits on a veth pair whose two ends are both inside the node's
-// namespace (with a default route through it, which the kubelet wants); the
-// pods sit on a CNI bridge there. Nothing touches the host's routes,
-// firewall tables, /opt/cni, /etc/cni or /run/netns. The only host-side
-// traces are a cgroup named after the node in each cgroup hierarchy (the
-// kubelet's cgroupRoot), removed at teardown with every process in them.
+// The pods sit on a CNI bridge in the node's namespace. Nothing touches the
+// host's routes, links, firewall tables, /opt/cni, /etc/cni or /run/netns.
+// The only host-side traces are a cgroup named after the set's folder in
+// each cgroup hierarchy, with a cgroup per node below it (the kubelets'
+// cgroupRoot), removed at teardown with every process in them.
 //
-// The control plane runs on the host's loopback as in test/framework; the
-// kubelet reaches it through a forwarder that listens on the API server's
-// address inside the node's namespace. Tests reach pods with Node.DialContext,
-// which dials from inside the node's namespace.
+// Networks, as the demo builds them (test/demo/isolated.go) with
+// internal/nettopo, in namespaces of their own: network i (in the order
+// the clusters name them; clusters may share one) is 10.i.0.0/16 with a
+// router. Node k of network i has a veth uplink into the router: its eth0
+// is 10.i.k.2/24 (its InternalIP), the router's end 10.i.k.1 its default
+// route, its PodCIDR 10.i.(100+k).0/24 (the Node object's spec.podCIDR:
+// the set creates the Node before its kubelet registers), routed by the
+// router to the node, so pods of one network talk directly by pod IP,
+// without overlay or NAT. The routers join a wan namespace, whose forward
+// filter (a nettopo pass filter) refuses everything from one network to
+// another with ICMP admin-prohibited ("no route to host" at once, counted:
+// Set.WANRejected) but what a multi-network mesh lets cross:
+//   - gateways: a hostNetwork pod listening on its node's IP and a port,
+//     once the test calls Set.ExposeGateway(node IP:port) (only that port
+//     of the node crosses);
+//   - each cluster's API server: Env.APIServer, an address of its network
+//     (10.i.255.n:443) on the router, where a forwarder relays to the API
+//     server on the host's loopback; a remote secret's server for pods of
+//     other networks (the certificate names 127.0.0.1, so the kubeconfig
+//     sets tls-server-name: Env.RemoteKubeconfig writes it);
+//   - any other host listener, pilot's xDS say: Set.ExposeHost gives it
+//     such an address in a network.
+//
+// The control planes run on the host's loopback as in test/framework; each
+// kubelet reaches its API server through a forwarder that listens on the
+// API server's address inside the node's namespace. Tests reach pods with
+// Node.DialContext, which dials from inside the node's namespace; the test
+// server image (test/realnode/server) dials from inside a pod.
 //
 // Cost, measured on this machine (2 cores shared with other builds) with
 // `go test -v ./test/realnode`, which logs the figures: the node is Ready
 // 2-3.5 s after its kubelet starts, a pod Running 2-3 s after it was
-// created, and the whole cluster (etcd, kube-apiserver, the controllers,
-// containerd, kubelet, shims and containers) holds 710-725 MiB of RSS. Start
-// takes 25-45 s in all, mostly building the images and starting the API
-// server, which run in parallel.
+// created, and a one-node cluster (etcd, kube-apiserver, the controllers,
+// containerd, kubelet, shims and containers) holds 710-725 MiB of RSS.
+// Start takes 25-45 s in all, mostly building the images and starting the
+// API server, which run in parallel. A set of two clusters with three nodes
+// (TestRealNodeSet) starts in 21-34 s (51 s on a loaded machine) and holds
+// 1510-1520 MiB of RSS (about 850 MiB for a two-node cluster with the
+// shared etcd, 710 for a one-node one).
 //
-// Not yet: the API server cannot reach the kubelet (logs, exec, port-forward
-// fail: the node's IP exists only in its namespace), no kube-proxy (no
-// Service routing), no cluster DNS.
+// Not yet: the API server cannot reach the kubelets (logs, exec,
+// port-forward fail: the nodes' IPs exist only in their networks), no
+// kube-proxy (no Service routing), no cluster DNS.
 //
 // Everything needs root (namespaces, mounts, cgroups). Start fails the test
 // with a message naming what is missing (privilege, a binary, a cgroup
@@ -47,6 +76,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -64,7 +94,7 @@ import (
 	"github.com/isthmus-mesh/isthmus/test/framework"
 )
 
-// Options configures Start.
+// Options configures Start: one cluster with one node.
 type Options struct {
 	// Name of the cluster (default "realnode").
 	Name string
@@ -87,25 +117,31 @@ type Options struct {
 	ReadyTimeout time.Duration
 }
 
-// Env is a running cluster with one real node.
+// Env is a running cluster with real nodes, one of a Set.
 type Env struct {
 	// Cluster is the control plane: an admin client on the host's loopback.
 	Cluster *framework.Cluster
-	// Node is the cluster's only node.
-	Node *Node
-	// NodeReady is how long the node took to become Ready after its
-	// kubelet started.
+	// Network is the network the cluster's nodes are on.
+	Network string
+	// Nodes are the cluster's nodes; Node is the first.
+	Nodes []*Node
+	Node  *Node
+	// NodeReady is how long the slowest node took to become Ready after
+	// its kubelet started.
 	NodeReady time.Duration
+	// APIServer is the API server's address in the cluster's network: a
+	// forwarder on the network's router relays it to the API server on
+	// the host's loopback, and the wan lets it through, so pods of every
+	// network reach it (a remote secret's server). Its certificate names
+	// the host's loopback address, not this one: clients verify it with
+	// that name (tls-server-name), as Cluster.Host says.
+	APIServer netip.AddrPort
 
-	set    *framework.ClusterSet
-	opts   Options
-	log    *slog.Logger
-	dir    string
-	lock   *os.File // flocked while the environment lives (see sweepOrphans)
-	procs  []*proc  // host-side processes (scheduler, controller-manager)
-	images map[string]string
-	mu     sync.Mutex
-	files  []*os.File // the log files, closed by stop
+	set                *Set
+	spec               ClusterSpec
+	kubeconfig, caFile string
+	procs              []*proc // host-side processes (scheduler, controller-manager)
+	mu                 sync.Mutex
 }
 
 // The image references of the images built here: <registry>/<repo>/<name>:<version>.
@@ -120,76 +156,31 @@ const (
 // "pause") was imported under; pods use it with the default pull policy
 // (IfNotPresent), so nothing is ever pulled.
 func (e *Env) ImageRef(name string) string {
-	return e.images[name]
+	return e.set.images[name]
 }
 
-// Dir is the environment's folder in os.TempDir() (logs, configs, the
-// node's state); its base name is also the name of the node's cgroups.
-// Teardown removes it.
-func (e *Env) Dir() string { return e.dir }
+// Dir is the folder of the environment's set in os.TempDir() (logs,
+// configs, the nodes' state); its base name is also the name of the
+// cgroup the nodes' cgroups are under. Teardown removes it.
+func (e *Env) Dir() string { return e.set.dir }
 
-// Start brings up the cluster and its node, waits for the node to be Ready,
-// and registers the teardown with t.Cleanup. Any failure fails the test.
+// Start brings up one cluster with one node (a Set of one), waits for the
+// node to be Ready, and registers the teardown with t.Cleanup. Any failure
+// fails the test.
 func Start(t testing.TB, opts Options) *Env {
 	t.Helper()
-	e, err := start(t, opts)
-	if err != nil {
-		t.Fatalf("realnode: %v", err)
+	if opts.Name == "" {
+		opts.Name = "realnode"
 	}
-	return e
-}
-
-func (o Options) withDefaults(t testing.TB) (Options, error) {
-	if o.Name == "" {
-		o.Name = "realnode"
+	spec := ClusterSpec{Name: opts.Name}
+	if opts.NodeName != "" {
+		spec.NodeNames = []string{opts.NodeName}
 	}
-	if o.NodeName == "" {
-		o.NodeName = o.Name + "-node-1"
-	}
-	if o.NodeBinDir == "" {
-		o.NodeBinDir = os.Getenv("ISTHMUS_NODEBIN")
-	}
-	if o.AssetsDir == "" {
-		o.AssetsDir = os.Getenv("KUBEBUILDER_ASSETS")
-	}
-	if o.Log == nil {
-		o.Log = slog.New(slog.NewTextHandler(tWriter{t}, &slog.HandlerOptions{Level: slog.LevelInfo}))
-	}
-	if o.ReadyTimeout == 0 {
-		o.ReadyTimeout = 3 * time.Minute
-	}
-	if o.ModuleDir == "" {
-		dir, err := moduleRoot()
-		if err != nil {
-			return o, err
-		}
-		o.ModuleDir = dir
-	}
-	return o, nil
-}
-
-// check names everything missing before anything starts.
-func (o Options) check() error {
-	var errs []error
-	if os.Geteuid() != 0 {
-		errs = append(errs, errors.New("a real node needs root (network and mount namespaces, mounts, cgroups): run the tests as root"))
-	}
-	if o.NodeBinDir == "" {
-		errs = append(errs, errors.New("no node binaries: set ISTHMUS_NODEBIN (make nodebin builds them and prints the folder)"))
-	} else {
-		for _, b := range nodeBinaries {
-			if _, err := os.Stat(filepath.Join(o.NodeBinDir, b)); err != nil {
-				errs = append(errs, fmt.Errorf("%s missing in %s (run make nodebin)", b, o.NodeBinDir))
-			}
-		}
-	}
-	if o.AssetsDir == "" {
-		errs = append(errs, errors.New("no Kubernetes binaries: set KUBEBUILDER_ASSETS (make testbin prints the folder)"))
-	}
-	if _, err := cgroupMounts(); err != nil {
-		errs = append(errs, err)
-	}
-	return errors.Join(errs...)
+	s := StartSet(t, SetOptions{
+		Clusters: []ClusterSpec{spec}, NodeBinDir: opts.NodeBinDir, AssetsDir: opts.AssetsDir,
+		Images: opts.Images, ModuleDir: opts.ModuleDir, Log: opts.Log, ReadyTimeout: opts.ReadyTimeout,
+	})
+	return s.Clusters[0]
 }
 
 // nodeBinaries are the binaries of hack/build-nodebin.sh this package runs.
@@ -198,93 +189,17 @@ var nodeBinaries = []string{
 	"containerd", "containerd-shim-runc-v2", "ctr", "runc", "bridge", "host-local", "loopback",
 }
 
-func start(t testing.TB, opts Options) (*Env, error) {
-	opts, err := opts.withDefaults(t)
-	if err != nil {
-		return nil, err
-	}
-	if err := opts.check(); err != nil {
-		return nil, err
-	}
-	sweepOrphans()
-	dir, err := os.MkdirTemp("", fmt.Sprintf("%s%d-", dirPrefix, os.Getpid()))
-	if err != nil {
-		return nil, err
-	}
-	lock, err := lockDir(dir)
-	if err != nil {
-		_ = os.RemoveAll(dir)
-		return nil, err
-	}
-	e := &Env{opts: opts, log: opts.Log, dir: dir, lock: lock}
-	t.Cleanup(func() {
-		if err := e.stop(); err != nil {
-			t.Errorf("realnode: teardown: %v", err)
-		}
-	})
-	if err := os.MkdirAll(filepath.Join(dir, "logs"), 0o755); err != nil {
-		return nil, err
-	}
-
-	// The images and the control plane do not depend on each other.
-	var wg sync.WaitGroup
-	var imgErr error
-	var tarball string
-	wg.Go(func() { tarball, imgErr = e.buildImages() })
-	t0 := time.Now()
-	e.set, err = framework.Start(framework.Options{
-		Names: []string{opts.Name}, AssetsDir: opts.AssetsDir, Output: e.logFile("control-plane"),
-		// The API server reaches kubelets by the node's IP, never by a
-		// name the host's DNS would resolve.
-		APIServerArgs: map[string]string{"kubelet-preferred-address-types": "InternalIP"},
-	})
-	e.log.Info("control plane up", "took", time.Since(t0).Round(time.Millisecond), "err", err)
-	wg.Wait()
-	if err != nil {
-		return nil, err
-	}
-	if imgErr != nil {
-		return nil, imgErr
-	}
-	e.Cluster = e.set.Clusters[0]
-
-	kubeconfig := filepath.Join(dir, "admin.kubeconfig")
-	if err := e.Cluster.WriteAdminKubeconfig(kubeconfig); err != nil {
-		return nil, err
-	}
-	caFile := filepath.Join(dir, "ca.crt")
-	if err := os.WriteFile(caFile, e.Cluster.CAData(), 0o644); err != nil {
-		return nil, err
-	}
-	if err := e.startControllers(kubeconfig, caFile); err != nil {
-		return nil, err
-	}
-
-	e.Node, err = startNode(nodeConfig{
-		name: opts.NodeName, dir: filepath.Join(dir, "node"), bin: opts.NodeBinDir, cgroup: filepath.Base(dir),
-		apiServer: e.Cluster.Host(), kubeconfig: kubeconfig, caFile: caFile, moduleDir: opts.ModuleDir,
-		sandboxImage: e.images[pauseImage], images: tarball, log: e.log, logFile: e.logFile,
-	})
-	if err != nil {
-		return nil, err
-	}
-	if err := e.waitNodeReady(); err != nil {
-		return nil, err
-	}
-	return e, nil
-}
-
-// startControllers starts kube-controller-manager and kube-scheduler on the
-// host's loopback, neither serving (--secure-port=0).
-func (e *Env) startControllers(kubeconfig, caFile string) error {
-	bin := e.opts.NodeBinDir
+// startControllers starts the cluster's kube-controller-manager and
+// kube-scheduler on the host's loopback, neither serving (--secure-port=0).
+func (e *Env) startControllers() error {
+	bin, kubeconfig := e.set.opts.NodeBinDir, e.kubeconfig
 	cm := exec.Command(filepath.Join(bin, "kube-controller-manager"),
 		"--kubeconfig="+kubeconfig, "--authentication-kubeconfig="+kubeconfig,
 		"--authorization-kubeconfig="+kubeconfig,
 		// The apiserver may not yet serve extension-apiserver-authentication
 		// to it: the controller manager would exit.
 		"--authentication-skip-lookup=true",
-		"--secure-port=0", "--leader-elect=false", "--root-ca-file="+caFile,
+		"--secure-port=0", "--leader-elect=false", "--root-ca-file="+e.caFile,
 		"--use-service-account-credentials=false", "--controllers=*",
 		"--node-monitor-period=2s", "-v=1")
 	sched := exec.Command(filepath.Join(bin, "kube-scheduler"),
@@ -292,7 +207,7 @@ func (e *Env) startControllers(kubeconfig, caFile string) error {
 		"--authorization-kubeconfig="+kubeconfig, "--authentication-skip-lookup=true",
 		"--secure-port=0", "--leader-elect=false", "-v=1")
 	for name, cmd := range map[string]*exec.Cmd{"kube-controller-manager": cm, "kube-scheduler": sched} {
-		p, err := startProc(name, cmd, e.logFile(name), nil)
+		p, err := startProc(name, cmd, e.set.logFile(e.Cluster.Name+"-"+name), nil)
 		if err != nil {
 			return err
 		}
@@ -301,14 +216,14 @@ func (e *Env) startControllers(kubeconfig, caFile string) error {
 	return nil
 }
 
-// waitNodeReady waits until the node reports Ready, and records how long
+// waitNodeReady waits until node n reports Ready, and records how long
 // that took.
-func (e *Env) waitNodeReady() error {
-	ctx, cancel := context.WithTimeout(context.Background(), e.opts.ReadyTimeout)
+func (e *Env) waitNodeReady(n *Node) error {
+	ctx, cancel := context.WithTimeout(context.Background(), e.set.opts.ReadyTimeout)
 	defer cancel()
 	var last string
 	err := wait.PollUntilContextCancel(ctx, 200*time.Millisecond, true, func(ctx context.Context) (bool, error) {
-		if err := e.Node.exited(); err != nil {
+		if err := n.exited(); err != nil {
 			return false, err
 		}
 		for _, p := range e.procs {
@@ -316,12 +231,12 @@ func (e *Env) waitNodeReady() error {
 				return false, err
 			}
 		}
-		n, err := e.Cluster.Client.CoreV1().Nodes().Get(ctx, e.Node.Name, metav1.GetOptions{})
+		obj, err := e.Cluster.Client.CoreV1().Nodes().Get(ctx, n.Name, metav1.GetOptions{})
 		if err != nil {
 			last = err.Error()
 			return false, nil
 		}
-		for _, c := range n.Status.Conditions {
+		for _, c := range obj.Status.Conditions {
 			if c.Type == corev1.NodeReady {
 				last = fmt.Sprintf("Ready=%s (%s: %s)", c.Status, c.Reason, c.Message)
 				return c.Status == corev1.ConditionTrue, nil
@@ -331,77 +246,56 @@ func (e *Env) waitNodeReady() error {
 		return false, nil
 	})
 	if err != nil {
-		return fmt.Errorf("node %s not Ready (%s; logs in %s): %w", e.Node.Name, last, e.dir, err)
+		return fmt.Errorf("node %s not Ready (%s; logs in %s): %w", n.Name, last, e.set.dir, err)
 	}
-	e.NodeReady = time.Since(e.Node.started)
-	e.log.Info("node ready", "node", e.Node.Name, "took", e.NodeReady.Round(time.Millisecond))
+	took := time.Since(n.started)
+	e.mu.Lock()
+	e.NodeReady = max(e.NodeReady, took)
+	e.mu.Unlock()
+	e.set.log.Info("node ready", "node", n.Name, "took", took.Round(time.Millisecond))
 	return nil
 }
 
-// RSSBytes is the resident memory of the whole cluster: etcd, the API
-// server, the controllers, containerd, the kubelet, the shims and every
-// container.
+// pids lists the cluster's own processes: its API server, controllers and
+// nodes (not the etcd the set's clusters share).
+func (e *Env) pids() []int {
+	var out []int
+	if p := e.Cluster.APIServerPID(); p != 0 {
+		out = append(out, p)
+	}
+	for _, p := range e.procs {
+		out = append(out, p.cmd.Process.Pid)
+	}
+	for _, n := range e.Nodes {
+		out = append(out, n.pids()...)
+	}
+	return out
+}
+
+// RSSBytes is the resident memory of the cluster: the etcd its set's
+// clusters share, the API server, the controllers, and its nodes'
+// containerd, kubelet, shims and containers.
 func (e *Env) RSSBytes() int64 {
 	pids := map[int]bool{}
-	for _, p := range e.set.PIDs() {
+	for _, p := range e.set.cp.PIDs() {
+		if !e.set.isAPIServer(p) {
+			pids[p] = true // etcd
+		}
+	}
+	for _, p := range e.pids() {
 		pids[p] = true
 	}
-	for _, p := range e.procs {
-		pids[p.cmd.Process.Pid] = true
-	}
-	if e.Node != nil {
-		for _, p := range e.Node.pids() {
-			pids[p] = true
-		}
-	}
-	var sum int64
-	for p := range pids {
-		if b, err := framework.RSSBytes(p); err == nil {
-			sum += b
-		}
-	}
-	return sum
+	return sumRSS(pids)
 }
 
-// stop tears everything down: the node (its processes, containers,
-// namespaces and cgroups), the controllers, the control plane, the files.
-func (e *Env) stop() error {
-	var errs []error
-	if e.Node != nil {
-		errs = append(errs, e.Node.stop())
+// isAPIServer reports whether pid is one of the set's API servers.
+func (s *Set) isAPIServer(pid int) bool {
+	for _, c := range s.cp.Clusters {
+		if c.APIServerPID() == pid {
+			return true
+		}
 	}
-	for _, p := range e.procs {
-		errs = append(errs, p.stop())
-	}
-	if e.set != nil {
-		errs = append(errs, e.set.Stop())
-	}
-	e.mu.Lock()
-	for _, f := range e.files {
-		f.Close()
-	}
-	e.files = nil
-	e.mu.Unlock()
-	if err := errors.Join(errs...); err != nil {
-		e.lock.Close() // the next Start's sweep retries
-		return fmt.Errorf("%w (files kept in %s)", err, e.dir)
-	}
-	err := os.RemoveAll(e.dir)
-	e.lock.Close()
-	return err
-}
-
-// logFile returns the log file of a process, in the environment's folder
-// (kept when teardown fails).
-func (e *Env) logFile(name string) io.Writer {
-	f, err := os.OpenFile(filepath.Join(e.dir, "logs", name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
-		return io.Discard
-	}
-	e.mu.Lock()
-	e.files = append(e.files, f)
-	e.mu.Unlock()
-	return f
+	return false
 }
 
 // moduleRoot finds the folder of go.mod from the working directory up.

@@ -19,7 +19,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 // TestCheckNamesWhatIsMissing: with no binaries, Start's check names each
 // missing one and the make target that builds it, instead of skipping.
 func TestCheckNamesWhatIsMissing(t *testing.T) {
-	err := Options{NodeBinDir: t.TempDir()}.check()
+	err := SetOptions{NodeBinDir: t.TempDir()}.check()
 	require.Error(t, err)
 	for _, b := range nodeBinaries {
 		require.ErrorContains(t, err, b+" missing in")
@@ -27,7 +27,7 @@ func TestCheckNamesWhatIsMissing(t *testing.T) {
 	require.ErrorContains(t, err, "run make nodebin")
 	require.ErrorContains(t, err, "set KUBEBUILDER_ASSETS")
 
-	err = Options{}.check()
+	err = SetOptions{}.check()
 	require.ErrorContains(t, err, "set ISTHMUS_NODEBIN")
 }
 
@@ -88,4 +88,33 @@ func requireRoot(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Fatal("this test needs root (cgroups): run the tests as root")
 	}
+}
+
+// TestSetOptionsValidate: bad cluster lists are refused with the reason,
+// before anything starts; defaults name the nodes and networks.
+func TestSetOptionsValidate(t *testing.T) {
+	for _, c := range []struct {
+		name     string
+		clusters []ClusterSpec
+		want     string
+	}{
+		{"none", nil, "no clusters"},
+		{"cluster twice", []ClusterSpec{{Name: "c1"}, {Name: "c1"}}, `"c1" used twice`},
+		{"node named like a cluster", []ClusterSpec{{Name: "c1", NodeNames: []string{"c2"}}, {Name: "c2"}}, `"c2" used twice`},
+		{"not a DNS label", []ClusterSpec{{Name: "C_1"}}, `name "C_1"`},
+		{"negative nodes", []ClusterSpec{{Name: "c1", Nodes: -1}}, "-1 nodes"},
+		{"full network", []ClusterSpec{{Name: "c1", Network: "n", Nodes: 60}, {Name: "c2", Network: "n", Nodes: 40}}, "network n: 100 nodes, at most 99"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			o, err := SetOptions{Clusters: c.clusters, ModuleDir: "/nonexistent"}.withDefaults(t)
+			require.NoError(t, err)
+			require.ErrorContains(t, o.validate(), c.want)
+		})
+	}
+	o, err := SetOptions{Clusters: []ClusterSpec{{Name: "c1", Nodes: 2}, {Name: "c2", NodeNames: []string{"x"}}}, ModuleDir: "/nonexistent"}.withDefaults(t)
+	require.NoError(t, err)
+	require.NoError(t, o.validate())
+	require.Equal(t, []string{"c1-node-1", "c1-node-2"}, o.Clusters[0].NodeNames)
+	require.Equal(t, "c1-network", o.Clusters[0].Network)
+	require.Equal(t, 1, o.Clusters[1].Nodes)
 }

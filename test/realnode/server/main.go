@@ -1,12 +1,26 @@
 // Command server is the test server image of test/realnode: an HTTP server
-// on -listen (default :8080) that answers every request with
-// "isthmus realnode server <hostname>\n".
+// on -listen (default :8080) that answers GET / with
+// "isthmus realnode server <hostname>\n", and makes connections from where
+// it runs (a pod) for the tests:
+//
+//	GET /dial?addr=host:port   TCP connect: "connected"
+//	GET /fetch?addr=host:port  GET http://host:port/: the body
+//	GET /tls?addr=host:port    TLS handshake (no verification): the hex
+//	                           SHA-256 of the peer's leaf certificate
+//
+// A failure is a 502 whose body is the error.
 package main
 
 import (
+	"context"
+	"crypto/sha256"
+	"crypto/tls"
+	"encoding/hex"
 	"flag"
 	"fmt"
+	"io"
 	"log"
+	"net"
 	"net/http"
 	"os"
 	"time"
@@ -19,12 +33,80 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	srv := &http.Server{
-		Addr:              *listen,
-		ReadHeaderTimeout: 10 * time.Second,
-		Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
-			fmt.Fprintf(w, "isthmus realnode server %s\n", host)
-		}),
-	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("/", func(w http.ResponseWriter, _ *http.Request) {
+		fmt.Fprintf(w, "isthmus realnode server %s\n", host)
+	})
+	mux.HandleFunc("/dial", probe(dial))
+	mux.HandleFunc("/fetch", probe(fetch))
+	mux.HandleFunc("/tls", probe(handshake))
+	srv := &http.Server{Addr: *listen, ReadHeaderTimeout: 10 * time.Second, Handler: mux}
 	log.Fatal(srv.ListenAndServe())
+}
+
+// probe serves one kind of outgoing connection to the query's addr.
+func probe(fn func(ctx context.Context, addr string) (string, error)) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		addr := r.URL.Query().Get("addr")
+		if _, _, err := net.SplitHostPort(addr); err != nil {
+			http.Error(w, "addr: "+err.Error(), http.StatusBadRequest)
+			return
+		}
+		ctx, cancel := context.WithTimeout(r.Context(), 10*time.Second)
+		defer cancel()
+		out, err := fn(ctx, addr)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadGateway)
+			return
+		}
+		fmt.Fprint(w, out)
+	}
+}
+
+func dial(ctx context.Context, addr string) (string, error) {
+	c, err := (&net.Dialer{}).DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return "", err
+	}
+	c.Close()
+	return "connected", nil
+}
+
+func fetch(ctx context.Context, addr string) (string, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/", nil)
+	if err != nil {
+		return "", err
+	}
+	tr := &http.Transport{DisableKeepAlives: true}
+	defer tr.CloseIdleConnections()
+	resp, err := (&http.Client{Transport: tr}).Do(req)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return "", err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return "", fmt.Errorf("GET %s: %s", addr, resp.Status)
+	}
+	return string(body), nil
+}
+
+// handshake does a TLS handshake without verifying the peer: the caller
+// compares the fingerprint with the certificate it expects.
+func handshake(ctx context.Context, addr string) (string, error) {
+	d := &tls.Dialer{Config: &tls.Config{InsecureSkipVerify: true}} //nolint:gosec // the test compares the fingerprint
+	c, err := d.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return "", err
+	}
+	defer c.Close()
+	certs := c.(*tls.Conn).ConnectionState().PeerCertificates
+	if len(certs) == 0 {
+		return "", fmt.Errorf("%s sent no certificate", addr)
+	}
+	sum := sha256.Sum256(certs[0].Raw)
+	return hex.EncodeToString(sum[:]), nil
 }
