@@ -30,7 +30,7 @@ export ISTHMUS_NODEBIN := $(NODEBIN)
 
 FUZZTIME  ?= 30s
 FUZZ_FLAGS ?=
-.PHONY: help help-check all build demo-bin images images-check push test bench soak fuzz fuzz-targets lint testbin nodebin generate demo demo-once clean
+.PHONY: help help-check all build demo-bin images images-check push test bench soak fuzz fuzz-targets lint testbin nodebin istio-dashboards generate demo demo-once clean
 
 ## help: every target with what it does (the "## target:" comments of this file).
 help:
@@ -84,6 +84,13 @@ testbin:
 nodebin: testbin
 	K8S_VERSION=$(K8S_VERSION) hack/build-nodebin.sh $(NODEBIN)
 
+## istio-dashboards: fetch the istio.io/istio module whose Grafana dashboards
+## test/dashboards runs (IstioModule there; not a dependency of Isthmus) into the
+## module cache, so that the test finds it without network.
+ISTIO_MODULE := $(shell sed -n 's/^const IstioModule = "\(.*\)"$$/\1/p' test/dashboards/istio_test.go)
+istio-dashboards:
+	$(GO) mod download $(ISTIO_MODULE)
+
 ## lint: gofmt check, go vet and help-check.
 lint: help-check
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
@@ -93,7 +100,7 @@ lint: help-check
 ## test: lint, then every test (unit and integration on real apiservers) with -race;
 ## it also builds bin/ (go build leaves an up-to-date binary alone), so that a
 ## `make demo` afterwards links nothing and prints its reply within seconds.
-test: testbin nodebin lint build demo-bin
+test: testbin nodebin istio-dashboards lint build demo-bin
 	$(GO) test $(GOTEST_FLAGS) ./...
 
 ## bench: the benchmarks behind BENCHMARKS.md, one package at a time (-p 1:

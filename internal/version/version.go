@@ -71,17 +71,42 @@ func (i Info) String() string {
 	return fmt.Sprintf("%s (commit %s, %s)", i.Version, i.Commit, i.GoVersion)
 }
 
-// NewCollector returns the gauge isthmus_build_info{version,commit,go_version}
-// = 1, to register in a binary's Prometheus registry.
-func NewCollector() prometheus.Collector {
+// NewCollector returns the gauges isthmus_build_info{version,commit,go_version}
+// and Istio's istio_build{component,tag} (tag the version), both 1, to
+// register in the Prometheus registry of the binary component names
+// ("pilot", "ztunnel": the values Istio's dashboards select on).
+func NewCollector(component string) prometheus.Collector {
 	i := Get()
-	g := prometheus.NewGauge(prometheus.GaugeOpts{
+	own := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name:        "isthmus_build_info",
 		Help:        "Always 1; the labels say which build of Isthmus is running.",
 		ConstLabels: prometheus.Labels{"version": i.Version, "commit": i.Commit, "go_version": i.GoVersion},
 	})
-	g.Set(1)
-	return g
+	istio := prometheus.NewGauge(prometheus.GaugeOpts{
+		Name:        "istio_build",
+		Help:        "Istio component build info (Istio's metric): always 1, tag is the Isthmus version.",
+		ConstLabels: prometheus.Labels{"component": component, "tag": i.Version},
+	})
+	own.Set(1)
+	istio.Set(1)
+	return buildCollector{own, istio}
+}
+
+// buildCollector collects the two build gauges as one collector.
+type buildCollector [2]prometheus.Gauge
+
+// Describe implements prometheus.Collector.
+func (b buildCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, g := range b {
+		g.Describe(ch)
+	}
+}
+
+// Collect implements prometheus.Collector.
+func (b buildCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, g := range b {
+		g.Collect(ch)
+	}
 }
 
 // Handler serves Get() as JSON (pilot's /version, read by `isthmusctl

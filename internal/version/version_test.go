@@ -37,19 +37,24 @@ func TestUnstampedCommitIsNamed(t *testing.T) {
 func TestCollector(t *testing.T) {
 	stamp(t, "1.2.3", "abc")
 	reg := prometheus.NewRegistry()
-	require.NoError(t, reg.Register(NewCollector()))
+	require.NoError(t, reg.Register(NewCollector("pilot")))
 	mfs, err := reg.Gather()
 	require.NoError(t, err)
-	require.Len(t, mfs, 1)
-	require.Equal(t, "isthmus_build_info", mfs[0].GetName())
-	require.Len(t, mfs[0].GetMetric(), 1)
-	m := mfs[0].GetMetric()[0]
-	require.Equal(t, 1.0, m.GetGauge().GetValue())
-	labels := map[string]string{}
-	for _, l := range m.GetLabel() {
-		labels[l.GetName()] = l.GetValue()
+	got := map[string]map[string]string{}
+	for _, mf := range mfs {
+		require.Len(t, mf.GetMetric(), 1, mf.GetName())
+		m := mf.GetMetric()[0]
+		require.Equal(t, 1.0, m.GetGauge().GetValue(), mf.GetName())
+		labels := map[string]string{}
+		for _, l := range m.GetLabel() {
+			labels[l.GetName()] = l.GetValue()
+		}
+		got[mf.GetName()] = labels
 	}
-	require.Equal(t, map[string]string{"version": "1.2.3", "commit": "abc", "go_version": runtime.Version()}, labels)
+	require.Equal(t, map[string]map[string]string{
+		"isthmus_build_info": {"version": "1.2.3", "commit": "abc", "go_version": runtime.Version()},
+		"istio_build":        {"component": "pilot", "tag": "1.2.3"},
+	}, got)
 }
 
 func TestHandler(t *testing.T) {

@@ -7,6 +7,10 @@ type metrics struct {
 	problems *prometheus.GaugeVec
 	count    *prometheus.GaugeVec
 	absent   *prometheus.GaugeVec
+	// events is Istio's pilot_k8s_cfg_events{type,event}: informer events
+	// by kind (AuthorizationPolicy, PeerAuthentication) and event (add,
+	// update, delete).
+	events *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -23,8 +27,12 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "isthmus_policy_crd_absent",
 			Help: "1 when the config cluster does not serve the kind's CRD (no such policy can exist).",
 		}, []string{"kind"}),
+		events: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pilot_k8s_cfg_events",
+			Help: "Events from k8s config: informer events on policies, by kind (type) and event (Istio's metric).",
+		}, []string{"type", "event"}),
 	}
-	for _, c := range []prometheus.Collector{m.problems, m.count, m.absent} {
+	for _, c := range []prometheus.Collector{m.problems, m.count, m.absent, m.events} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

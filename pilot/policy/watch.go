@@ -86,12 +86,16 @@ func New(cfg Config, deps Deps) (*Watcher, error) {
 		kick: make(chan struct{}, 1), subs: map[int]func(){}, logged: map[string]string{}}
 	empty, _ := NewSnapshot(cfg.RootNamespace, nil, nil)
 	w.snap.Store(empty)
-	onChange := cache.ResourceEventHandlerFuncs{
-		AddFunc: func(any) { w.poke() }, UpdateFunc: func(any, any) { w.poke() }, DeleteFunc: func(any) { w.poke() },
+	onChange := func(kind string) cache.ResourceEventHandlerFuncs {
+		return cache.ResourceEventHandlerFuncs{
+			AddFunc:    func(any) { w.event(kind, EventAdd) },
+			UpdateFunc: func(any, any) { w.event(kind, EventUpdate) },
+			DeleteFunc: func(any) { w.event(kind, EventDelete) },
+		}
 	}
 	sec := deps.Client.SecurityV1()
 	w.aps, w.apc = cache.NewInformerWithOptions(cache.InformerOptions{
-		ObjectType: &securityclient.AuthorizationPolicy{}, Handler: onChange,
+		ObjectType: &securityclient.AuthorizationPolicy{}, Handler: onChange(KindAuthorizationPolicy),
 		ListerWatcher: w.listWatch(0,
 			func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 				return sec.AuthorizationPolicies(metav1.NamespaceAll).List(ctx, o)
@@ -101,7 +105,7 @@ func New(cfg Config, deps Deps) (*Watcher, error) {
 			}, &securityclient.AuthorizationPolicyList{}),
 	})
 	w.pas, w.pac = cache.NewInformerWithOptions(cache.InformerOptions{
-		ObjectType: &securityclient.PeerAuthentication{}, Handler: onChange,
+		ObjectType: &securityclient.PeerAuthentication{}, Handler: onChange(KindPeerAuthentication),
 		ListerWatcher: w.listWatch(1,
 			func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 				return sec.PeerAuthentications(metav1.NamespaceAll).List(ctx, o)
@@ -158,6 +162,20 @@ func (w *Watcher) setAbsent(kind int, absent bool) {
 }
 
 var kindNames = [2]string{KindAuthorizationPolicy, KindPeerAuthentication}
+
+// Events of pilot_k8s_cfg_events, as Istio names them.
+const (
+	EventAdd    = "add"
+	EventUpdate = "update"
+	EventDelete = "delete"
+)
+
+// event counts an informer event on a policy of kind and schedules a
+// rebuild.
+func (w *Watcher) event(kind, event string) {
+	w.metrics.events.WithLabelValues(kind, event).Inc()
+	w.poke()
+}
 
 func (w *Watcher) poke() {
 	select {

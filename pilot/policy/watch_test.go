@@ -25,6 +25,7 @@ import (
 	"istio.io/client-go/pkg/clientset/versioned"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/isthmus-mesh/isthmus/internal/promread"
 	securityv1 "github.com/isthmus-mesh/isthmus/pilot/api/security/v1"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 	"github.com/isthmus-mesh/isthmus/pilot/policy"
@@ -147,6 +148,17 @@ rules: [{from: [{source: {namespaces: ["front"]}}], to: [{operation: {methods: [
 	require.NoError(t, client.SecurityV1().AuthorizationPolicies("prod").Delete(ctx, "no-post", metav1.DeleteOptions{}))
 	require.Eventually(t, func() bool { return w.Snapshot().Policy("prod/no-post") == nil }, 30*time.Second, 10*time.Millisecond)
 	require.Zero(t, testutil.ToFloat64(problemGauge(reg, policy.KindAuthorizationPolicy, policy.ReasonUnsupportedAttribute)))
+
+	// Istio's pilot_k8s_cfg_events counted each informer event by kind.
+	events := func(kind, event string) float64 {
+		v, err := promread.Value(reg, "pilot_k8s_cfg_events", map[string]string{"type": kind, "event": event})
+		require.NoError(t, err)
+		return v
+	}
+	require.Equal(t, 1.0, events(policy.KindAuthorizationPolicy, policy.EventAdd))
+	require.Equal(t, 1.0, events(policy.KindAuthorizationPolicy, policy.EventDelete))
+	require.Equal(t, 1.0, events(policy.KindPeerAuthentication, policy.EventAdd))
+	require.Zero(t, events(policy.KindPeerAuthentication, policy.EventDelete))
 }
 
 // TestWatcherWithoutCRDs: a config cluster without Istio's CRDs has no

@@ -21,6 +21,13 @@ func (r *Registry) Services() []*model.Service {
 	return out
 }
 
+// ServiceCount returns the number of federated services (hostnames).
+func (r *Registry) ServiceCount() int {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	return len(r.services)
+}
+
 // Service returns the federated service of hostname (nil if none). In
 // export mode, <name>.<ns>.svc.clusterset.local names an exported service.
 func (r *Registry) Service(hostname string) *model.Service {

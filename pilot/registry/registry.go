@@ -168,13 +168,20 @@ func (cs *clusterState) eachFromSlice(fn func(*model.Workload)) {
 func New(cfg Config) *Registry {
 	cfg = cfg.withDefaults()
 	log := cfg.Logger.With("component", "registry")
-	return &Registry{
+	r := &Registry{
 		cfg: cfg, log: log, book: newAddressBook(cfg.Registerer, log),
 		clusters: map[model.ClusterID]*clusterState{}, services: map[string]*model.Service{},
 		placements: map[saKey]map[model.Network]int{},
 		stale:      map[model.ClusterID]time.Time{},
 		feed:       newFeed(cfg.QuietPeriod, cfg.MaxDelay),
 	}
+	if cfg.Registerer != nil {
+		// Istio's pilot_services, read from the one map of services.
+		cfg.Registerer.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "pilot_services", Help: "Total services known to pilot: federated services by hostname (Istio's metric).",
+		}, func() float64 { return float64(r.ServiceCount()) }))
+	}
+	return r
 }
 
 // ---- controller.Sink ----

@@ -215,7 +215,7 @@ func New(cfg Config, configREST *rest.Config, build multicluster.ClientBuilder) 
 		return nil, err
 	}
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), version.NewCollector())
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), version.NewCollector("pilot"))
 	cfg.Multicluster.Registerer = reg
 	local, err := multicluster.NewClient(configREST)
 	if err != nil {

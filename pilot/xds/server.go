@@ -69,6 +69,15 @@ type pendingChanges struct {
 	// trustDomains is set when a cluster's trust domain changed: every
 	// identity may read differently.
 	trustDomains bool
+	// since is when the first of these changes arrived.
+	since time.Time
+}
+
+// arrived notes the arrival of a change at now.
+func (p *pendingChanges) arrived(now time.Time) {
+	if p.since.IsZero() {
+		p.since = now
+	}
 }
 
 func (p *pendingChanges) add(kind model.ChangeKind, key string) {
@@ -183,6 +192,7 @@ func (s *Server) Run(ctx context.Context) error {
 // enqueue records a batch of changes for Run; it never waits for a build.
 func (s *Server) enqueue(cs model.ChangeSet) {
 	s.pendingMu.Lock()
+	s.pending.arrived(time.Now())
 	for _, c := range cs.Changes {
 		s.pending.add(c.Kind, c.Key)
 	}
@@ -193,6 +203,7 @@ func (s *Server) enqueue(cs model.ChangeSet) {
 // enqueuePolicies records that the authorization policies changed.
 func (s *Server) enqueuePolicies() {
 	s.pendingMu.Lock()
+	s.pending.arrived(time.Now())
 	s.pending.policies = true
 	s.pendingMu.Unlock()
 	s.kickRun()
@@ -289,6 +300,7 @@ func (s *Server) applyPending() error {
 	start := time.Now()
 	s.buildMu.Lock()
 	defer s.buildMu.Unlock()
+	s.stats.batchStarted(start, p.since)
 	bd := s.newBuilder()
 	var errs []error
 	changed := 0

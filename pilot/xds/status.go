@@ -4,76 +4,15 @@ import (
 	"context"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
-	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
 )
-
-// metrics are the server's Prometheus metrics.
-type metrics struct {
-	pushes           *prometheus.CounterVec
-	pushBytes        *prometheus.CounterVec
-	nacks            *prometheus.CounterVec
-	refused          *prometheus.CounterVec
-	clients          *prometheus.GaugeVec
-	buildSeconds     prometheus.Histogram
-	resourcesChanged prometheus.Counter
-	// sent are the push counters of each served type URL, looked up once:
-	// every response counts in them.
-	sent map[string]sentCounters
-}
-
-type sentCounters struct{ pushes, bytes prometheus.Counter }
-
-// sentOf returns the push counters of typeURL.
-func (m *metrics) sentOf(typeURL string) sentCounters {
-	if c, ok := m.sent[typeURL]; ok {
-		return c
-	}
-	return sentCounters{m.pushes.WithLabelValues(typeURL), m.pushBytes.WithLabelValues(typeURL)}
-}
-
-func newMetrics(reg prometheus.Registerer) (*metrics, error) {
-	m := &metrics{
-		pushes: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "isthmus_xds_pushes_total", Help: "xDS responses sent, by type URL.",
-		}, []string{"type"}),
-		pushBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "isthmus_xds_push_bytes_total", Help: "Bytes of xDS responses sent, by type URL.",
-		}, []string{"type"}),
-		nacks: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "isthmus_xds_nacks_total", Help: "xDS responses rejected by clients, by type URL.",
-		}, []string{"type"}),
-		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "isthmus_xds_refused_total", Help: "xDS streams refused by authorization, by reason.",
-		}, []string{"reason"}),
-		clients: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "isthmus_xds_connected_clients", Help: "Open xDS streams, by protocol (sotw, delta).",
-		}, []string{"protocol"}),
-		buildSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name: "isthmus_xds_build_seconds", Help: "Time to rebuild and hand one change batch to the caches.",
-			Buckets: prometheus.ExponentialBuckets(0.0001, 4, 10),
-		}),
-		resourcesChanged: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "isthmus_xds_resources_changed_total", Help: "Resources updated or deleted in the caches.",
-		}),
-	}
-	for _, c := range []prometheus.Collector{m.pushes, m.pushBytes, m.nacks, m.refused, m.clients, m.buildSeconds, m.resourcesChanged} {
-		if err := reg.Register(c); err != nil {
-			return nil, err
-		}
-	}
-	m.sent = make(map[string]sentCounters, len(allTypes))
-	for _, t := range allTypes {
-		m.sent[t] = sentCounters{m.pushes.WithLabelValues(t), m.pushBytes.WithLabelValues(t)}
-	}
-	return m, nil
-}
 
 // TypeStatus is what a client has been sent and has answered for one type URL.
 type TypeStatus struct {
@@ -92,6 +31,9 @@ type TypeStatus struct {
 	Pushes int `json:"pushes"`
 	// Pending is true while the last response is neither ACKed nor NACKed.
 	Pending bool `json:"pending"`
+
+	// asked is when the last request of the type arrived.
+	asked time.Time
 }
 
 // Nack is a rejected response.
@@ -144,8 +86,24 @@ type tracker struct {
 	// to by the server's copies (typeCache.intern).
 	intern func(node *corev3.Node, typeURL string, names []string)
 
+	// built and changed are the start of the last build batch and the
+	// arrival of its first change (unix nanoseconds), for the push time
+	// and convergence metrics (batchStarted).
+	built, changed atomic.Int64
+
 	mu      sync.Mutex
 	streams map[streamKey]*ClientStatus
+}
+
+// batchStarted records that a build batch started at start with changes
+// pending since changed (zero: since start). A response counted after it
+// carries its version, or a later one's.
+func (t *tracker) batchStarted(start, changed time.Time) {
+	if changed.IsZero() || changed.After(start) {
+		changed = start
+	}
+	t.changed.Store(changed.UnixNano())
+	t.built.Store(start.UnixNano())
 }
 
 var _ serverv3.Callbacks = (*tracker)(nil)
@@ -173,7 +131,7 @@ func (t *tracker) open(ctx context.Context, k streamKey, protocol string) error 
 	t.mu.Lock()
 	t.streams[k] = &ClientStatus{StreamID: k.id, Protocol: protocol, Connected: time.Now(), Identity: p.spiffe, peer: p}
 	t.mu.Unlock()
-	t.metrics.clients.WithLabelValues(protocol).Inc()
+	t.metrics.connected(protocol, 1)
 	return nil
 }
 
@@ -233,7 +191,7 @@ func (t *tracker) closed(k streamKey) {
 	delete(t.streams, k)
 	t.mu.Unlock()
 	if cs != nil {
-		t.metrics.clients.WithLabelValues(cs.Protocol).Dec()
+		t.metrics.connected(cs.Protocol, -1)
 	}
 }
 
@@ -249,13 +207,14 @@ func (t *tracker) request(k streamKey, node *corev3.Node, typeURL, nonce string,
 		return nil
 	}
 	ts := cs.typeStatus(typeURL)
+	ts.asked = time.Now()
 	if nonce == "" || nonce != ts.SentNonce {
 		return nil
 	}
 	ts.Pending = false
 	if nack != nil {
 		ts.LastNack = nack
-		t.metrics.nacks.WithLabelValues(typeURL).Inc()
+		t.metrics.rejected(typeURL)
 		t.log.Warn("xds NACK", "node", cs.NodeID, "type", typeURL, "nonce", nonce, "error", nack.Message)
 		return nil
 	}
@@ -273,18 +232,31 @@ func (cs *ClientStatus) typeStatus(typeURL string) *TypeStatus {
 }
 
 func (t *tracker) response(k streamKey, typeURL, version, nonce string, n int, size int) {
-	sent := t.metrics.sentOf(typeURL)
-	sent.pushes.Inc()
-	sent.bytes.Add(float64(size))
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	cs := t.streams[k]
-	if cs == nil {
-		return
+	now := time.Now()
+	var began time.Time
+	pushed := false
+	if b := t.built.Load(); b != 0 {
+		began, pushed = time.Unix(0, b), true
 	}
-	ts := cs.typeStatus(typeURL)
-	ts.SentVersion, ts.SentNonce, ts.SentResources, ts.Pending = version, nonce, n, true
-	ts.Pushes++
+	t.mu.Lock()
+	if cs := t.streams[k]; cs != nil {
+		ts := cs.typeStatus(typeURL)
+		ts.SentVersion, ts.SentNonce, ts.SentResources, ts.Pending = version, nonce, n, true
+		ts.Pushes++
+		// The work began at the later of the request answered and the
+		// build of the version carried; after the request, it is a push.
+		if ts.asked.After(began) {
+			began, pushed = ts.asked, false
+		}
+	}
+	t.mu.Unlock()
+	if began.IsZero() {
+		began = now
+	}
+	t.metrics.sentOf(typeURL).count(size, now.Sub(began))
+	if pushed {
+		t.metrics.istio.convergence.Observe(now.Sub(time.Unix(0, t.changed.Load())).Seconds())
+	}
 }
 
 func nackOf(d interface{ GetMessage() string }, nonce string, present bool) *Nack {

@@ -31,6 +31,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/isthmus-mesh/isthmus/internal/defaults"
+	"github.com/isthmus-mesh/isthmus/internal/promread"
 	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
 	"github.com/isthmus-mesh/isthmus/pilot/ca"
 	"github.com/isthmus-mesh/isthmus/pilot/server"
@@ -172,6 +173,9 @@ type ZtunnelOptions struct {
 	// TrustBundle, when set, is the SPIFFE trust bundle map the ztunnel
 	// verifies peers with; unset, pilot's PEM roots are its domain's only.
 	TrustBundle []byte
+	// Metrics serves /metrics on IP:15020; DNS serves the DNS proxy on
+	// IP:15053 (node mode).
+	Metrics, DNS bool
 }
 
 // RunZtunnel runs a ztunnel connected to pilot p (serving on pilotIP)
@@ -189,6 +193,12 @@ func RunZtunnel(t testing.TB, p *server.Server, pilotIP netip.Addr, o ZtunnelOpt
 		cfg.GatewayListen = at(15008)
 	} else {
 		cfg.SOCKS5Listen, cfg.OutboundListen = at(15080), at(15001)
+		if o.DNS {
+			cfg.DNSListen = at(15053)
+		}
+	}
+	if o.Metrics {
+		cfg.MetricsListen = at(15020)
 	}
 	z := &Ztunnel{IP: o.IP, Metrics: prometheus.NewRegistry()}
 	var err error
@@ -213,33 +223,13 @@ func RunZtunnel(t testing.TB, p *server.Server, pilotIP netip.Addr, o ZtunnelOpt
 	return z
 }
 
-// Counter returns the value of metric with labels in reg (0 when absent).
+// Counter returns the value of metric with labels in reg (0 when absent;
+// summed when several label sets match).
 func Counter(t testing.TB, reg *prometheus.Registry, metric string, labels map[string]string) float64 {
 	t.Helper()
-	mfs, err := reg.Gather()
+	v, err := promread.Value(reg, metric, labels)
 	require.NoError(t, err)
-	for _, mf := range mfs {
-		if mf.GetName() != metric {
-			continue
-		}
-	next:
-		for _, m := range mf.GetMetric() {
-			got := map[string]string{}
-			for _, lp := range m.GetLabel() {
-				got[lp.GetName()] = lp.GetValue()
-			}
-			for k, v := range labels {
-				if got[k] != v {
-					continue next
-				}
-			}
-			if m.GetCounter() != nil {
-				return m.GetCounter().GetValue()
-			}
-			return m.GetGauge().GetValue()
-		}
-	}
-	return 0
+	return v
 }
 
 // EchoApp answers each line with "<who> got <line>" on addr until the

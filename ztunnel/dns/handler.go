@@ -58,7 +58,7 @@ func newHandler(ctx context.Context, cfg Config, deps Deps, m *Metrics, log *slo
 func (h *handler) ServeDNS(w mdns.ResponseWriter, req *mdns.Msg) {
 	src, tcp := remote(w.RemoteAddr())
 	resp, kind := h.answer(h.ctx, req, src, tcp)
-	h.metrics.count(kind)
+	h.metrics.served(kind, req, tcp)
 	if resp == nil {
 		return
 	}

@@ -49,6 +49,9 @@ type Metrics struct {
 // ztunnels (not by gateways, which would count each connection twice).
 type istioTCP struct {
 	opened, closed, sent, received *prometheus.CounterVec
+	// open is istio_tcp_sockets_open{reporter}: the proxied connections
+	// open now (opened and not yet closed), by reporter.
+	open *prometheus.GaugeVec
 }
 
 // istioLabelNames are the labels of Istio's TCP metrics, as Istio's ztunnel
@@ -109,10 +112,13 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 			received: prometheus.NewCounterVec(prometheus.CounterOpts{
 				Name: "istio_tcp_received_bytes_total", Help: "Bytes received from the source, in the request direction (Istio's standard metric).",
 			}, istioLabelNames),
+			open: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+				Name: "istio_tcp_sockets_open", Help: "Proxied TCP connections open now, by reporter (Istio's ztunnel metric).",
+			}, []string{"reporter"}),
 		},
 	}
 	for _, c := range []prometheus.Collector{m.opened, m.closed, m.sent, m.received, m.refused, m.tlsErrs, m.captured, m.drain,
-		m.istio.opened, m.istio.closed, m.istio.sent, m.istio.received} {
+		m.istio.opened, m.istio.closed, m.istio.sent, m.istio.received, m.istio.open} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -197,6 +203,7 @@ type Conn struct {
 	sent, received prometheus.Counter
 	// Istio's, nil for a gateway hop.
 	iclosed, isent, ireceived prometheus.Counter
+	iopen                     prometheus.Gauge
 }
 
 // Open counts a new connection and returns its accounting handle.
@@ -211,6 +218,8 @@ func (m *Metrics) Open(l ConnLabels) *Conn {
 		iv := l.istioValues()
 		m.istio.opened.WithLabelValues(iv...).Inc()
 		c.iclosed, c.isent, c.ireceived = m.istio.closed.WithLabelValues(iv...), m.istio.sent.WithLabelValues(iv...), m.istio.received.WithLabelValues(iv...)
+		c.iopen = m.istio.open.WithLabelValues(iv[0])
+		c.iopen.Inc()
 	}
 	return c
 }
@@ -241,6 +250,7 @@ func (c *Conn) Close() {
 		c.closed.Inc()
 		if c.iclosed != nil {
 			c.iclosed.Inc()
+			c.iopen.Dec()
 		}
 	}
 }

@@ -147,7 +147,7 @@ func New(cfg Config, deps Deps) (*Node, error) {
 	n.xds, err = xdsclient.New(xdsclient.Config{
 		Address: cfg.XDSAddress, NodeID: cfg.NodeID, NodeName: cfg.NodeName,
 		ClusterID: cfg.ClusterID, Network: cfg.Network, TrustDomain: cfg.TrustDomain,
-	}, xdsclient.Deps{Store: n.store, Credentials: xdsCreds, Log: log, Types: types})
+	}, xdsclient.Deps{Store: n.store, Credentials: xdsCreds, Log: log, Types: types, Registerer: deps.Registry})
 	if err != nil {
 		n.certs.Close()
 		return nil, err
@@ -164,7 +164,7 @@ func New(cfg Config, deps Deps) (*Node, error) {
 // process collectors to reg.
 func registerProcessMetrics(reg prometheus.Registerer) error {
 	return errors.Join(reg.Register(collectors.NewGoCollector()),
-		reg.Register(collectors.NewProcessCollector(collectors.ProcessCollectorOpts{})), reg.Register(version.NewCollector()))
+		reg.Register(collectors.NewProcessCollector(collectors.ProcessCollectorOpts{})), reg.Register(version.NewCollector("ztunnel")))
 }
 
 func (n *Node) buildProxies() error {
@@ -197,11 +197,23 @@ func (n *Node) buildProxies() error {
 		if err != nil {
 			return err
 		}
+		if err := n.deps.Registry.Register(n.pods.Collector()); err != nil {
+			return fmt.Errorf("ztunnel metrics: %w", err)
+		}
 		if n.inpod, err = inpod.New(inpod.Config{SocketPath: n.cfg.InPodSocket}, inpod.Deps{Handler: n.pods, Log: n.log}); err != nil {
 			return err
 		}
-	} else if n.in, err = proxy.NewInbound(pcfg, pdeps); err != nil {
-		return err
+	} else {
+		if n.in, err = proxy.NewInbound(pcfg, pdeps); err != nil {
+			return err
+		}
+		// Without in-pod mode no pod has a proxy of its own: Istio's gauge
+		// of them is 0.
+		if err := n.deps.Registry.Register(prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: podproxy.ActiveProxyCount, Help: "The total number of current workloads with active in-pod proxies (Istio's ztunnel metric): none without in-pod mode.",
+		})); err != nil {
+			return fmt.Errorf("ztunnel metrics: %w", err)
+		}
 	}
 	n.out, err = proxy.NewOutbound(pcfg, pdeps, state.Selector{})
 	return err

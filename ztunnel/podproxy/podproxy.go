@@ -26,6 +26,8 @@ import (
 	"slices"
 	"sync"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/ztunnel/dns"
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
@@ -228,6 +230,21 @@ func (m *Manager) Snapshot(ctx context.Context, uids []string) error {
 		_ = m.DelPod(ctx, uid)
 	}
 	return nil
+}
+
+// ActiveProxyCount is the name of Istio's ztunnel gauge of served pods.
+const ActiveProxyCount = "workload_manager_active_proxy_count"
+
+// Collector returns the gauge workload_manager_active_proxy_count (Istio's
+// ztunnel name): the pods served now, read from the manager at each scrape.
+func (m *Manager) Collector() prometheus.Collector {
+	return prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: ActiveProxyCount, Help: "The total number of current workloads with active in-pod proxies (Istio's ztunnel metric).",
+	}, func() float64 {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		return float64(len(m.pods))
+	})
 }
 
 // Pods returns the served pods (namespace/name), sorted.

@@ -27,6 +27,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/isthmus-mesh/isthmus/cni/redirect"
+	"github.com/isthmus-mesh/isthmus/internal/promread"
 	"github.com/isthmus-mesh/isthmus/ztunnel/dns"
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/isthmus-mesh/isthmus/ztunnel/inpod"
@@ -424,4 +425,23 @@ func testLog(t testing.TB) *slog.Logger {
 		return slog.New(slog.DiscardHandler)
 	}
 	return slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+// TestActiveProxyCount: workload_manager_active_proxy_count is the number
+// of pods served, as the agent adds and removes them.
+func TestActiveProxyCount(t *testing.T) {
+	e := newEnv(t)
+	m := e.start(t)
+	reg := prometheus.NewRegistry()
+	require.NoError(t, reg.Register(m.Collector()))
+	active := func() float64 {
+		v, err := promread.Value(reg, ActiveProxyCount, nil)
+		require.NoError(t, err)
+		return v
+	}
+	require.Equal(t, 2.0, active())
+	require.NoError(t, m.DelPod(context.Background(), "uid-a"))
+	require.Equal(t, 1.0, active())
+	require.NoError(t, m.Close())
+	require.Zero(t, active())
 }

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"io"
 	"net/http"
 	"net/netip"
 	"testing"
@@ -11,6 +12,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/isthmus-mesh/isthmus/internal/promread"
 	"github.com/isthmus-mesh/isthmus/ztunnel/hbone"
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
@@ -115,5 +117,45 @@ func TestIstioTelemetry(t *testing.T) {
 		require.Equal(c, "unknown", got["source_workload"], "not a1's")
 		require.Equal(c, "tenant", got["source_workload_namespace"], "from the verified identity")
 		require.Equal(c, "c1", got["source_cluster"], "a cluster the store knows")
+	}, 5*time.Second, 10*time.Millisecond)
+}
+
+// TestIstioSocketsOpen: istio_tcp_sockets_open counts a connection open at
+// the source and the destination ztunnel while it lasts, and drops when
+// it closes; a gateway hop is not counted (as for istio_tcp_*).
+func TestIstioSocketsOpen(t *testing.T) {
+	regOut, regB := prometheus.NewRegistry(), prometheus.NewRegistry()
+	mOut, err := metrics.New(regOut)
+	require.NoError(t, err)
+	mB, err := metrics.New(regB)
+	require.NoError(t, err)
+	m := newMesh(t, func(m *mesh) { m.mOut, m.mB = mOut, mB })
+	m.n1.Update(func(tx *state.Tx) {
+		tx.UpsertWorkload(pod("b1", m.b1, "node-b", "n1", "c1", "echo"))
+		tx.RemoveWorkload("n2/echo")
+	})
+	open := func(g prometheus.Gatherer, reporter string) float64 {
+		v, err := promread.Value(g, "istio_tcp_sockets_open", map[string]string{"reporter": reporter})
+		require.NoError(t, err)
+		return v
+	}
+	c, code := socksDial(t, m.socksAddr, m.a1, echoHost, svcPort)
+	require.Equal(t, byte(0), code)
+	// One echo without a half-close: the connection stays open.
+	_, err = c.Write([]byte("hold"))
+	require.NoError(t, err)
+	got := make([]byte, 4)
+	_, err = io.ReadFull(c, got)
+	require.NoError(t, err)
+	require.Equal(t, "hold", string(got))
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		require.Equal(ct, 1.0, open(regOut, metrics.ReporterSource))
+		require.Equal(ct, 1.0, open(regB, metrics.ReporterDestination))
+	}, 5*time.Second, 10*time.Millisecond)
+	require.Zero(t, open(regOut, metrics.ReporterGateway))
+	require.NoError(t, c.Close())
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		require.Equal(ct, 0.0, open(regOut, metrics.ReporterSource))
+		require.Equal(ct, 0.0, open(regB, metrics.ReporterDestination))
 	}, 5*time.Second, 10*time.Millisecond)
 }

@@ -32,6 +32,7 @@ import (
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -129,6 +130,8 @@ type Deps struct {
 	// Types take more resource types on the same stream, each subscribed
 	// wildcard (ztunnel/authz.Store takes the authorization type).
 	Types []TypeHandler
+	// Registerer receives the client's metrics (nil: not registered).
+	Registerer prometheus.Registerer
 }
 
 // TypeHandler takes the responses of one more resource type. Apply and
@@ -145,25 +148,15 @@ type TypeHandler interface {
 	Versions() map[string]string
 }
 
-// Stats counts the client's protocol events.
-type Stats struct {
-	// Streams is the number of streams opened.
-	Streams int64
-	// Responses, ACKs and NACKs count responses received and answered.
-	Responses, ACKs, NACKs int64
-	// Resources and Removals count the resources and removals received
-	// (a resume after a reconnect that re-sends nothing adds none).
-	Resources, Removals int64
-}
-
 // Client is a delta xDS client feeding a state.Store. Run drives it; the
 // other methods are safe for concurrent use.
 type Client struct {
-	cfg  Config
-	deps Deps
-	log  *slog.Logger
-	conv converter
-	node *core.Node
+	cfg     Config
+	deps    Deps
+	log     *slog.Logger
+	metrics *metrics
+	conv    converter
+	node    *core.Node
 
 	// held is what the client holds (name -> version and kind); written
 	// only by Run's goroutine, read under heldMu by others.
@@ -223,9 +216,14 @@ func New(cfg Config, deps Deps) (*Client, error) {
 	if err != nil {
 		return nil, fmt.Errorf("xdsclient: node metadata: %w", err)
 	}
+	m, err := newMetrics(deps.Registerer)
+	if err != nil {
+		return nil, fmt.Errorf("xdsclient: metrics: %w", err)
+	}
 	return &Client{
 		cfg:      cfg,
 		deps:     deps,
+		metrics:  m,
 		log:      deps.Log.With("component", "xdsclient"),
 		conv:     converter{network: cfg.Network, trustDomain: cfg.TrustDomain},
 		node:     &core.Node{Id: cfg.NodeID, Cluster: cfg.ClusterID, Metadata: meta, UserAgentName: "isthmus-ztunnel"},
@@ -245,12 +243,6 @@ func (c *Client) Synced() <-chan struct{} { return c.syncedCh }
 
 // Connected reports whether a stream to pilot is currently open.
 func (c *Client) Connected() bool { return c.connected.Load() }
-
-// Stats returns the protocol counters.
-func (c *Client) Stats() Stats {
-	return Stats{Streams: c.streams.Load(), Responses: c.responses.Load(), ACKs: c.acks.Load(), NACKs: c.nacks.Load(),
-		Resources: c.resources.Load(), Removals: c.removals.Load()}
-}
 
 // Versions returns the resources the client holds, name -> version.
 func (c *Client) Versions() map[string]string {
@@ -317,8 +309,10 @@ func (c *Client) Run(ctx context.Context) error {
 	for {
 		got, err := c.stream(ctx, ads)
 		if ctx.Err() != nil {
+			c.metrics.terminations.WithLabelValues(TerminationComplete).Inc()
 			return nil
 		}
+		c.metrics.terminations.WithLabelValues(terminationReason(err)).Inc()
 		if got {
 			retry.Reset()
 		}
@@ -338,11 +332,11 @@ func (c *Client) stream(ctx context.Context, ads discovery.AggregatedDiscoverySe
 	defer cancel()
 	st, err := ads.DeltaAggregatedResources(sctx)
 	if err != nil {
-		return false, fmt.Errorf("open stream: %w", err)
+		return false, connectError{fmt.Errorf("open stream: %w", err)}
 	}
 	c.streams.Add(1)
 	if err := c.start(st); err != nil {
-		return false, fmt.Errorf("send initial request: %w", err)
+		return false, connectError{fmt.Errorf("send initial request: %w", err)}
 	}
 	c.connected.Store(true)
 	defer func() {
@@ -357,9 +351,7 @@ func (c *Client) stream(ctx context.Context, ads discovery.AggregatedDiscoverySe
 			return got, fmt.Errorf("receive: %w", err)
 		}
 		got = true
-		c.responses.Add(1)
-		c.resources.Add(int64(len(resp.GetResources())))
-		c.removals.Add(int64(len(resp.GetRemovedResources())))
+		c.received(resp.GetTypeUrl(), len(resp.GetResources()), len(resp.GetRemovedResources()))
 		var rejected []error
 		if resp.GetTypeUrl() == workloadv1.TypeURL {
 			rejected = c.apply(resp)

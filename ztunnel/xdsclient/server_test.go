@@ -13,6 +13,7 @@ import (
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
 	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
@@ -188,6 +189,15 @@ func newCache(res map[string]types.Resource) *cache.LinearCache {
 // client runs an xdsclient against addr until the test ends.
 func client(t *testing.T, addr string, tweak func(*xdsclient.Config)) (*xdsclient.Client, *state.Store) {
 	t.Helper()
+	c, store, cancel := clientWith(t, addr, tweak, nil)
+	t.Cleanup(cancel)
+	return c, store
+}
+
+// clientWith is client with its metrics on reg (nil: none); stop ends Run
+// and closes the client, once (the test's cleanup does not).
+func clientWith(t *testing.T, addr string, tweak func(*xdsclient.Config), reg prometheus.Registerer) (_ *xdsclient.Client, _ *state.Store, stop func()) {
+	t.Helper()
 	store := state.NewStore()
 	cfg := xdsclient.Config{
 		Address: addr, NodeID: "ztunnel~node-a", NodeName: "node-a", ClusterID: "c1", Network: "n1",
@@ -198,18 +208,21 @@ func client(t *testing.T, addr string, tweak func(*xdsclient.Config)) (*xdsclien
 	}
 	c, err := xdsclient.New(cfg, xdsclient.Deps{
 		Store: store, Credentials: insecure.NewCredentials(),
-		Log: slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug})),
+		Log:        slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug})),
+		Registerer: reg,
 	})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- c.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-done)
-		require.NoError(t, c.Close())
-	})
-	return c, store
+	var once sync.Once
+	return c, store, func() {
+		once.Do(func() {
+			cancel()
+			require.NoError(t, <-done)
+			require.NoError(t, c.Close())
+		})
+	}
 }
 
 // eventually waits for cond on the store's snapshot.
