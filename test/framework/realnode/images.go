@@ -13,13 +13,18 @@ import (
 	"github.com/isthmus-mesh/isthmus/internal/imagebuild"
 )
 
-// buildImages builds the pause image and the test's images for this
+// buildImages builds the pause image, CoreDNS's (from the node binaries)
+// and the test's images for this
 // machine's platform with internal/imagebuild (static binaries on its
 // from-scratch base) into one docker-archive tarball, which containerd
 // imports; it fills e.images (name -> reference).
 func (e *Env) buildImages() (string, error) {
 	t0 := time.Now()
-	images := append([]imagebuild.Image{{Name: pauseImage, Package: "./test/framework/realnode/pause", Description: "real-node test sandbox"}}, e.opts.Images...)
+	images := []imagebuild.Image{{Name: pauseImage, Package: "./test/framework/realnode/pause", Description: "real-node test sandbox"}}
+	if !e.opts.NoClusterDNS {
+		images = append(images, imagebuild.Image{Name: corednsImage, Binary: filepath.Join(e.opts.NodeBinDir, "coredns"), Description: "real-node cluster DNS"})
+	}
+	images = append(images, e.opts.Images...)
 	platform := "linux/" + runtime.GOARCH
 	cfg := imagebuild.Config{
 		ModuleDir: e.opts.ModuleDir, Images: images, Platforms: []string{platform},

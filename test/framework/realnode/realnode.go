@@ -47,11 +47,13 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -83,8 +85,12 @@ type Options struct {
 	ModuleDir string
 	// Log receives progress (default: the test's log).
 	Log *slog.Logger
-	// ReadyTimeout bounds the wait for the node to be Ready (default 3 min).
+	// ReadyTimeout bounds the wait for the node to be Ready, and for the
+	// cluster DNS (default 3 min each).
 	ReadyTimeout time.Duration
+	// NoClusterDNS skips CoreDNS: Start returns sooner, and pods get no
+	// cluster nameserver (the kubelet's clusterDNS is empty).
+	NoClusterDNS bool
 }
 
 // Env is a running cluster with one real node.
@@ -96,6 +102,9 @@ type Env struct {
 	// NodeReady is how long the node took to become Ready after its
 	// kubelet started.
 	NodeReady time.Duration
+	// DNSReady is how long the cluster DNS took to be Ready after the node
+	// was (zero with Options.NoClusterDNS).
+	DNSReady time.Duration
 
 	set    *framework.ClusterSet
 	opts   Options
@@ -106,6 +115,9 @@ type Env struct {
 	images map[string]string
 	mu     sync.Mutex
 	files  []*os.File // the log files, closed by stop
+
+	egress     *forwarder           // the API server's cluster egress
+	egressNode atomic.Pointer[Node] // where egress dials, once started
 }
 
 // The image references of the images built here: <registry>/<repo>/<name>:<version>.
@@ -177,11 +189,18 @@ func (o Options) check() error {
 	if o.NodeBinDir == "" {
 		errs = append(errs, errors.New("no node binaries: set ISTHMUS_NODEBIN (make nodebin builds them and prints the folder)"))
 	} else {
-		for _, b := range nodeBinaries {
+		bins := nodeBinaries
+		if !o.NoClusterDNS {
+			bins = append(bins[:len(bins):len(bins)], "coredns")
+		}
+		for _, b := range bins {
 			if _, err := os.Stat(filepath.Join(o.NodeBinDir, b)); err != nil {
 				errs = append(errs, fmt.Errorf("%s missing in %s (run make nodebin)", b, o.NodeBinDir))
 			}
 		}
+	}
+	if _, err := exec.LookPath("nft"); err != nil {
+		errs = append(errs, errors.New("no nft on PATH: kube-proxy's nftables mode runs it (Debian package nftables; hack/build-nodebin.sh installs it)"))
 	}
 	if o.AssetsDir == "" {
 		errs = append(errs, errors.New("no Kubernetes binaries: set KUBEBUILDER_ASSETS (make testbin prints the folder)"))
@@ -194,7 +213,7 @@ func (o Options) check() error {
 
 // nodeBinaries are the binaries of hack/build-nodebin.sh this package runs.
 var nodeBinaries = []string{
-	"kubelet", "kube-scheduler", "kube-controller-manager",
+	"kubelet", "kube-scheduler", "kube-controller-manager", "kube-proxy",
 	"containerd", "containerd-shim-runc-v2", "ctr", "runc", "bridge", "host-local", "loopback",
 }
 
@@ -226,6 +245,10 @@ func start(t testing.TB, opts Options) (*Env, error) {
 		return nil, err
 	}
 
+	egressConfig, err := e.serveEgress()
+	if err != nil {
+		return nil, err
+	}
 	// The images and the control plane do not depend on each other.
 	var wg sync.WaitGroup
 	var imgErr error
@@ -234,9 +257,7 @@ func start(t testing.TB, opts Options) (*Env, error) {
 	t0 := time.Now()
 	e.set, err = framework.Start(framework.Options{
 		Names: []string{opts.Name}, AssetsDir: opts.AssetsDir, Output: e.logFile("control-plane"),
-		// The API server reaches kubelets by the node's IP, never by a
-		// name the host's DNS would resolve.
-		APIServerArgs: map[string]string{"kubelet-preferred-address-types": "InternalIP"},
+		APIServerArgs: apiServerArgs(nodePrefix.Addr(), egressConfig), ServingIPs: servingIPs(nodePrefix.Addr()),
 	})
 	e.log.Info("control plane up", "took", time.Since(t0).Round(time.Millisecond), "err", err)
 	wg.Wait()
@@ -264,14 +285,33 @@ func start(t testing.TB, opts Options) (*Env, error) {
 		name: opts.NodeName, dir: filepath.Join(dir, "node"), bin: opts.NodeBinDir, cgroup: filepath.Base(dir),
 		apiServer: e.Cluster.Host(), kubeconfig: kubeconfig, caFile: caFile, moduleDir: opts.ModuleDir,
 		sandboxImage: e.images[pauseImage], images: tarball, log: e.log, logFile: e.logFile,
+		clusterDNS: e.clusterDNS(), clusterCIDR: podCIDR,
 	})
 	if err != nil {
 		return nil, err
 	}
+	e.egressNode.Store(e.Node)
 	if err := e.waitNodeReady(); err != nil {
 		return nil, err
 	}
+	if !opts.NoClusterDNS {
+		t0 := time.Now()
+		if err := e.deployClusterDNS(t.Context()); err != nil {
+			return nil, fmt.Errorf("deploy the cluster DNS: %w", err)
+		}
+		if err := e.waitClusterDNS(t.Context(), t0); err != nil {
+			return nil, err
+		}
+	}
 	return e, nil
+}
+
+// clusterDNS is the kube-dns Service's IP, invalid without cluster DNS.
+func (e *Env) clusterDNS() netip.Addr {
+	if e.opts.NoClusterDNS {
+		return netip.Addr{}
+	}
+	return dnsSvcIP
 }
 
 // startControllers starts kube-controller-manager and kube-scheduler on the
@@ -372,6 +412,9 @@ func (e *Env) stop() error {
 	}
 	for _, p := range e.procs {
 		errs = append(errs, p.stop())
+	}
+	if e.egress != nil {
+		e.egress.close()
 	}
 	if e.set != nil {
 		errs = append(errs, e.set.Stop())
