@@ -20,21 +20,31 @@
 // kubelet's cgroupRoot), removed at teardown with every process in them.
 //
 // The control plane runs on the host's loopback as in test/framework; the
-// kubelet reaches it through a forwarder that listens on the API server's
-// address inside the node's namespace. Tests reach pods with Node.DialContext,
-// which dials from inside the node's namespace.
+// kubelet and kube-proxy reach it through a forwarder that listens on the
+// API server's port inside the node's namespace. Tests reach pods with
+// Node.DialContext, which dials from inside the node's namespace.
+//
+// Services. kube-proxy runs in the node's namespaces in nftables mode (it
+// runs `nft`, Debian's nftables), so its tables are the node's; it
+// masquerades every Service connection (a pod reaching itself through its
+// Service gets the reply back through the node, with no br_netfilter) and
+// leaves the host's conntrack sysctls alone. The API server advertises the
+// node's IP, where the forwarder listens too, so the kubernetes Service
+// (10.0.0.1) leads pods to the API server; the framework signs the API
+// server's certificate for both addresses and the kubernetes Service's
+// names, and the ServiceAccount admission plugin is on, so in-cluster
+// clients verify the server and authenticate with their token. CoreDNS
+// (Options.NoClusterDNS turns it off) serves ClusterDomain as the Service
+// kube-dns (10.0.0.10, the kubelet's clusterDNS), with nothing forwarded
+// upstream; Start waits until it is Ready. The API server's "cluster"
+// egress (kubelets for logs, exec and port-forward; pods and Services for
+// proxies and webhooks) is HTTP CONNECT on a unix socket the environment
+// serves by dialling from inside the node's namespace: no host route
+// leads to the node, and the API server presents a client certificate of
+// the cluster CA to the kubelet.
 //
 // Cost, measured on this machine (2 cores shared with other builds) with
-// `go test -v ./test/realnode`, which logs the figures: the node is Ready
-// 2-3.5 s after its kubelet starts, a pod Running 2-3 s after it was
-// created, and the whole cluster (etcd, kube-apiserver, the controllers,
-// containerd, kubelet, shims and containers) holds 710-725 MiB of RSS. Start
-// takes 25-45 s in all, mostly building the images and starting the API
-// server, which run in parallel.
-//
-// Not yet: the API server cannot reach the kubelet (logs, exec, port-forward
-// fail: the node's IP exists only in its namespace), no kube-proxy (no
-// Service routing), no cluster DNS.
+// `go test -v ./test/realnode`, which logs the figures: COST.
 //
 // Everything needs root (namespaces, mounts, cgroups). Start fails the test
 // with a message naming what is missing (privilege, a binary, a cgroup
