@@ -120,7 +120,7 @@ if (( need_coredns == 1 )); then
   # The cluster DNS pod's binary (packed into an image by test/framework/realnode).
   wrapper "$WORK/coredns" "github.com/coredns/coredns@v$COREDNS_VERSION" github.com/coredns/coredns
   go mod tidy
-  log "building coredns v$COREDNS_VERSION from source (2-4 min, once per machine)"
+  log "building coredns v$COREDNS_VERSION from source (minutes: 20 on 2 cores shared with other builds; once per machine)"
   CGO_ENABLED=0 build coredns github.com/coredns/coredns "-s -w -X github.com/coredns/coredns/coremain.GitCommit=v$COREDNS_VERSION"
 fi
 

@@ -137,6 +137,7 @@ func (n *Node) kubeProxyConfig() ([]byte, error) {
 		"kind":               "KubeProxyConfiguration",
 		"clientConnection":   map[string]any{"kubeconfig": n.cfg.kubeconfig},
 		"hostnameOverride":   n.Name,
+		"bindAddress":        n.IP.String(), // the node's IP, not waited for from its Node
 		"mode":               "nftables",
 		"nftables":           map[string]any{"masqueradeAll": true, "syncPeriod": "30s", "minSyncPeriod": "0s"},
 		"clusterCIDR":        n.cfg.clusterCIDR.String(),
