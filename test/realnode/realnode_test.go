@@ -254,11 +254,17 @@ func podState(p *corev1.Pod) string {
 	return b.String()
 }
 
-// get sends GET / to address from inside the node and returns the body.
+// get sends GET / to address from inside the node until it is answered
+// 200 (a container is Running before its server listens) and returns the
+// body.
 func get(t *testing.T, node *realnode.Node, address string) string {
 	t.Helper()
-	body, err := tryGet(t.Context(), node, address)
-	require.NoError(t, err)
+	var body string
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		b, err := tryGet(t.Context(), node, address)
+		require.NoError(c, err)
+		body = b
+	}, time.Minute, 200*time.Millisecond)
 	return body
 }
 
