@@ -27,7 +27,7 @@ const serverBin = "/usr/local/bin/server"
 // the node, the Service's cluster DNS name (CoreDNS) from a pod, the
 // server reaching itself through its Service (hairpin), a pod's service
 // account authenticating to the API server through the kubernetes
-// Service, and the server's logs.
+// Service, the API server's proxy to the Service, and the server's logs.
 func services(t *testing.T, env *realnode.Env, ns string) {
 	client := env.Cluster.Client
 	ctx := t.Context()
@@ -72,6 +72,13 @@ func services(t *testing.T, env *realnode.Env, ns string) {
 		out, err := execIn(ctx, env, ns, "client", serverBin, "-whoami")
 		require.NoError(t, err)
 		require.Equal(t, "system:serviceaccount:"+ns+":default\n", out)
+	})
+	t.Run("APIServerProxiesToTheService", func(t *testing.T) {
+		// The API server reaches pods as it would a webhook: through its
+		// cluster egress, from inside the node.
+		body, err := client.CoreV1().Services(ns).ProxyGet("http", "server", "8080", "/", nil).DoRaw(ctx)
+		require.NoError(t, err)
+		require.Equal(t, want, string(body))
 	})
 	t.Run("Logs", func(t *testing.T) {
 		logs, err := client.CoreV1().Pods(ns).GetLogs(server.Name, &corev1.PodLogOptions{}).DoRaw(ctx)

@@ -42,6 +42,15 @@ func corefile() string {
 `, dnsPort, ClusterDomain)
 }
 
+// startClusterDNS deploys CoreDNS and waits until it is Ready.
+func (e *Env) startClusterDNS(ctx context.Context) error {
+	t0 := time.Now()
+	if err := e.deployClusterDNS(ctx); err != nil {
+		return fmt.Errorf("deploy the cluster DNS: %w", err)
+	}
+	return e.waitClusterDNS(ctx, t0)
+}
+
 // deployClusterDNS creates CoreDNS's ServiceAccount, RBAC (read Services,
 // EndpointSlices, Namespaces and Pods), Corefile, Deployment and the
 // kube-dns Service on dnsSvcIP.

@@ -286,12 +286,8 @@ func start(t testing.TB, opts Options) (*Env, error) {
 	}
 	e.Cluster = e.set.Clusters[0]
 
-	kubeconfig := filepath.Join(dir, "admin.kubeconfig")
-	if err := e.Cluster.WriteAdminKubeconfig(kubeconfig); err != nil {
-		return nil, err
-	}
-	caFile := filepath.Join(dir, "ca.crt")
-	if err := os.WriteFile(caFile, e.Cluster.CAData(), 0o644); err != nil {
+	kubeconfig, caFile, err := e.writeClientFiles()
+	if err != nil {
 		return nil, err
 	}
 	if err := e.startControllers(kubeconfig, caFile); err != nil {
@@ -312,15 +308,22 @@ func start(t testing.TB, opts Options) (*Env, error) {
 		return nil, err
 	}
 	if !opts.NoClusterDNS {
-		t0 := time.Now()
-		if err := e.deployClusterDNS(t.Context()); err != nil {
-			return nil, fmt.Errorf("deploy the cluster DNS: %w", err)
-		}
-		if err := e.waitClusterDNS(t.Context(), t0); err != nil {
+		if err := e.startClusterDNS(t.Context()); err != nil {
 			return nil, err
 		}
 	}
 	return e, nil
+}
+
+// writeClientFiles writes the admin kubeconfig and the cluster's CA
+// certificate for the processes started here.
+func (e *Env) writeClientFiles() (kubeconfig, caFile string, err error) {
+	kubeconfig = filepath.Join(e.dir, "admin.kubeconfig")
+	if err := e.Cluster.WriteAdminKubeconfig(kubeconfig); err != nil {
+		return "", "", err
+	}
+	caFile = filepath.Join(e.dir, "ca.crt")
+	return kubeconfig, caFile, os.WriteFile(caFile, e.Cluster.CAData(), 0o644)
 }
 
 // clusterDNS is the kube-dns Service's IP, invalid without cluster DNS.
