@@ -15,7 +15,6 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
@@ -58,7 +57,9 @@ type nodeConfig struct {
 	moduleDir             string
 	cgroup                string // the cgroup name in every hierarchy
 	sandboxImage          string
-	images                string // docker-archive tarball imported into containerd
+	images                string       // docker-archive tarball imported into containerd
+	clusterDNS            netip.Addr   // the pods' nameserver (invalid: none)
+	clusterCIDR           netip.Prefix // kube-proxy's: traffic from outside it is masqueraded
 	log                   *slog.Logger
 	logFile               func(name string) io.Writer
 	logDir                string // where logFile writes
@@ -117,6 +118,9 @@ func startNode(cfg nodeConfig) (n *Node, err error) {
 		return n, err
 	}
 	if err := n.startKubelet(); err != nil {
+		return n, err
+	}
+	if err := n.startKubeProxy(); err != nil {
 		return n, err
 	}
 	return n, nil
@@ -186,9 +190,11 @@ func (n *Node) setupNetwork() error {
 	return nettopo.Sysctl(n.netns, "net/ipv4/ip_forward", "1")
 }
 
-// forwardAPIServer listens on the API server's address inside the node's
-// namespace and relays to the API server on the host's loopback, so the
-// kubelet's kubeconfig is the host's.
+// forwardAPIServer listens on the API server's port on every address
+// inside the node's namespace and relays to the API server on the host's
+// loopback: the kubelet and kube-proxy use the host's kubeconfig
+// (127.0.0.1), and pods reach the API server's advertise address, the
+// node's IP, through the kubernetes Service.
 func (n *Node) forwardAPIServer() error {
 	u, err := url.Parse(n.cfg.apiServer)
 	if err != nil {
@@ -197,12 +203,12 @@ func (n *Node) forwardAPIServer() error {
 	var ln net.Listener
 	if err := netns.Do(n.netns, func() error {
 		var err error
-		ln, err = net.Listen("tcp", u.Host)
+		ln, err = net.Listen("tcp", ":"+u.Port())
 		return err
 	}); err != nil {
 		return fmt.Errorf("listen for the API server in the node's namespace: %w", err)
 	}
-	n.fwd = newForwarder(ln, u.Host)
+	n.fwd = newForwarder(ln, dialTCP(u.Host))
 	return nil
 }
 
@@ -272,7 +278,28 @@ func (n *Node) startKubelet() error {
 	return nil
 }
 
-// exited returns an error if containerd or the kubelet has exited.
+// startKubeProxy starts kube-proxy in the node's namespaces, in nftables
+// mode (its tables live in the node's network namespace).
+func (n *Node) startKubeProxy() error {
+	cfgPath := filepath.Join(n.cfg.dir, "kube-proxy.json")
+	cfg, err := n.kubeProxyConfig()
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(cfgPath, cfg, 0o644); err != nil {
+		return err
+	}
+	cmd := exec.Command(filepath.Join(n.cfg.bin, "kube-proxy"), "--config="+cfgPath, "-v=1")
+	p, err := startProc("kube-proxy", cmd, n.cfg.logFile("kube-proxy"), n.launcher.start)
+	if err != nil {
+		return err
+	}
+	n.procs = append(n.procs, p)
+	return nil
+}
+
+// exited returns an error if containerd, the kubelet or kube-proxy has
+// exited.
 func (n *Node) exited() error {
 	for _, p := range n.procs {
 		if err := p.exited(); err != nil {
@@ -410,76 +437,4 @@ func (l *launcher) start(cmd *exec.Cmd) error { return l.do(cmd.Start) }
 func (l *launcher) close() {
 	close(l.reqs)
 	<-l.done
-}
-
-// forwarder relays connections from a listener to a TCP address.
-type forwarder struct {
-	ln     net.Listener
-	target string
-	mu     sync.Mutex
-	conns  map[net.Conn]struct{}
-	wg     sync.WaitGroup
-}
-
-func newForwarder(ln net.Listener, target string) *forwarder {
-	f := &forwarder{ln: ln, target: target, conns: map[net.Conn]struct{}{}}
-	f.wg.Go(f.serve)
-	return f
-}
-
-func (f *forwarder) serve() {
-	for {
-		c, err := f.ln.Accept()
-		if err != nil {
-			return
-		}
-		f.wg.Go(func() { f.relay(c) })
-	}
-}
-
-// track adds c to the open connections; false once closed.
-func (f *forwarder) track(c net.Conn) bool {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if f.conns == nil {
-		return false
-	}
-	f.conns[c] = struct{}{}
-	return true
-}
-
-func (f *forwarder) relay(c net.Conn) {
-	defer c.Close()
-	if !f.track(c) {
-		return
-	}
-	up, err := net.DialTimeout("tcp", f.target, 10*time.Second)
-	if err != nil {
-		return
-	}
-	defer up.Close()
-	if !f.track(up) {
-		return
-	}
-	done := make(chan struct{}, 2)
-	go func() { _, _ = io.Copy(up, c); done <- struct{}{} }()
-	go func() { _, _ = io.Copy(c, up); done <- struct{}{} }()
-	<-done
-	// One direction ended: close both, so the other copy ends too.
-	c.Close()
-	up.Close()
-	<-done
-}
-
-// close stops accepting, closes every relayed connection and waits for the
-// relays to end.
-func (f *forwarder) close() {
-	f.ln.Close()
-	f.mu.Lock()
-	for c := range f.conns {
-		c.Close()
-	}
-	f.conns = nil
-	f.mu.Unlock()
-	f.wg.Wait()
 }
