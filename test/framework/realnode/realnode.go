@@ -168,7 +168,7 @@ type Env struct {
 	procs              []*proc // host-side processes (scheduler, controller-manager)
 	mu                 sync.Mutex
 
-	egress     *forwarder             // the API server's cluster egress
+	egress     *forwarder              // the API server's cluster egress
 	egressFrom atomic.Pointer[os.File] // the router egress dials from, once up
 }
 

@@ -24,7 +24,7 @@ func TestCheckNamesWhatIsMissing(t *testing.T) {
 	for _, b := range append(nodeBinaries, "coredns") {
 		require.ErrorContains(t, err, b+" missing in")
 	}
-	require.NotContains(t, Options{NodeBinDir: t.TempDir(), NoClusterDNS: true}.check().Error(), "coredns")
+	require.NotContains(t, SetOptions{NodeBinDir: t.TempDir(), NoClusterDNS: true}.check().Error(), "coredns")
 	require.ErrorContains(t, err, "run make nodebin")
 	require.ErrorContains(t, err, "set KUBEBUILDER_ASSETS")
 
