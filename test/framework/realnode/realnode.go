@@ -19,6 +19,14 @@
 // traces are a cgroup named after the node in each cgroup hierarchy (the
 // kubelet's cgroupRoot), removed at teardown with every process in them.
 //
+// The charts' host paths are the node's: inside its mount namespace,
+// CNIBinDir and CNIConfDir are bind mounts of the node's own folders
+// (their mount points made in overlays of /etc and /opt whose upper layers
+// are in the node's folder), /var/run (the charts' socket and state
+// folders) is the node's tmpfs, and pod network namespaces are under
+// NetnsDir, a shared mount. Node.ImportImages adds images (`make images`
+// tarballs) to containerd.
+//
 // The control plane runs on the host's loopback as in test/framework; the
 // kubelet reaches it through a forwarder that listens on the API server's
 // address inside the node's namespace. Tests reach pods with Node.DialContext,
