@@ -90,8 +90,10 @@ func (h Helm) Values() (map[string]any, error) {
 	return vals, errors.Join(errs...)
 }
 
-// Set returns the value the line's last --set gives key (a top-level
-// "key=value" expression), and whether one does.
+// Set returns the scalar value the line's last --set gives key (in a
+// "key=value[,key2=value2]" expression), and whether one does. It is for
+// scalar keys such as image.registry: a list value ({a,b}) is not
+// reassembled.
 func (h Helm) Set(key string) (string, bool) {
 	val, ok := "", false
 	for _, s := range h.Sets {

@@ -112,6 +112,7 @@ func TestREADMEInstall(t *testing.T) {
 			require.Equal(t, 1, r.Version, r.Name)
 			require.NotEmpty(t, strings.TrimSpace(r.Info.Notes), "%s: NOTES.txt rendered nothing", r.Name)
 			require.NotContains(t, r.Info.Notes, "<no value>", "%s: NOTES.txt uses an unset value", r.Name)
+			t.Logf("%s NOTES:\n%s", r.Name, r.Info.Notes)
 			if r.Name == "isthmus-base" {
 				require.Equal(t, "default", r.Namespace)
 			} else {
