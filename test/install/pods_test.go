@@ -111,6 +111,7 @@ func checkPods(t *testing.T, env *realnode.Env) {
 	for _, w := range ws {
 		t.Run(strings.ReplaceAll(w.String(), "/", "_"), func(t *testing.T) {
 			t0 := time.Now()
+			var broken string // an error no wait cures
 			ok := assert.EventuallyWithT(t, func(c *assert.CollectT) {
 				pods := podsOf(c, env, w)
 				require.NotEmpty(c, pods, "no pod yet")
@@ -119,14 +120,17 @@ func checkPods(t *testing.T, env *realnode.Env) {
 					require.Equal(c, env.Node.Name, p.Spec.NodeName, "pod %s not scheduled", p.Name)
 					for _, s := range p.Status.ContainerStatuses {
 						if s.State.Waiting != nil && slices.Contains(imageOrConfigErrors, s.State.Waiting.Reason) {
-							t.Errorf("pod %s container %s: %s: %s", p.Name, s.Name, s.State.Waiting.Reason, s.State.Waiting.Message)
+							broken = fmt.Sprintf("pod %s container %s: %s: %s", p.Name, s.Name, s.State.Waiting.Reason, s.State.Waiting.Message)
 							return
 						}
 					}
 					require.True(c, started(p), "pod %s: not every container started: %s", p.Name, podState(p))
 				}
 			}, 3*time.Minute, 500*time.Millisecond)
-			if ok {
+			switch {
+			case broken != "":
+				t.Error(broken)
+			case ok:
 				t.Logf("%s: every container started %v after the install", w, time.Since(t0).Round(time.Millisecond))
 			}
 			for _, p := range podsOf(t, env, w) {
