@@ -11,8 +11,9 @@ import (
 // never collected), and the settings this kind of machine needs:
 // restrict_oom_score_adj (no CAP_SYS_RESOURCE: runc cannot set the pause
 // container's -998), no AppArmor, cgroupfs, pod network namespaces mounted
-// under containerd's own state folder, the CNI binaries and config in the
-// test's folders, NRI off (its socket would be under /var/run/nri).
+// under containerd's own state folder (NetnsDir), the CNI binaries and
+// config in CNIBinDir and CNIConfDir (the node's own folders bound there),
+// NRI off (its socket would be under /var/run/nri).
 func (n *Node) containerdConfig() string {
 	d := func(p string) string { return filepath.Join(n.cfg.dir, p) }
 	return fmt.Sprintf(`version = 3
@@ -51,7 +52,7 @@ state = %q
     conf_dir = %q
     max_conf_num = 1
 `, d("containerd/root"), d("containerd/state"), n.sock(), d("containerd/opt"), n.cfg.sandboxImage,
-		filepath.Join(n.cfg.bin, "runc"), d("runc"), n.cfg.bin, d("cni/net.d"))
+		filepath.Join(n.cfg.bin, "runc"), d("runc"), CNIBinDir, CNIConfDir)
 }
 
 // cniConfig is the node's CNI network: a bridge that is the pods' gateway

@@ -14,7 +14,6 @@ import (
 	"path/filepath"
 	"runtime"
 	"strconv"
-	"strings"
 	"syscall"
 	"time"
 
@@ -96,10 +95,13 @@ func startNode(cfg nodeConfig) (n *Node, err error) {
 			err = errors.Join(err, n.stop())
 		}
 	}()
-	for _, d := range []string{"containerd/root", "containerd/state", "runc", "cni/net.d", "cni/ipam", "kubelet", "pod-logs"} {
+	for _, d := range []string{"containerd/root", "containerd/state", "runc", "cni/net.d", "cni/bin", "cni/ipam", "kubelet", "pod-logs"} {
 		if err := os.MkdirAll(filepath.Join(cfg.dir, d), 0o755); err != nil {
 			return n, err
 		}
+	}
+	if err := n.copyCNIPlugins(); err != nil {
+		return n, err
 	}
 	n.launcher = newLauncher()
 	if err := n.enterNamespaces(); err != nil {
@@ -134,7 +136,8 @@ func startNode(cfg nodeConfig) (n *Node, err error) {
 // whatever its configuration says (TestRealNode checks): /run (containerd's
 // shim sockets are always under /run/containerd), /var/log (the kubelet's
 // /var/log/containers links) and /var/lib (libcni's cache in /var/lib/cni,
-// the kubelet's /var/lib/kubelet/device-plugins).
+// the kubelet's /var/lib/kubelet/device-plugins); then the charts' host
+// paths (mountHostPaths).
 func (n *Node) enterNamespaces() error {
 	pause := filepath.Join(n.cfg.dir, "pause")
 	if err := goBuild(n.cfg.moduleDir, "./test/framework/realnode/pause", pause); err != nil {
@@ -171,7 +174,7 @@ func (n *Node) enterNamespaces() error {
 				return fmt.Errorf("mount a tmpfs on %s in the node's mount namespace: %w", d, err)
 			}
 		}
-		return nil
+		return n.mountHostPaths()
 	})
 }
 
@@ -245,14 +248,7 @@ func (n *Node) startContainerd() error {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	t0 := time.Now()
-	out, err := exec.Command(filepath.Join(n.cfg.bin, "ctr"), "--address", n.sock(), "-n", "k8s.io",
-		"images", "import", "--local", n.cfg.images).CombinedOutput()
-	if err != nil {
-		return fmt.Errorf("ctr images import: %w: %s", err, strings.TrimSpace(string(out)))
-	}
-	n.cfg.log.Info("images imported into containerd", "took", time.Since(t0).Round(time.Millisecond))
-	return nil
+	return n.ImportImages(n.cfg.images)
 }
 
 func (n *Node) startKubelet() error {

@@ -37,8 +37,8 @@
 //     once the test calls Set.ExposeGateway(node IP:port) (only that port
 //     of the node crosses);
 //   - each cluster's API server: Env.APIServer, an address of its network
-//     (10.i.255.n, with the API server's port) on the router, where a forwarder relays to the API
-//     server on the host's loopback; a remote secret's server for pods of
+//     (10.i.255.n, with the API server's port) on the router, where a
+//     forwarder relays to the API server on the host's loopback; a remote secret's server for pods of
 //     other networks (the certificate names 127.0.0.1, so the kubeconfig
 //     sets tls-server-name: Env.RemoteKubeconfig writes it);
 //   - any other host listener, pilot's xDS say: Set.ExposeHost gives it
@@ -69,6 +69,14 @@
 // HTTP CONNECT on a unix socket the set serves by dialling from inside the
 // cluster's network's router: no host route leads to the nodes, and the API
 // server presents a client certificate of the cluster CA to the kubelets.
+//
+// The charts' host paths are the node's: inside its mount namespace,
+// CNIBinDir and CNIConfDir are bind mounts of the node's own folders
+// (their mount points made in overlays of /etc and /opt whose upper layers
+// are in the node's folder), /var/run (the charts' socket and state
+// folders) is the node's tmpfs, and pod network namespaces are under
+// NetnsDir, a shared mount. Node.ImportImages adds images (`make images`
+// tarballs) to containerd.
 //
 // Cost, measured on this machine (2 cores shared with other builds) with
 // `go test -v ./test/realnode`, which logs the figures: a node is Ready
