@@ -79,7 +79,7 @@ testbin:
 	K8S_VERSION=$(K8S_VERSION) ETCD_VERSION=$(ETCD_VERSION) hack/build-testbin.sh $(TESTBIN)
 
 ## nodebin: build a real node's binaries from the Go module proxy (idempotent): kubelet,
-## kube-scheduler, kube-controller-manager, kube-proxy, containerd, runc, CNI plugins.
+## kube-scheduler, kube-controller-manager, kube-proxy, containerd, runc, CNI plugins, CoreDNS.
 ## After testbin, whose build cache the Kubernetes ones share.
 nodebin: testbin
 	K8S_VERSION=$(K8S_VERSION) hack/build-nodebin.sh $(NODEBIN)

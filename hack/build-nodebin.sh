@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the binaries of a real Kubernetes node for the tests (kubelet, kube-scheduler,
-# kube-controller-manager, kube-proxy, containerd, containerd-shim-runc-v2, ctr, runc and
-# the CNI plugins bridge, host-local and loopback), from the Go module proxy only:
+# kube-controller-manager, kube-proxy, containerd, containerd-shim-runc-v2, ctr, runc, the
+# CNI plugins bridge, host-local and loopback, and CoreDNS), from the Go module proxy only:
 # nothing prebuilt is downloaded. The control-plane binaries (kube-apiserver, etcd) come
 # from hack/build-testbin.sh; the Kubernetes ones here are built from the same wrapper
 # module, so they share its build cache.
@@ -9,16 +9,19 @@
 # Usage: hack/build-nodebin.sh [<bin-dir>]
 #   <bin-dir> defaults to $ISTHMUS_NODEBIN, else $(go env GOPATH)/isthmus-testbin/node-$K8S_VERSION.
 #   Prints the folder on its last line; tests find it through ISTHMUS_NODEBIN.
-# Env: K8S_VERSION, CONTAINERD_VERSION, RUNC_VERSION, CNI_PLUGINS_VERSION (pinned below).
+# Env: K8S_VERSION, CONTAINERD_VERSION, RUNC_VERSION, CNI_PLUGINS_VERSION, COREDNS_VERSION
+# (pinned below).
 # Idempotent: a binary already in <bin-dir> that reports the pinned version is kept.
 # runc needs cgo and libseccomp: the script installs Debian's libseccomp-dev with apt-get
-# when pkg-config does not find it.
+# when pkg-config does not find it. kube-proxy's nftables mode runs `nft`: the script
+# installs Debian's nftables the same way when no nft is on PATH.
 set -euo pipefail
 
 K8S_VERSION=${K8S_VERSION:-1.37.2}
 CONTAINERD_VERSION=${CONTAINERD_VERSION:-2.4.2}
 RUNC_VERSION=${RUNC_VERSION:-1.5.3}
 CNI_PLUGINS_VERSION=${CNI_PLUGINS_VERSION:-1.10.0}
+COREDNS_VERSION=${COREDNS_VERSION:-1.15.0}
 STAGING_VERSION=0.${K8S_VERSION#*.} # 1.37.2 -> 0.37.2
 OUT=${1:-${ISTHMUS_NODEBIN:-$(go env GOPATH)/isthmus-testbin/node-$K8S_VERSION}}
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -32,16 +35,28 @@ log() { echo ">> $*" >&2; }
 # stderr). The output is read whole: piping it into grep -q would, under pipefail,
 # fail at random when grep exits before the binary has written everything.
 have() { [[ -x $1 ]] || return 1; local out; out=$(env -u CNI_COMMAND "$1" "${@:3}" 2>&1 </dev/null) || return 1; [[ $out == *"$2"* ]]; }
+# apt_install PKG WHY: installs a Debian package with apt-get (updating the lists once if
+# needed), or exits naming it.
+apt_install() {
+  log "installing Debian's $1 ($2)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -qq "$1" >/dev/null || { apt-get update -qq >/dev/null && apt-get install -y -qq "$1" >/dev/null; } ||
+    { log "could not install $1 (apt-get needs root): install it, then run this again"; exit 1; }
+}
 
-need_k8s=(); need_containerd=(); need_runc=0; need_cni=()
+command -v nft >/dev/null || apt_install nftables "kube-proxy's nftables mode runs nft"
+
+need_k8s=(); need_containerd=(); need_runc=0; need_cni=(); need_coredns=0
 for b in "${K8S_BINS[@]}"; do have "$OUT/$b" "Kubernetes v$K8S_VERSION" --version || need_k8s+=("$b"); done
 have "$OUT/containerd" "v$CONTAINERD_VERSION" --version || need_containerd+=(containerd)
 have "$OUT/containerd-shim-runc-v2" "Version:  v$CONTAINERD_VERSION" -v || need_containerd+=(containerd-shim-runc-v2)
 have "$OUT/ctr" "v$CONTAINERD_VERSION" --version || need_containerd+=(ctr)
 have "$OUT/runc" "runc version $RUNC_VERSION" --version || need_runc=1
 for b in "${CNI_BINS[@]}"; do have "$OUT/$b" "CNI $b plugin v$CNI_PLUGINS_VERSION" || need_cni+=("$b"); done
-if (( ${#need_k8s[@]} + ${#need_containerd[@]} + need_runc + ${#need_cni[@]} == 0 )); then
-  log "node binaries (kubernetes v$K8S_VERSION, containerd v$CONTAINERD_VERSION, runc v$RUNC_VERSION, CNI plugins v$CNI_PLUGINS_VERSION) up to date in $OUT (no rebuild)"
+have "$OUT/coredns" "CoreDNS-$COREDNS_VERSION" -version || need_coredns=1
+VERSIONS="kubernetes v$K8S_VERSION, containerd v$CONTAINERD_VERSION, runc v$RUNC_VERSION, CNI plugins v$CNI_PLUGINS_VERSION, CoreDNS v$COREDNS_VERSION"
+if (( ${#need_k8s[@]} + ${#need_containerd[@]} + need_runc + ${#need_cni[@]} + need_coredns == 0 )); then
+  log "node binaries ($VERSIONS) up to date in $OUT (no rebuild)"
   echo "$OUT"; exit 0
 fi
 
@@ -80,12 +95,7 @@ if (( ${#need_containerd[@]} > 0 )); then
 fi
 
 if (( need_runc == 1 )); then
-  if ! pkg-config --exists libseccomp 2>/dev/null; then
-    log "installing Debian's libseccomp-dev (runc is built with seccomp support)"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -qq libseccomp-dev >/dev/null || { apt-get update -qq >/dev/null && apt-get install -y -qq libseccomp-dev >/dev/null; } ||
-      { log "could not install libseccomp-dev (apt-get needs root): install it, then run this again"; exit 1; }
-  fi
+  pkg-config --exists libseccomp 2>/dev/null || apt_install libseccomp-dev "runc is built with seccomp support"
   wrapper "$WORK/runc" "github.com/opencontainers/runc@v$RUNC_VERSION" github.com/opencontainers/runc
   go mod tidy
   log "building runc v$RUNC_VERSION from source (cgo, seccomp; under a minute)"
@@ -104,6 +114,14 @@ if (( ${#need_cni[@]} > 0 )); then
     log "building CNI plugin $b v$CNI_PLUGINS_VERSION from source (seconds)"
     CGO_ENABLED=0 build "$b" "github.com/containernetworking/plugins/$pkg" "$LD"
   done
+fi
+
+if (( need_coredns == 1 )); then
+  # The cluster DNS pod's binary (packed into an image by test/framework/realnode).
+  wrapper "$WORK/coredns" "github.com/coredns/coredns@v$COREDNS_VERSION" github.com/coredns/coredns
+  go mod tidy
+  log "building coredns v$COREDNS_VERSION from source (minutes: 20 on 2 cores shared with other builds; once per machine)"
+  CGO_ENABLED=0 build coredns github.com/coredns/coredns "-s -w -X github.com/coredns/coredns/coremain.GitCommit=v$COREDNS_VERSION"
 fi
 
 if (( ${#need_k8s[@]} > 0 )); then
@@ -128,8 +146,8 @@ if (( ${#need_k8s[@]} > 0 )); then
   done
 fi
 
-for b in "${K8S_BINS[@]}" "${CONTAINERD_BINS[@]}" runc "${CNI_BINS[@]}"; do
+for b in "${K8S_BINS[@]}" "${CONTAINERD_BINS[@]}" runc "${CNI_BINS[@]}" coredns; do
   [[ -x $OUT/$b ]] || { log "missing $OUT/$b after the build"; exit 1; }
 done
-log "node binaries in $OUT: kubernetes v$K8S_VERSION, containerd v$CONTAINERD_VERSION, runc v$RUNC_VERSION, CNI plugins v$CNI_PLUGINS_VERSION"
+log "node binaries in $OUT: $VERSIONS"
 echo "$OUT"

@@ -8,74 +8,9 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"helm.sh/helm/v3/pkg/strvals"
+
+	"github.com/isthmus-mesh/isthmus/internal/readme"
 )
-
-// readmeCommands returns the shell commands of the README's "Installing on
-// real clusters" section, continuation lines joined, comments dropped.
-func readmeCommands(t *testing.T) []string {
-	t.Helper()
-	raw, err := os.ReadFile("../README.md")
-	require.NoError(t, err)
-	_, section, ok := strings.Cut(string(raw), "\n## Installing on real clusters\n")
-	require.True(t, ok, "README has the section")
-	section, _, _ = strings.Cut(section, "\n## ")
-	var cmds []string
-	inCode, cur := false, ""
-	for _, line := range strings.Split(section, "\n") {
-		if strings.HasPrefix(line, "```") {
-			inCode = !inCode
-			continue
-		}
-		line = strings.TrimSpace(line)
-		if !inCode || line == "" || strings.HasPrefix(line, "#") {
-			continue
-		}
-		if c, _, found := strings.Cut(line, " #"); found {
-			line = strings.TrimSpace(c)
-		}
-		if strings.HasSuffix(line, `\`) {
-			cur += strings.TrimSuffix(line, `\`) + " "
-			continue
-		}
-		cmds = append(cmds, cur+line)
-		cur = ""
-	}
-	require.NotEmpty(t, cmds)
-	return cmds
-}
-
-// helmInstall is one `helm install` line of the README.
-type helmInstall struct {
-	chart, namespace string
-	values           map[string]any
-}
-
-func parseHelm(t *testing.T, cmd string) helmInstall {
-	t.Helper()
-	args := strings.Fields(cmd)
-	h := helmInstall{values: map[string]any{}}
-	var pos []string
-	for i := 1; i < len(args); i++ {
-		switch a := args[i]; a {
-		case "--kube-context":
-			i++
-		case "-n", "--namespace":
-			i++
-			h.namespace = args[i]
-		case "--set":
-			i++
-			require.NoError(t, strvals.ParseInto(args[i], h.values), cmd)
-		default:
-			require.False(t, strings.HasPrefix(a, "-"), "README helm line with a flag the test does not know: %s", cmd)
-			pos = append(pos, a)
-		}
-	}
-	require.Len(t, pos, 3, "helm install <release> <chart>: %s", cmd)
-	require.Equal(t, "install", pos[0], cmd)
-	h.chart = strings.TrimPrefix(pos[2], "manifests/")
-	return h
-}
 
 // TestReadmeInstallCommands runs every helm line of the README's
 // installation section as the install would (render with its --set values
@@ -93,12 +28,17 @@ func TestReadmeInstallCommands(t *testing.T) {
 	require.NoError(t, err)
 
 	var helms, makes int
-	for _, cmd := range readmeCommands(t) {
+	cmds, err := readme.Commands("../README.md", "## Installing on real clusters")
+	require.NoError(t, err)
+	for _, cmd := range cmds {
 		switch f := strings.Fields(cmd); f[0] {
 		case "helm":
 			helms++
-			h := parseHelm(t, cmd)
-			objs := render(t, h.chart, h.namespace, h.values)
+			h, err := readme.ParseHelm(cmd)
+			require.NoError(t, err)
+			values, err := h.Values()
+			require.NoError(t, err, cmd)
+			objs := render(t, strings.TrimPrefix(h.Chart, "manifests/"), h.Namespace, values)
 			require.NotEmpty(t, objs, cmd)
 			for _, o := range objs {
 				require.NoError(t, a.apply(ctx, o, true), cmd)

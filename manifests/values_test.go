@@ -158,10 +158,12 @@ func TestNotes(t *testing.T) {
 			"helm install isthmus-ztunnel manifests/ztunnel -n isthmus-system --set clusterID=cluster-1 --set network=network1",
 			"isthmusctl create-remote-secret", "port-forward deployment/isthmusd 8080:8080", "isthmusctl version", "--set dashboards.enabled=true"}},
 		{"pilot", map[string]any{"dashboards": map[string]any{"enabled": true}}, []string{"ConfigMap isthmus-pilot-dashboard (grafana_dashboard=1)"}},
-		{"ztunnel", nil, []string{"rollout status daemonset/ztunnel", "isthmusd.isthmus-system.svc:15012", "isthmus-ca-root-cert"}},
+		{"pilot", nil, []string{"helm install isthmus-cni manifests/cni -n isthmus-system", "isthmus-remote, isthmus-cni, isthmus-ztunnel"}},
+		{"ztunnel", nil, []string{"rollout status daemonset/ztunnel", "isthmusd.isthmus-system.svc:15012", "isthmus-ca-root-cert",
+			"/var/run/isthmus/cni/ztunnel.sock; without that chart", "helm install isthmus-cni manifests/cni -n isthmus-system"}},
 		{"ztunnel", map[string]any{"mode": "gateway"}, []string{"rollout status deployment/ztunnel-gateway"}},
 		{"eastwest-gateway", map[string]any{"network": "network2"}, []string{`network "network2"`, "get service isthmus-eastwestgateway"}},
-		{"base", nil, []string{"namespace isthmus-system is created", "helm install isthmus-pilot manifests/pilot"}},
+		{"base", nil, []string{"namespace isthmus-system is created", "helm install isthmus-pilot manifests/pilot", "isthmus-cni and isthmus-ztunnel"}},
 		{"remote", nil, []string{"isthmusctl create-remote-secret", "--namespace isthmus-system"}},
 		{"cni", nil, []string{"rollout status daemonset/isthmus-cni", "/var/run/isthmus/cni/ztunnel.sock", "never: kube-system, isthmus-system",
 			"istio.io/dataplane-mode=ambient", "set uninstallOnExit=true"}},
@@ -172,6 +174,12 @@ func TestNotes(t *testing.T) {
 		for _, w := range tc.want {
 			require.Contains(t, rel.Info.Notes, w, "NOTES of %s", tc.chart)
 		}
+	}
+	// Only a node-mode ztunnel in-pod needs the CNI agent.
+	for _, values := range []map[string]any{{"mode": "gateway"}, {"inpod": map[string]any{"enabled": false}}} {
+		rel, err := install(t, "ztunnel", values)
+		require.NoError(t, err)
+		require.NotContains(t, rel.Info.Notes, "In-pod mode", "NOTES of ztunnel with %v", values)
 	}
 }
 

@@ -86,9 +86,12 @@ func buildImage(ctx context.Context, cfg Config, im Image, base v1.Layer, tmp st
 	for _, ps := range cfg.Platforms {
 		p, _ := parsePlatform(ps) // validated
 		start := time.Now()
-		path, err := goBuild(ctx, cfg, im, p, tmp)
-		if err != nil {
-			return nil, err
+		path := im.Binary
+		if path == "" {
+			var err error
+			if path, err = goBuild(ctx, cfg, im, p, tmp); err != nil {
+				return nil, err
+			}
 		}
 		bin, err := os.ReadFile(path)
 		if err != nil {

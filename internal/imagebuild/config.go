@@ -24,6 +24,10 @@ type Image struct {
 	Name string
 	// Package is the main package, relative to Config.ModuleDir (./cmd/pilot).
 	Package string
+	// Binary, when set, is the path of a static binary built elsewhere
+	// (a test's CoreDNS) packed instead of building Package; it is for one
+	// platform, so Config.Platforms must then name only that one.
+	Binary string
 	// Description becomes the org.opencontainers.image.description label.
 	Description string
 }
@@ -135,7 +139,11 @@ func (c Config) validate() error {
 			errs = append(errs, fmt.Errorf("image name %q: want a unique lower-case repository name", im.Name))
 		}
 		seen[im.Name] = true
-		if !strings.HasPrefix(im.Package, "./") {
+		if im.Binary != "" {
+			if len(c.Platforms) != 1 {
+				errs = append(errs, fmt.Errorf("image %s: a prebuilt binary is for one platform, not %d", im.Name, len(c.Platforms)))
+			}
+		} else if !strings.HasPrefix(im.Package, "./") {
 			errs = append(errs, fmt.Errorf("image %s: package %q must be relative to the module (./...)", im.Name, im.Package))
 		}
 	}

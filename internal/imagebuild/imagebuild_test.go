@@ -410,8 +410,29 @@ func TestConfigRefused(t *testing.T) {
 		{imagebuild.Config{Version: "1", Commit: "c", SourceDateEpoch: -1}, "negative"},
 		{imagebuild.Config{Version: "1", Commit: "c", Images: []imagebuild.Image{{Name: "a", Package: "./a"}, {Name: "a", Package: "./b"}}}, `image name "a"`},
 		{imagebuild.Config{Version: "1", Commit: "c", Images: []imagebuild.Image{{Name: "a", Package: "cmd/a"}}}, "relative to the module"},
+		{imagebuild.Config{Version: "1", Commit: "c", Images: []imagebuild.Image{{Name: "a", Binary: "/bin/a"}}}, "for one platform, not 2"},
 	} {
 		_, err := imagebuild.Build(context.Background(), tc.cfg, imagebuild.Deps{})
 		require.ErrorContains(t, err, tc.want)
 	}
+}
+
+// TestPrebuiltBinary packs a binary built elsewhere (this test's own
+// executable): the image's binary is that file, byte for byte, and its
+// SBOM lists the binary's own main module.
+func TestPrebuiltBinary(t *testing.T) {
+	exe, err := os.Executable()
+	require.NoError(t, err)
+	want, err := os.ReadFile(exe)
+	require.NoError(t, err)
+	host := platforms()[0]
+	res, err := imagebuild.Build(context.Background(), imagebuild.Config{
+		Images: []imagebuild.Image{{Name: "prebuilt", Binary: exe, Description: "a prebuilt binary"}}, Platforms: []string{host},
+		Version: testVersion, Commit: testCommit, OutDir: filepath.Join(t.TempDir(), "out"),
+	}, imagebuild.Deps{})
+	require.NoError(t, err)
+	require.Len(t, res.Images, 1)
+	_, bodies, _ := files(t, res.Images[0].Platforms[host])
+	require.Equal(t, want, bodies["usr/local/bin/prebuilt"])
+	require.Contains(t, string(res.Images[0].SBOMs[host]), "github.com/isthmus-mesh/isthmus")
 }

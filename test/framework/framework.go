@@ -30,8 +30,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -61,6 +63,25 @@ type Options struct {
 	// APIServerArgs are extra kube-apiserver flags (name without dashes ->
 	// value), set on every cluster's API server.
 	APIServerArgs map[string]string
+	// ServingIPs are more addresses each API server's serving certificate
+	// is valid for (an advertise address, the kubernetes Service's
+	// ClusterIP). With any, the framework makes each cluster's CA itself
+	// (Cluster.CAData), the serving certificate also names the kubernetes
+	// Service's DNS names, and the API server presents a client certificate
+	// of that CA (system:masters) to kubelets, so a kubelet whose
+	// clientCAFile is Cluster.CAData serves it logs and exec.
+	ServingIPs []net.IP
+	// PerCluster adds, by cluster name, flags and serving addresses that
+	// differ between clusters (an advertise address, an egress socket).
+	PerCluster map[string]ClusterOptions
+}
+
+// ClusterOptions are one cluster's own additions to Options: its
+// APIServerArgs override the set's of the same name, its ServingIPs are
+// added to the set's.
+type ClusterOptions struct {
+	APIServerArgs map[string]string
+	ServingIPs    []net.IP
 }
 
 // ClusterSet is a set of running clusters sharing one etcd.
@@ -160,7 +181,20 @@ func (s *ClusterSet) startCluster(name string, opts Options) (*Cluster, error) {
 		Out: opts.Output, Err: opts.Output, StartTimeout: 2 * time.Minute,
 	}
 	api.Configure().Set("etcd-prefix", "/"+name)
+	own := opts.PerCluster[name]
+	if ips := append(slices.Clone(opts.ServingIPs), own.ServingIPs...); len(ips) > 0 {
+		ca, err := writeCerts(dir, ips)
+		if err != nil {
+			return nil, fmt.Errorf("certificates of %s: %w", name, err)
+		}
+		api.SecureServing.CA = ca // envtest keeps the files it finds
+		api.Configure().Set("kubelet-client-certificate", filepath.Join(dir, kubeletClientCertFile))
+		api.Configure().Set("kubelet-client-key", filepath.Join(dir, kubeletClientKeyFile))
+	}
 	for k, v := range opts.APIServerArgs {
+		api.Configure().Set(k, v)
+	}
+	for k, v := range own.APIServerArgs {
 		api.Configure().Set(k, v)
 	}
 	if err := api.Start(); err != nil {

@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/nftables"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"github.com/vishvananda/netlink"
@@ -48,9 +49,12 @@ const serverImage = "server"
 
 // TestRealNode brings up one cluster with one real node, then runs the test
 // server as a Deployment's pod on the CNI bridge and as a hostNetwork pod,
-// and talks to each over the node's network. After the teardown, nothing of
-// the node is left on the host, and the host's links and routes are as
-// before.
+// and talks to each over the node's network; pods reach the server's
+// Service by its cluster DNS name, the server reaches itself through it,
+// a pod's service account authenticates to the API server, and the API
+// server serves the pods' logs and exec. After the teardown, nothing of the
+// node is left on the host, and the host's links, routes, nftables tables
+// and conntrack sysctls are as before.
 func TestRealNode(t *testing.T) {
 	before := snapshotHost(t)
 	var dir string
@@ -63,13 +67,14 @@ func TestRealNode(t *testing.T) {
 // hostState is what of the host a test's environment must leave as it
 // found it.
 type hostState struct {
-	links, routes []string
-	paths         map[string]bool
+	links, routes, tables []string
+	paths                 map[string]bool
+	sysctls               map[string]string
 }
 
 func snapshotHost(t *testing.T) hostState {
 	links, routes := hostNetwork(t)
-	return hostState{links, routes, hostPaths()}
+	return hostState{links: links, routes: routes, tables: hostNFTables(t), paths: hostPaths(), sysctls: hostSysctls()}
 }
 
 // requireHostClean checks that nothing of the environment whose folder was
@@ -91,6 +96,8 @@ func requireHostClean(t *testing.T, dir string, before hostState) {
 	require.Equal(t, before.paths, after.paths, "the node wrote to the host's runtime folders")
 	require.Equal(t, before.links, after.links, "the host's links changed")
 	require.Equal(t, before.routes, after.routes, "the host's routes changed")
+	require.Equal(t, before.tables, after.tables, "the host's nftables tables changed")
+	require.Equal(t, before.sysctls, after.sysctls, "the host's conntrack sysctls changed")
 }
 
 // cluster runs the scenario on a fresh environment and returns its folder.
@@ -98,12 +105,19 @@ func cluster(t *testing.T) string {
 	env := realnode.Start(t, realnode.Options{
 		Images: []imagebuild.Image{{Name: serverImage, Package: "./test/realnode/server", Description: "real-node test server"}},
 	})
-	t.Logf("node %s Ready %v after its kubelet started", env.Node.Name, env.NodeReady.Round(time.Millisecond))
+	t.Logf("node %s Ready %v after its kubelet started, cluster DNS Ready %v after that", env.Node.Name,
+		env.NodeReady.Round(time.Millisecond), env.DNSReady.Round(time.Millisecond))
 	client := env.Cluster.Client
 	ns := "realnode"
 	ctx := t.Context()
 	_, err := client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{})
 	require.NoError(t, err)
+	// Pods are admitted with their service account, which the controller
+	// manager creates.
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		_, err := client.CoreV1().ServiceAccounts(ns).Get(ctx, "default", metav1.GetOptions{})
+		require.NoError(c, err)
+	}, time.Minute, 200*time.Millisecond)
 
 	t.Run("DeploymentPodOnTheBridge", func(t *testing.T) {
 		labels := map[string]string{"app": "server"}
@@ -167,7 +181,9 @@ func cluster(t *testing.T) string {
 		require.Equal(t, "isthmus realnode server "+host+"\n", get(t, env.Node, net.JoinHostPort(env.Node.IP.String(), "18080")))
 	})
 
-	t.Logf("cluster RSS (etcd, apiserver, controllers, containerd, kubelet, shims, containers): %d MiB", env.RSSBytes()>>20)
+	t.Run("Services", func(t *testing.T) { services(t, env, ns) })
+
+	t.Logf("cluster RSS (etcd, apiserver, controllers, containerd, kubelet, kube-proxy, shims, containers): %d MiB", env.RSSBytes()>>20)
 	return env.Dir()
 }
 
@@ -257,7 +273,8 @@ func podState(p *corev1.Pod) string {
 	return b.String()
 }
 
-// get sends GET / to address from inside the node and returns the body.
+// get sends GET / to address from inside the node and returns the body
+// (an answer other than 200 fails the test).
 func get(t *testing.T, node *realnode.Node, address string) string {
 	t.Helper()
 	code, body := fetch(t, node, "http://"+address+"/")
@@ -290,4 +307,37 @@ func fetch(t *testing.T, node *realnode.Node, url string) (int, string) {
 	body, err := io.ReadAll(resp.Body)
 	require.NoError(t, err)
 	return resp.StatusCode, string(body)
+}
+
+// hostNFTables lists the host's nftables tables (family and name).
+func hostNFTables(t *testing.T) []string {
+	t.Helper()
+	c, err := nftables.New()
+	require.NoError(t, err)
+	ts, err := c.ListTables()
+	require.NoError(t, err)
+	var out []string
+	for _, tb := range ts {
+		out = append(out, fmt.Sprintf("%d %s", tb.Family, tb.Name))
+	}
+	slices.Sort(out)
+	return out
+}
+
+// hostSysctls reads the host's conntrack settings that kube-proxy would
+// write unless told not to (global, not per network namespace).
+func hostSysctls() map[string]string {
+	out := map[string]string{}
+	for _, p := range []string{
+		"/proc/sys/net/netfilter/nf_conntrack_max", "/sys/module/nf_conntrack/parameters/hashsize",
+		"/proc/sys/net/netfilter/nf_conntrack_tcp_timeout_established", "/proc/sys/net/netfilter/nf_conntrack_tcp_timeout_close_wait",
+	} {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			out[p] = "unreadable: " + err.Error()
+			continue
+		}
+		out[p] = strings.TrimSpace(string(b))
+	}
+	return out
 }

@@ -11,8 +11,9 @@ import (
 // never collected), and the settings this kind of machine needs:
 // restrict_oom_score_adj (no CAP_SYS_RESOURCE: runc cannot set the pause
 // container's -998), no AppArmor, cgroupfs, pod network namespaces mounted
-// under containerd's own state folder, the CNI binaries and config in the
-// test's folders, NRI off (its socket would be under /var/run/nri).
+// under containerd's own state folder (NetnsDir), the CNI binaries and
+// config in CNIBinDir and CNIConfDir (the node's own folders bound there),
+// NRI off (its socket would be under /var/run/nri).
 func (n *Node) containerdConfig() string {
 	d := func(p string) string { return filepath.Join(n.cfg.dir, p) }
 	return fmt.Sprintf(`version = 3
@@ -51,7 +52,7 @@ state = %q
     conf_dir = %q
     max_conf_num = 1
 `, d("containerd/root"), d("containerd/state"), n.sock(), d("containerd/opt"), n.cfg.sandboxImage,
-		filepath.Join(n.cfg.bin, "runc"), d("runc"), n.cfg.bin, d("cni/net.d"))
+		filepath.Join(n.cfg.bin, "runc"), d("runc"), CNIBinDir, CNIConfDir)
 }
 
 // cniConfig is the node's CNI network: a bridge that is the pods' gateway
@@ -106,8 +107,49 @@ func (n *Node) kubeletConfig() ([]byte, error) {
 			"memory.available": "1Mi", "nodefs.available": "1%", "imagefs.available": "1%",
 			"nodefs.inodesFree": "1%", "imagefs.inodesFree": "1%",
 		},
+		"clusterDomain":             ClusterDomain,
+		"clusterDNS":                n.clusterDNS(),
 		"nodeStatusUpdateFrequency": "2s",
 		"nodeStatusReportFrequency": "10s",
 		"maxPods":                   32,
+	}, "", "  ")
+}
+
+// clusterDNS is the kubelet's clusterDNS: the cluster DNS Service's IP, if
+// any.
+func (n *Node) clusterDNS() []string {
+	if !n.cfg.clusterDNS.IsValid() {
+		return []string{}
+	}
+	return []string{n.cfg.clusterDNS.String()}
+}
+
+// kubeProxyConfig is kube-proxy's KubeProxyConfiguration: nftables mode
+// (its tables in the node's network namespace), every Service connection
+// masqueraded (a pod reaching itself through its Service gets the reply
+// back through the node, with no br_netfilter), and nothing written
+// outside the node's namespaces: the conntrack sizes and timeouts, which
+// are the host's sysctls, are left alone (zero), the OOM score too (no
+// CAP_SYS_RESOURCE), and healthz and metrics listen on the node's
+// loopback.
+func (n *Node) kubeProxyConfig() ([]byte, error) {
+	return json.MarshalIndent(map[string]any{
+		"apiVersion":         "kubeproxy.config.k8s.io/v1alpha1",
+		"kind":               "KubeProxyConfiguration",
+		"clientConnection":   map[string]any{"kubeconfig": n.cfg.kubeconfig},
+		"hostnameOverride":   n.Name,
+		"bindAddress":        n.IP.String(), // the node's IP, not waited for from its Node
+		"mode":               "nftables",
+		"nftables":           map[string]any{"masqueradeAll": true, "syncPeriod": "30s", "minSyncPeriod": "0s"},
+		"clusterCIDR":        n.cfg.clusterCIDR.String(),
+		"detectLocalMode":    "ClusterCIDR",
+		"healthzBindAddress": "127.0.0.1:10256",
+		"metricsBindAddress": "127.0.0.1:10249",
+		"nodePortAddresses":  []string{n.IP.String() + "/32"},
+		"oomScoreAdj":        0,
+		"conntrack": map[string]any{
+			"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s",
+			"udpTimeout": "0s", "udpStreamTimeout": "0s",
+		},
 	}, "", "  ")
 }

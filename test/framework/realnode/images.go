@@ -13,13 +13,17 @@ import (
 	"github.com/isthmus-mesh/isthmus/internal/imagebuild"
 )
 
-// buildImages builds the pause image and the test's images for this
-// machine's platform with internal/imagebuild (static binaries on its
+// buildImages builds the pause image, CoreDNS's (from the node binaries)
+// and the test's images for this machine's platform with internal/imagebuild (static binaries on its
 // from-scratch base) into one docker-archive tarball, which every node's
 // containerd imports; it fills s.images (name -> reference).
 func (s *Set) buildImages() (string, error) {
 	t0 := time.Now()
-	images := append([]imagebuild.Image{{Name: pauseImage, Package: "./test/framework/realnode/pause", Description: "real-node test sandbox"}}, s.opts.Images...)
+	images := []imagebuild.Image{{Name: pauseImage, Package: "./test/framework/realnode/pause", Description: "real-node test sandbox"}}
+	if !s.opts.NoClusterDNS {
+		images = append(images, imagebuild.Image{Name: corednsImage, Binary: filepath.Join(s.opts.NodeBinDir, "coredns"), Description: "real-node cluster DNS"})
+	}
+	images = append(images, s.opts.Images...)
 	platform := "linux/" + runtime.GOARCH
 	cfg := imagebuild.Config{
 		ModuleDir: s.opts.ModuleDir, Images: images, Platforms: []string{platform},

@@ -14,8 +14,6 @@ import (
 	"path/filepath"
 	"runtime"
 	"strconv"
-	"strings"
-	"sync"
 	"syscall"
 	"time"
 
@@ -58,7 +56,9 @@ type nodeConfig struct {
 	moduleDir             string
 	cgroup                string // the cgroup name in every hierarchy
 	sandboxImage          string
-	images                string // docker-archive tarball imported into containerd
+	images                string       // docker-archive tarball imported into containerd
+	clusterDNS            netip.Addr   // the pods' nameserver (invalid: none)
+	clusterCIDR           netip.Prefix // kube-proxy's: traffic from outside it is masqueraded
 	log                   *slog.Logger
 	logFile               func(name string) io.Writer
 	logDir                string // where logFile writes
@@ -95,10 +95,13 @@ func startNode(cfg nodeConfig) (n *Node, err error) {
 			err = errors.Join(err, n.stop())
 		}
 	}()
-	for _, d := range []string{"containerd/root", "containerd/state", "runc", "cni/net.d", "cni/ipam", "kubelet", "pod-logs"} {
+	for _, d := range []string{"containerd/root", "containerd/state", "runc", "cni/net.d", "cni/bin", "cni/ipam", "kubelet", "pod-logs"} {
 		if err := os.MkdirAll(filepath.Join(cfg.dir, d), 0o755); err != nil {
 			return n, err
 		}
+	}
+	if err := n.copyCNIPlugins(); err != nil {
+		return n, err
 	}
 	n.launcher = newLauncher()
 	if err := n.enterNamespaces(); err != nil {
@@ -119,6 +122,9 @@ func startNode(cfg nodeConfig) (n *Node, err error) {
 	if err := n.startKubelet(); err != nil {
 		return n, err
 	}
+	if err := n.startKubeProxy(); err != nil {
+		return n, err
+	}
 	return n, nil
 }
 
@@ -130,7 +136,8 @@ func startNode(cfg nodeConfig) (n *Node, err error) {
 // whatever its configuration says (TestRealNode checks): /run (containerd's
 // shim sockets are always under /run/containerd), /var/log (the kubelet's
 // /var/log/containers links) and /var/lib (libcni's cache in /var/lib/cni,
-// the kubelet's /var/lib/kubelet/device-plugins).
+// the kubelet's /var/lib/kubelet/device-plugins); then the charts' host
+// paths (mountHostPaths).
 func (n *Node) enterNamespaces() error {
 	pause := filepath.Join(n.cfg.dir, "pause")
 	if err := goBuild(n.cfg.moduleDir, "./test/framework/realnode/pause", pause); err != nil {
@@ -167,7 +174,7 @@ func (n *Node) enterNamespaces() error {
 				return fmt.Errorf("mount a tmpfs on %s in the node's mount namespace: %w", d, err)
 			}
 		}
-		return nil
+		return n.mountHostPaths()
 	})
 }
 
@@ -186,9 +193,11 @@ func (n *Node) setupNetwork() error {
 	return nettopo.Sysctl(n.netns, "net/ipv4/ip_forward", "1")
 }
 
-// forwardAPIServer listens on the API server's address inside the node's
-// namespace and relays to the API server on the host's loopback, so the
-// kubelet's kubeconfig is the host's.
+// forwardAPIServer listens on the API server's port on every address
+// inside the node's namespace and relays to the API server on the host's
+// loopback: the kubelet and kube-proxy use the host's kubeconfig
+// (127.0.0.1), and pods reach the API server's advertise address, the
+// node's IP, through the kubernetes Service.
 func (n *Node) forwardAPIServer() error {
 	u, err := url.Parse(n.cfg.apiServer)
 	if err != nil {
@@ -197,12 +206,12 @@ func (n *Node) forwardAPIServer() error {
 	var ln net.Listener
 	if err := netns.Do(n.netns, func() error {
 		var err error
-		ln, err = net.Listen("tcp", u.Host)
+		ln, err = net.Listen("tcp", ":"+u.Port())
 		return err
 	}); err != nil {
 		return fmt.Errorf("listen for the API server in the node's namespace: %w", err)
 	}
-	n.fwd = newForwarder(ln, u.Host)
+	n.fwd = newForwarder(ln, dialTCP(u.Host))
 	return nil
 }
 
@@ -239,14 +248,7 @@ func (n *Node) startContainerd() error {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	t0 := time.Now()
-	out, err := exec.Command(filepath.Join(n.cfg.bin, "ctr"), "--address", n.sock(), "-n", "k8s.io",
-		"images", "import", "--local", n.cfg.images).CombinedOutput()
-	if err != nil {
-		return fmt.Errorf("ctr images import: %w: %s", err, strings.TrimSpace(string(out)))
-	}
-	n.cfg.log.Info("images imported into containerd", "took", time.Since(t0).Round(time.Millisecond))
-	return nil
+	return n.ImportImages(n.cfg.images)
 }
 
 func (n *Node) startKubelet() error {
@@ -272,7 +274,28 @@ func (n *Node) startKubelet() error {
 	return nil
 }
 
-// exited returns an error if containerd or the kubelet has exited.
+// startKubeProxy starts kube-proxy in the node's namespaces, in nftables
+// mode (its tables live in the node's network namespace).
+func (n *Node) startKubeProxy() error {
+	cfgPath := filepath.Join(n.cfg.dir, "kube-proxy.json")
+	cfg, err := n.kubeProxyConfig()
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(cfgPath, cfg, 0o644); err != nil {
+		return err
+	}
+	cmd := exec.Command(filepath.Join(n.cfg.bin, "kube-proxy"), "--config="+cfgPath, "-v=1")
+	p, err := startProc("kube-proxy", cmd, n.cfg.logFile("kube-proxy"), n.launcher.start)
+	if err != nil {
+		return err
+	}
+	n.procs = append(n.procs, p)
+	return nil
+}
+
+// exited returns an error if containerd, the kubelet or kube-proxy has
+// exited.
 func (n *Node) exited() error {
 	for _, p := range n.procs {
 		if err := p.exited(); err != nil {
@@ -410,76 +433,4 @@ func (l *launcher) start(cmd *exec.Cmd) error { return l.do(cmd.Start) }
 func (l *launcher) close() {
 	close(l.reqs)
 	<-l.done
-}
-
-// forwarder relays connections from a listener to a TCP address.
-type forwarder struct {
-	ln     net.Listener
-	target string
-	mu     sync.Mutex
-	conns  map[net.Conn]struct{}
-	wg     sync.WaitGroup
-}
-
-func newForwarder(ln net.Listener, target string) *forwarder {
-	f := &forwarder{ln: ln, target: target, conns: map[net.Conn]struct{}{}}
-	f.wg.Go(f.serve)
-	return f
-}
-
-func (f *forwarder) serve() {
-	for {
-		c, err := f.ln.Accept()
-		if err != nil {
-			return
-		}
-		f.wg.Go(func() { f.relay(c) })
-	}
-}
-
-// track adds c to the open connections; false once closed.
-func (f *forwarder) track(c net.Conn) bool {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if f.conns == nil {
-		return false
-	}
-	f.conns[c] = struct{}{}
-	return true
-}
-
-func (f *forwarder) relay(c net.Conn) {
-	defer c.Close()
-	if !f.track(c) {
-		return
-	}
-	up, err := net.DialTimeout("tcp", f.target, 10*time.Second)
-	if err != nil {
-		return
-	}
-	defer up.Close()
-	if !f.track(up) {
-		return
-	}
-	done := make(chan struct{}, 2)
-	go func() { _, _ = io.Copy(up, c); done <- struct{}{} }()
-	go func() { _, _ = io.Copy(c, up); done <- struct{}{} }()
-	<-done
-	// One direction ended: close both, so the other copy ends too.
-	c.Close()
-	up.Close()
-	<-done
-}
-
-// close stops accepting, closes every relayed connection and waits for the
-// relays to end.
-func (f *forwarder) close() {
-	f.ln.Close()
-	f.mu.Lock()
-	for c := range f.conns {
-		c.Close()
-	}
-	f.conns = nil
-	f.mu.Unlock()
-	f.wg.Wait()
 }

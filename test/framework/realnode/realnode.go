@@ -37,33 +37,58 @@
 //     once the test calls Set.ExposeGateway(node IP:port) (only that port
 //     of the node crosses);
 //   - each cluster's API server: Env.APIServer, an address of its network
-//     (10.i.255.n:443) on the router, where a forwarder relays to the API
-//     server on the host's loopback; a remote secret's server for pods of
+//     (10.i.255.n, with the API server's port) on the router, where a
+//     forwarder relays to the API server on the host's loopback; a remote secret's server for pods of
 //     other networks (the certificate names 127.0.0.1, so the kubeconfig
 //     sets tls-server-name: Env.RemoteKubeconfig writes it);
 //   - any other host listener, pilot's xDS say: Set.ExposeHost gives it
 //     such an address in a network.
 //
 // The control planes run on the host's loopback as in test/framework; each
-// kubelet reaches its API server through a forwarder that listens on the
-// API server's address inside the node's namespace. Tests reach pods with
-// Node.DialContext, which dials from inside the node's namespace; the test
-// server image (test/realnode/server) dials from inside a pod.
+// kubelet and kube-proxy reach their API server through a forwarder that
+// listens on the API server's port inside the node's namespace. Tests
+// reach pods with Node.DialContext, which dials from inside the node's
+// namespace; the test server image (test/realnode/server) dials from
+// inside a pod.
+//
+// Services. kube-proxy runs in each node's namespaces in nftables mode (it
+// runs `nft`, Debian's nftables), so its tables are the node's; it
+// masquerades every Service connection (a pod reaching itself through its
+// Service gets the reply back through the node, with no br_netfilter) and
+// leaves the host's conntrack sysctls alone. Each API server advertises
+// its address in its network (Env.APIServer, on the router, with the API
+// server's own port), so the kubernetes Service (10.0.0.1) leads every
+// node's pods to it; the framework signs the API server's certificate for
+// that address, the ClusterIP and the kubernetes Service's names, and the
+// ServiceAccount admission plugin is on, so in-cluster clients verify the
+// server and authenticate with their token. CoreDNS (Options.NoClusterDNS
+// turns it off) serves ClusterDomain as the Service kube-dns (10.0.0.10,
+// the kubelets' clusterDNS), with nothing forwarded upstream; Start waits
+// until it is Ready. Each API server's "cluster" egress (kubelets for logs,
+// exec and port-forward; pods and Services for proxies and webhooks) is
+// HTTP CONNECT on a unix socket the set serves by dialling from inside the
+// cluster's network's router: no host route leads to the nodes, and the API
+// server presents a client certificate of the cluster CA to the kubelets.
+//
+// The charts' host paths are the node's: inside its mount namespace,
+// CNIBinDir and CNIConfDir are bind mounts of the node's own folders
+// (their mount points made in overlays of /etc and /opt whose upper layers
+// are in the node's folder), /var/run (the charts' socket and state
+// folders) is the node's tmpfs, and pod network namespaces are under
+// NetnsDir, a shared mount. Node.ImportImages adds images (`make images`
+// tarballs) to containerd.
 //
 // Cost, measured on this machine (2 cores shared with other builds) with
-// `go test -v ./test/realnode`, which logs the figures: the node is Ready
-// 2-3.5 s after its kubelet starts, a pod Running 2-3 s after it was
-// created, and a one-node cluster (etcd, kube-apiserver, the controllers,
-// containerd, kubelet, shims and containers) holds 710-725 MiB of RSS.
-// Start takes 25-45 s in all, mostly building the images and starting the
-// API server, which run in parallel. A set of two clusters with three nodes
-// (TestRealNodeSet) starts in 21-34 s (51 s on a loaded machine) and holds
-// 1510-1520 MiB of RSS (about 850 MiB for a two-node cluster with the
-// shared etcd, 710 for a one-node one).
-//
-// Not yet: the API server cannot reach the kubelets (logs, exec,
-// port-forward fail: the nodes' IPs exist only in their networks), no
-// kube-proxy (no Service routing), no cluster DNS.
+// `go test -v ./test/realnode`, which logs the figures: a node is Ready
+// 1-2.6 s after its kubelet starts, CoreDNS Ready 2.7-3.8 s after that, a
+// pod Running 1-4 s after it was created; a one-node cluster (etcd,
+// kube-apiserver, the controllers, containerd, kubelet, kube-proxy,
+// CoreDNS, shims and the test's containers) holds 915-940 MiB of RSS
+// (710-725 without kube-proxy and CoreDNS). Start takes 100-130 s on a
+// loaded machine, mostly building the images, which runs alongside the API
+// servers' start: packing CoreDNS's 79 MB binary takes a minute of it. A
+// set of two clusters with three nodes (TestRealNodeSet), before kube-proxy
+// and CoreDNS, started in 21-34 s (51 s loaded) and held 1510-1520 MiB.
 //
 // Everything needs root (namespaces, mounts, cgroups). Start fails the test
 // with a message naming what is missing (privilege, a binary, a cgroup
@@ -82,6 +107,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -113,8 +139,12 @@ type Options struct {
 	ModuleDir string
 	// Log receives progress (default: the test's log).
 	Log *slog.Logger
-	// ReadyTimeout bounds the wait for the node to be Ready (default 3 min).
+	// ReadyTimeout bounds the wait for the node to be Ready, and for the
+	// cluster DNS (default 3 min each).
 	ReadyTimeout time.Duration
+	// NoClusterDNS skips CoreDNS: Start returns sooner, and pods get no
+	// cluster nameserver (the kubelet's clusterDNS is empty).
+	NoClusterDNS bool
 }
 
 // Env is a running cluster with real nodes, one of a Set.
@@ -136,12 +166,18 @@ type Env struct {
 	// the host's loopback address, not this one: clients verify it with
 	// that name (tls-server-name), as Cluster.Host says.
 	APIServer netip.AddrPort
+	// DNSReady is how long the cluster DNS took to be Ready after the
+	// nodes were (zero with NoClusterDNS).
+	DNSReady time.Duration
 
 	set                *Set
 	spec               ClusterSpec
 	kubeconfig, caFile string
 	procs              []*proc // host-side processes (scheduler, controller-manager)
 	mu                 sync.Mutex
+
+	egress     *forwarder              // the API server's cluster egress
+	egressFrom atomic.Pointer[os.File] // the router egress dials from, once up
 }
 
 // The image references of the images built here: <registry>/<repo>/<name>:<version>.
@@ -179,13 +215,14 @@ func Start(t testing.TB, opts Options) *Env {
 	s := StartSet(t, SetOptions{
 		Clusters: []ClusterSpec{spec}, NodeBinDir: opts.NodeBinDir, AssetsDir: opts.AssetsDir,
 		Images: opts.Images, ModuleDir: opts.ModuleDir, Log: opts.Log, ReadyTimeout: opts.ReadyTimeout,
+		NoClusterDNS: opts.NoClusterDNS,
 	})
 	return s.Clusters[0]
 }
 
 // nodeBinaries are the binaries of hack/build-nodebin.sh this package runs.
 var nodeBinaries = []string{
-	"kubelet", "kube-scheduler", "kube-controller-manager",
+	"kubelet", "kube-scheduler", "kube-controller-manager", "kube-proxy",
 	"containerd", "containerd-shim-runc-v2", "ctr", "runc", "bridge", "host-local", "loopback",
 }
 

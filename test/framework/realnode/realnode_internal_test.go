@@ -21,9 +21,10 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 func TestCheckNamesWhatIsMissing(t *testing.T) {
 	err := SetOptions{NodeBinDir: t.TempDir()}.check()
 	require.Error(t, err)
-	for _, b := range nodeBinaries {
+	for _, b := range append(nodeBinaries, "coredns") {
 		require.ErrorContains(t, err, b+" missing in")
 	}
+	require.NotContains(t, SetOptions{NodeBinDir: t.TempDir(), NoClusterDNS: true}.check().Error(), "coredns")
 	require.ErrorContains(t, err, "run make nodebin")
 	require.ErrorContains(t, err, "set KUBEBUILDER_ASSETS")
 

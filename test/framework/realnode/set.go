@@ -9,8 +9,10 @@ import (
 	"net/netip"
 	"net/url"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -57,8 +59,12 @@ type SetOptions struct {
 	ModuleDir string
 	// Log receives progress (default: the test's log).
 	Log *slog.Logger
-	// ReadyTimeout bounds the wait for the nodes to be Ready (default 3 min).
+	// ReadyTimeout bounds the wait for the nodes to be Ready, and for each
+	// cluster's DNS (default 3 min each).
 	ReadyTimeout time.Duration
+	// NoClusterDNS skips CoreDNS in every cluster: StartSet returns sooner,
+	// and pods get no cluster nameserver.
+	NoClusterDNS bool
 }
 
 // Set is a set of running clusters with real nodes on joined networks
@@ -79,10 +85,6 @@ type Set struct {
 	mu     sync.Mutex
 	files  []*os.File // the log files, closed by stop
 }
-
-// APIServerPort is the port of every cluster's API server address in its
-// network (Env.APIServer).
-const APIServerPort = 443
 
 // Cluster returns the cluster called name, or nil.
 func (s *Set) Cluster(name string) *Env {
@@ -235,11 +237,18 @@ func (o SetOptions) check() error {
 	if o.NodeBinDir == "" {
 		errs = append(errs, errors.New("no node binaries: set ISTHMUS_NODEBIN (make nodebin builds them and prints the folder)"))
 	} else {
-		for _, b := range nodeBinaries {
+		bins := nodeBinaries
+		if !o.NoClusterDNS {
+			bins = append(bins[:len(bins):len(bins)], "coredns")
+		}
+		for _, b := range bins {
 			if _, err := os.Stat(filepath.Join(o.NodeBinDir, b)); err != nil {
 				errs = append(errs, fmt.Errorf("%s missing in %s (run make nodebin)", b, o.NodeBinDir))
 			}
 		}
+	}
+	if _, err := exec.LookPath("nft"); err != nil {
+		errs = append(errs, errors.New("no nft on PATH: kube-proxy's nftables mode runs it (Debian package nftables; hack/build-nodebin.sh installs it)"))
 	}
 	if o.AssetsDir == "" {
 		errs = append(errs, errors.New("no Kubernetes binaries: set KUBEBUILDER_ASSETS (make testbin prints the folder)"))
@@ -288,22 +297,40 @@ func startSet(t testing.TB, opts SetOptions) (*Set, error) {
 	if err := s.startNodes(tarball); err != nil {
 		return nil, err
 	}
+	if !opts.NoClusterDNS {
+		if err := s.startClusterDNS(t.Context()); err != nil {
+			return nil, err
+		}
+	}
 	s.Started = time.Since(t0)
 	s.log.Info("set up", "clusters", len(s.Clusters), "took", s.Started.Round(time.Millisecond))
 	return s, nil
 }
 
 // startShared builds the images, starts the control planes (one etcd, an
-// API server per cluster) and builds the networks, all three in parallel;
-// it returns the images' tarball.
+// API server per cluster, each with its egress socket and the address it
+// will have in its network) and builds the networks, all three in
+// parallel; it returns the images' tarball.
 func (s *Set) startShared() (string, error) {
 	var networks []string
 	names := make([]string, len(s.opts.Clusters))
+	perCluster := map[string]framework.ClusterOptions{}
 	for i, c := range s.opts.Clusters {
 		names[i] = c.Name
 		if !slices.Contains(networks, c.Network) {
 			networks = append(networks, c.Network)
 		}
+		e := &Env{Network: c.Network, set: s, spec: c}
+		s.Clusters = append(s.Clusters, e)
+		cdir := filepath.Join(s.dir, c.Name)
+		if err := os.MkdirAll(cdir, 0o755); err != nil {
+			return "", err
+		}
+		egress, err := e.serveEgress(cdir)
+		if err != nil {
+			return "", err
+		}
+		perCluster[c.Name] = apiServerOptions(plannedAPIServerIP(s.opts.Clusters, i), egress)
 	}
 	var wg sync.WaitGroup
 	var imgErr, topoErr, cpErr error
@@ -312,10 +339,7 @@ func (s *Set) startShared() (string, error) {
 	wg.Go(func() { s.topo, topoErr = newTopology(networks) })
 	t0 := time.Now()
 	s.cp, cpErr = framework.Start(framework.Options{
-		Names: names, AssetsDir: s.opts.AssetsDir, Output: s.logFile("control-plane"),
-		// The API server reaches kubelets by the node's IP, never by a
-		// name the host's DNS would resolve.
-		APIServerArgs: map[string]string{"kubelet-preferred-address-types": "InternalIP"},
+		Names: names, AssetsDir: s.opts.AssetsDir, Output: s.logFile("control-plane"), PerCluster: perCluster,
 	})
 	s.log.Info("control planes up", "clusters", len(names), "took", time.Since(t0).Round(time.Millisecond), "err", cpErr)
 	wg.Wait()
@@ -326,15 +350,13 @@ func (s *Set) startShared() (string, error) {
 }
 
 // startControlPlanes writes each cluster's admin kubeconfig and CA, starts
-// its controllers and gives its API server an address in its network.
+// its controllers, gives its API server its address in its network (the
+// one it advertises) and points its egress at the network's router.
 func (s *Set) startControlPlanes() error {
 	for i, spec := range s.opts.Clusters {
-		e := &Env{Cluster: s.cp.Clusters[i], Network: spec.Network, set: s, spec: spec}
-		s.Clusters = append(s.Clusters, e)
+		e := s.Clusters[i]
+		e.Cluster = s.cp.Clusters[i]
 		cdir := filepath.Join(s.dir, spec.Name)
-		if err := os.MkdirAll(cdir, 0o755); err != nil {
-			return err
-		}
 		e.kubeconfig, e.caFile = filepath.Join(cdir, "admin.kubeconfig"), filepath.Join(cdir, "ca.crt")
 		if err := e.Cluster.WriteAdminKubeconfig(e.kubeconfig); err != nil {
 			return err
@@ -349,11 +371,51 @@ func (s *Set) startControlPlanes() error {
 		if err != nil {
 			return err
 		}
-		if e.APIServer, err = s.ExposeHost(spec.Network, APIServerPort, u.Host); err != nil {
+		port, err := strconv.ParseUint(u.Port(), 10, 16)
+		if err != nil {
+			return fmt.Errorf("cluster %s: API server port: %w", spec.Name, err)
+		}
+		if e.APIServer, err = s.ExposeHost(spec.Network, uint16(port), u.Host); err != nil {
 			return fmt.Errorf("cluster %s: API server address: %w", spec.Name, err)
 		}
+		if want := plannedAPIServerIP(s.opts.Clusters, i); e.APIServer.Addr() != want {
+			return fmt.Errorf("cluster %s: API server address %s, but it advertises %s", spec.Name, e.APIServer.Addr(), want)
+		}
+		e.egressFrom.Store(s.topo.network(spec.Network).router)
 	}
 	return nil
+}
+
+// plannedAPIServerIP is the address cluster i's API server gets in its
+// network (topology.exposeHost's, for the clusters in order, before any
+// other host forward): 10.<network>.255.<k>, with networks numbered in the
+// order the clusters first name them and k counting the clusters on that
+// network so far. It is known before the API servers start, so each
+// advertises it.
+func plannedAPIServerIP(specs []ClusterSpec, i int) netip.Addr {
+	var networks []string
+	k := 0
+	for _, c := range specs[:i+1] {
+		if !slices.Contains(networks, c.Network) {
+			networks = append(networks, c.Network)
+		}
+		if c.Network == specs[i].Network {
+			k++
+		}
+	}
+	return pfx("10.%d.255.%d/32", slices.Index(networks, specs[i].Network)+1, k).Addr()
+}
+
+// startClusterDNS deploys each cluster's DNS and waits for all of them, in
+// parallel.
+func (s *Set) startClusterDNS(ctx context.Context) error {
+	errs := make([]error, len(s.Clusters))
+	var wg sync.WaitGroup
+	for i, e := range s.Clusters {
+		wg.Go(func() { errs[i] = e.startClusterDNS(ctx) })
+	}
+	wg.Wait()
+	return errors.Join(errs...)
 }
 
 // startNodes places every node in its network, creates its Node object
@@ -385,6 +447,7 @@ func (s *Set) startNodes(tarball string) error {
 				logFile: func(p string) io.Writer { return s.logFile(filepath.Join(name, p)) },
 				logDir:  filepath.Join(s.dir, "logs", name),
 				addr:    nn.addr, gateway: nn.gateway, podCIDR: nn.podCIDR, uplink: nn.uplink,
+				clusterDNS: e.clusterDNS(), clusterCIDR: s.topo.network(e.Network).prefix(),
 			}})
 			if err := os.MkdirAll(filepath.Join(s.dir, "logs", name), 0o755); err != nil {
 				return err
@@ -453,6 +516,9 @@ func (s *Set) stop() error {
 		for _, p := range e.procs {
 			add(p.stop())
 		}
+		if e.egress != nil {
+			e.egress.close()
+		}
 	}
 	if s.topo != nil {
 		s.topo.close()
@@ -498,6 +564,14 @@ func sumRSS(pids map[int]bool) int64 {
 		}
 	}
 	return sum
+}
+
+// clusterDNS is the kube-dns Service's IP, invalid without cluster DNS.
+func (e *Env) clusterDNS() netip.Addr {
+	if e.set.opts.NoClusterDNS {
+		return netip.Addr{}
+	}
+	return dnsSvcIP
 }
 
 // RemoteKubeconfig is what a remote secret for this cluster holds when

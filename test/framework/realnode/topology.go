@@ -175,7 +175,7 @@ func (t *topology) exposeHost(n *network, port uint16, target string) (netip.Add
 	}); err != nil {
 		return netip.AddrPort{}, fmt.Errorf("listen on %s in network %s's router: %w", ap, n.name, err)
 	}
-	t.fwds = append(t.fwds, newForwarder(ln, target))
+	t.fwds = append(t.fwds, newForwarder(ln, dialTCP(target)))
 	if err := nettopo.PassAddrPort(t.wan, wanTable, ap); err != nil {
 		return netip.AddrPort{}, err
 	}
