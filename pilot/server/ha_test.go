@@ -111,6 +111,20 @@ func TestTwoReplicas(t *testing.T) {
 		_, ok := store.Load().ServiceByHostname("svc-c.ha-demo.svc.cluster.local")
 		return ok
 	}, 30*time.Second, 20*time.Millisecond)
+	// The steady state first: the remote's services get their network-1
+	// VIPs (allocated through a ConfigMap both replicas watch) some time
+	// after they appear, a real change that must not count as a resend;
+	// and the other replica serves the same state, as a second client of it
+	// sees. The claim is that nothing is sent again from there.
+	other := watchReplica(t, cctx, follower.XDSPlaintextAddr())
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		for _, h := range []string{"svc-a", "svc-b", "svc-c"} {
+			s, ok := store.Load().ServiceByHostname(h + ".ha-demo.svc.cluster.local")
+			require.True(c, ok, h)
+			require.NotEmpty(c, s.Allocated, "%s has its network-1 VIP", h)
+		}
+		require.Equal(c, store.Load().Services(), other.Load().Services())
+	}, 30*time.Second, 20*time.Millisecond, "the steady state, served by both replicas")
 	require.Eventually(t, func() bool { return xc.Stats().ACKs == xc.Stats().Responses }, 10*time.Second, 20*time.Millisecond)
 	before := xc.Stats()
 	held := len(store.Load().Services())
@@ -168,4 +182,20 @@ func leftToLeader(t *testing.T, p *server.Server) float64 {
 		}
 	}
 	return 0
+}
+
+// watchReplica runs an xDS client of another node against one replica's
+// plaintext address until ctx ends, and returns its store.
+func watchReplica(t *testing.T, ctx context.Context, addr string) *state.Store {
+	t.Helper()
+	store := state.NewStore()
+	xc, err := xdsclient.New(xdsclient.Config{Address: addr, NodeID: "ztunnel~node-2.ha-system", NodeName: "node-2",
+		ClusterID: "primary", Network: "network-1", InitialBackoff: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond},
+		xdsclient.Deps{Store: store, Credentials: insecure.NewCredentials()})
+	require.NoError(t, err)
+	cctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- xc.Run(cctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return store
 }

@@ -132,6 +132,16 @@ func checkPods(t *testing.T, env *realnode.Env) {
 				t.Error(broken)
 			case ok:
 				t.Logf("%s: every container started %v after the install", w, time.Since(t0).Round(time.Millisecond))
+				// Ready: pilot serves, the agent installed its plugin and
+				// has a ztunnel, ztunnel and the gateways have their
+				// certificates and pilot's state.
+				if assert.EventuallyWithT(t, func(c *assert.CollectT) {
+					for _, p := range podsOf(c, env, w) {
+						require.True(c, podReady(&p), "pod %s not Ready: %s", p.Name, podState(&p))
+					}
+				}, 3*time.Minute, 500*time.Millisecond) {
+					t.Logf("%s: Ready %v after the install", w, time.Since(t0).Round(time.Millisecond))
+				}
 			}
 			for _, p := range podsOf(t, env, w) {
 				report(t, env, &p)
@@ -234,4 +244,14 @@ func contextOf(t require.TestingT) context.Context {
 		return tt.Context()
 	}
 	return context.Background()
+}
+
+// podReady reports whether p's Ready condition is true.
+func podReady(p *corev1.Pod) bool {
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
 }

@@ -71,6 +71,11 @@ type Config struct {
 	NodeIdentity identity.Identity
 	// Keep lists more identities always kept and renewed (a gateway's).
 	Keep []identity.Identity
+	// OwnOnly keeps NodeIdentity and Keep only, never the identities of
+	// the node's workloads: an east-west gateway speaks for no pod of the
+	// node it runs on (the CA would refuse it anyway: it is no node
+	// account), it only terminates tunnels under its own identity.
+	OwnOnly bool
 	// TTL is the validity asked for; zero lets the CA choose.
 	TTL time.Duration
 	// RequestTimeout bounds one CreateCertificate call.
@@ -400,7 +405,7 @@ func (m *Manager) Run(ctx context.Context) error {
 func (m *Manager) wantedBy(snap *state.Snapshot) map[identity.Identity]bool {
 	want := map[identity.Identity]bool{}
 	for _, w := range snap.LocalWorkloads(m.cfg.Node) {
-		if id := w.Identity(); !id.IsZero() {
+		if id := w.Identity(); !id.IsZero() && !m.cfg.OwnOnly {
 			want[id] = true
 		}
 	}

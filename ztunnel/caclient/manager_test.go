@@ -245,3 +245,23 @@ func TestFollowsLocalWorkloads(t *testing.T) {
 		require.False(t, strings.HasSuffix(d.Identity, "/sa/echo"))
 	}
 }
+
+// TestOwnOnlyFetchesNoWorkloadCertificate: a gateway (OwnOnly) on a node
+// with workloads asks for its own certificate only, never one of theirs
+// (it speaks for none of them; the CA refuses it as impersonation).
+func TestOwnOnlyFetchesNoWorkloadCertificate(t *testing.T) {
+	e := newEnv(t, func(c *caclient.Config, _ *caclient.Deps) { c.OwnOnly = true })
+	e.ca.Place(cluster, node, "default", "echo", true)
+	e.store.Update(func(tx *state.Tx) {
+		tx.UpsertWorkload(workload("echo-1", "echo", node, "127.0.0.2"))
+	})
+	e.run(t)
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		require.Equal(c, []identity.Identity{nodeID}, e.m.Identities())
+	}, 10*time.Second, 10*time.Millisecond)
+	e.store.Update(func(tx *state.Tx) { tx.UpsertWorkload(workload("echo-2", "echo", node, "127.0.0.3")) })
+	require.Never(t, func() bool { return len(e.m.Identities()) != 1 }, 300*time.Millisecond, 10*time.Millisecond)
+	for _, r := range e.ca.Requests() {
+		require.Empty(t, r.Impersonated, "no request speaks for a workload")
+	}
+}

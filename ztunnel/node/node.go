@@ -122,7 +122,7 @@ func New(cfg Config, deps Deps) (*Node, error) {
 	var err error
 	n.certs, err = caclient.New(caclient.Config{
 		Address: cfg.CAAddress, ServerName: cfg.CAServerName, ClusterID: cfg.ClusterID,
-		Node: cfg.NodeName, NodeIdentity: n.id, TTL: cfg.CertTTL,
+		Node: cfg.NodeName, NodeIdentity: n.id, TTL: cfg.CertTTL, OwnOnly: cfg.Mode == ModeGateway,
 	}, caclient.Deps{Token: deps.Token, Roots: roots, Store: n.store, Log: log})
 	if err != nil {
 		return nil, err
