@@ -137,6 +137,9 @@ func TestPilotOperatorValues(t *testing.T) {
 		"--serving-san=pilot.example", "--log-level=debug", "--log-format=text"} {
 		require.Contains(t, args, want)
 	}
+	// An extra SAN adds to the Service's name (pilot's default, which any
+	// --serving-san replaces): the cluster's ztunnels still verify pilot.
+	require.Contains(t, args, "--serving-san=isthmusd."+namespace+".svc")
 	const selFlag = "--discovery-selectors="
 	i := slices.IndexFunc(args, func(a string) bool { return strings.HasPrefix(a, selFlag) })
 	require.GreaterOrEqual(t, i, 0, "--discovery-selectors")
