@@ -22,11 +22,14 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
+	securityv1 "istio.io/client-go/pkg/apis/security/v1"
+	"istio.io/client-go/pkg/clientset/versioned"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/remotecommand"
+	"sigs.k8s.io/yaml"
 
 	"github.com/isthmus-mesh/isthmus/internal/imagebuild"
 	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
@@ -63,7 +66,9 @@ const (
 // server.mesh-demo.svc.cluster.local (a Service only cluster-2 has) through
 // its pod's DNS and gets the server's reply over a plain socket: captured
 // by the CNI agent's rules, carried by ztunnel over HBONE to cluster-2's
-// east-west gateway, the only thing of network2 the wan lets through.
+// east-west gateway, the only thing of network2 the wan lets through. Then
+// an AuthorizationPolicy allows only the client's identity: another pod of
+// cluster-1 is refused by cluster-2's ztunnel, the client is not.
 func TestCrossNetworkOnRealNodes(t *testing.T) {
 	ctx := t.Context()
 	log := slog.New(slog.NewTextHandler(tWriter{t}, nil))
@@ -166,8 +171,13 @@ func TestCrossNetworkOnRealNodes(t *testing.T) {
 	}
 	_, err = c2.Cluster.CreateService(ctx, appNS, "server", map[string]string{"app": "server"}, framework.ServicePort{Name: "http", Port: 8080, TargetPort: 8080})
 	require.NoError(t, err)
-	runPod(t, c2, "server-0", map[string]string{"app": "server"}, c2.ImageRef(serverImg))
-	runPod(t, c1, "client", map[string]string{"app": "client"}, c1.ImageRef(serverImg))
+	runPod(t, c2, "server-0", map[string]string{"app": "server"}, c2.ImageRef(serverImg), "")
+	for _, sa := range []string{"client", "other"} {
+		_, err := c1.Cluster.Client.CoreV1().ServiceAccounts(appNS).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: sa}}, metav1.CreateOptions{})
+		require.NoError(t, err)
+	}
+	runPod(t, c1, "client", map[string]string{"app": "client"}, c1.ImageRef(serverImg), "client")
+	runPod(t, c1, "intruder", map[string]string{"app": "intruder"}, c1.ImageRef(serverImg), "other")
 
 	url := "http://server." + appNS + ".svc.cluster.local:8080/"
 	var out string
@@ -176,6 +186,29 @@ func TestCrossNetworkOnRealNodes(t *testing.T) {
 		out, err = execIn(ctx, c1, "client", serverBin, "-get", url)
 		require.NoError(c, err)
 	}, 3*time.Minute, time.Second, "the client in cluster-1 reaches the server in cluster-2")
+	require.Equal(t, "isthmus realnode server server-0\n", out)
+
+	// An AuthorizationPolicy of the config cluster lets only the client's
+	// identity in: the destination's ztunnel, in cluster-2, refuses the
+	// other pod of cluster-1 and still serves the client.
+	sc, err := versioned.NewForConfig(c1.Cluster.Config)
+	require.NoError(t, err)
+	ap := &securityv1.AuthorizationPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: appNS, Name: "only-client"}}
+	require.NoError(t, yaml.Unmarshal([]byte(`
+selector: {matchLabels: {app: server}}
+action: ALLOW
+rules:
+- from:
+  - source: {principals: ["cluster.local/ns/`+appNS+`/sa/client"]}
+`), &ap.Spec))
+	_, err = sc.SecurityV1().AuthorizationPolicies(appNS).Create(ctx, ap, metav1.CreateOptions{})
+	require.NoError(t, err)
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		_, err := execIn(ctx, c1, "intruder", serverBin, "-get", url)
+		require.Error(c, err, "the other identity is refused")
+	}, 2*time.Minute, time.Second, "the policy reaches cluster-2's ztunnel")
+	out, err = execIn(ctx, c1, "client", serverBin, "-get", url)
+	require.NoError(t, err, "the allowed identity still gets through")
 	require.Equal(t, "isthmus realnode server server-0\n", out)
 }
 
@@ -227,13 +260,14 @@ func logPods(t *testing.T, e *realnode.Env, ns string) {
 	}
 }
 
-// runPod runs the test server image as pod name of appNS and waits for it
-// to be Ready.
-func runPod(t *testing.T, e *realnode.Env, name string, labels map[string]string, image string) {
+// runPod runs the test server image as pod name of appNS (as
+// serviceAccount; "" is the namespace's default) and waits for it to be
+// Ready.
+func runPod(t *testing.T, e *realnode.Env, name string, labels map[string]string, image, serviceAccount string) {
 	t.Helper()
 	_, err := e.Cluster.Client.CoreV1().Pods(appNS).Create(t.Context(), &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: appNS, Labels: labels},
-		Spec:       corev1.PodSpec{Containers: []corev1.Container{{Name: "app", Image: image}}},
+		Spec:       corev1.PodSpec{ServiceAccountName: serviceAccount, Containers: []corev1.Container{{Name: "app", Image: image}}},
 	}, metav1.CreateOptions{})
 	require.NoError(t, err)
 	ok := assert.EventuallyWithT(t, func(c *assert.CollectT) {
