@@ -128,8 +128,11 @@ func TestInstallRepairs(t *testing.T) {
 	}, 20*time.Second, 50*time.Millisecond)
 	entry := string(e.pluginConf(netip.Addr{}, ""))
 	require.True(t, strings.Contains(entry, e.pSock), "the entry names the agent's socket: %s", entry)
-	require.GreaterOrEqual(t, metric(t, e.reg, "isthmus_cni_plugin_installs_total", map[string]string{"what": "binary"}), 3.0)
-	require.GreaterOrEqual(t, metric(t, e.reg, "isthmus_cni_plugin_installs_total", map[string]string{"what": "conflist"}), 2.0)
+	// Counted once the write is done: the files can be seen before.
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		assert.GreaterOrEqual(ct, metric(t, e.reg, "isthmus_cni_plugin_installs_total", map[string]string{"what": "binary"}), 3.0)
+		assert.GreaterOrEqual(ct, metric(t, e.reg, "isthmus_cni_plugin_installs_total", map[string]string{"what": "conflist"}), 2.0)
+	}, 20*time.Second, 50*time.Millisecond)
 }
 
 // TestInstallConvertsSingleConf: when the runtime's first network
