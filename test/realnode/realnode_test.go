@@ -89,7 +89,7 @@ func requireHostClean(t *testing.T, dir string, before hostState) {
 	require.NoError(t, err)
 	require.Empty(t, cgroups, "cgroups outlived the teardown")
 	require.Empty(t, processesNaming(t, dir), "processes outlived the teardown")
-	mounts, err := os.ReadFile("/proc/self/mountinfo")
+	mounts, err := os.ReadFile("/proc/thread-self/mountinfo")
 	require.NoError(t, err)
 	require.NotContains(t, string(mounts), dir, "a node mount reached the host's mount namespace")
 	after := snapshotHost(t)

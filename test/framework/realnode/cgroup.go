@@ -15,9 +15,9 @@ import (
 )
 
 // cgroupMounts lists the mount points of every cgroup hierarchy (each v1
-// one and the v2 "unified" one), from /proc/self/mountinfo.
+// one and the v2 "unified" one), from this thread's /proc/thread-self/mountinfo.
 func cgroupMounts() ([]string, error) {
-	f, err := os.Open("/proc/self/mountinfo")
+	f, err := os.Open("/proc/thread-self/mountinfo")
 	if err != nil {
 		return nil, err
 	}
