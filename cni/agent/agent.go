@@ -128,7 +128,11 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 func (a *Agent) Ready() bool { return a.synced.Load() && a.inst.Installed() }
 
 // Run serves until ctx ends. Enrolled pods keep their rules when it
-// returns.
+// returns (a restart or an upgrade leaves the data path alone), unless
+// Config.UninstallOnExit is set: then every enrolled pod is released (its
+// rules removed, ztunnel told) before the plugin is removed, so that
+// after an uninstall pods keep their plain networking instead of being
+// captured to a ztunnel that goes next.
 func (a *Agent) Run(ctx context.Context) error {
 	if err := a.openNamespaces(); err != nil {
 		return err
@@ -162,6 +166,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	err = g.Wait()
 	if a.cfg.UninstallOnExit {
+		a.releaseWhere(context.WithoutCancel(ctx), func(*enrolment) bool { return true }, "uninstall")
 		err = errors.Join(err, a.inst.uninstall())
 	}
 	a.closeAll()

@@ -43,9 +43,11 @@ type Config struct {
 	// PluginSource is the binary installed as the plugin; default the
 	// agent's own executable (one binary plays both roles).
 	PluginSource string
-	// UninstallOnExit removes the plugin and its conflist entry when Run
-	// returns. Off by default: during a rolling update the entry must stay,
-	// or pods started in the gap would not be enrolled.
+	// UninstallOnExit releases every enrolled pod (removes its capture
+	// rules) and removes the plugin and its conflist entry when Run
+	// returns: the node leaves the mesh. Off by default: during a rolling
+	// update the pods stay captured and the entry must stay, or pods
+	// started in the gap would not be enrolled.
 	UninstallOnExit bool
 	// InstallCheckInterval is how often the installation is checked
 	// besides file-change notifications.

@@ -4,6 +4,7 @@ package agent_test
 
 import (
 	"encoding/json"
+	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -183,4 +184,34 @@ func TestInstallConvertsSingleConf(t *testing.T) {
 	broken := filepath.Join(e.confDir, "01-broken.conf")
 	require.NoError(t, os.WriteFile(broken, []byte(`{"name": "x"}`), 0o644))
 	require.Never(t, func() bool { _, err := os.Stat(broken); return err != nil }, 500*time.Millisecond, 50*time.Millisecond)
+}
+
+// TestUninstallReleasesPods: an agent stopping with UninstallOnExit takes
+// its plugin out of the conflist and every enrolled pod out of the mesh
+// (rules removed, ztunnel told), so that the pods keep their plain
+// networking; without it a stop leaves both in place (the restart case).
+func TestUninstallReleasesPods(t *testing.T) {
+	for _, uninstall := range []bool{false, true} {
+		t.Run(fmt.Sprintf("uninstallOnExit=%v", uninstall), func(t *testing.T) {
+			e := newEnv(t)
+			a := e.addPod(1, e.mesh, "a")
+			e.create(a, nil, false)
+			z := e.startZtunnel()
+			cfg := e.config()
+			cfg.UninstallOnExit = uninstall
+			e.startAgent(cfg)
+			require.NoError(t, e.cni("ADD", a, a.ip).err)
+			e.running(a)
+			require.True(t, hasRules(t, a))
+			require.Equal(t, []string{string(a.obj.UID)}, z.h.Pods())
+
+			e.stopAgent()
+			require.Equal(t, !uninstall, hasRules(t, a), "the pod's rules after the agent stopped")
+			_, err := os.Stat(filepath.Join(e.binDir, plugin.Name))
+			require.Equal(t, uninstall, os.IsNotExist(err), "the plugin binary after the agent stopped: %v", err)
+			if uninstall {
+				require.Empty(t, e.probeSet(), "the node's probe rules follow the released pods")
+			}
+		})
+	}
 }

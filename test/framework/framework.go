@@ -38,6 +38,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"testing"
 	"time"
 
 	"k8s.io/client-go/kubernetes"
@@ -457,4 +458,16 @@ func RSSBytes(pid int) (int64, error) {
 // API servers).
 func (s *ClusterSet) ProcessPIDs() []int {
 	return PIDsWithArg(s.root)
+}
+
+// TestWriter is an io.Writer that writes each line to the test's log (for
+// slog handlers and process output in tests).
+func TestWriter(t testing.TB) io.Writer { return testWriter{t} }
+
+type testWriter struct{ t testing.TB }
+
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Helper()
+	w.t.Log(strings.TrimSuffix(string(p), "\n"))
+	return len(p), nil
 }

@@ -24,6 +24,7 @@ import (
 
 	"github.com/isthmus-mesh/isthmus/internal/imagebuild"
 	"github.com/isthmus-mesh/isthmus/internal/readme"
+	"github.com/isthmus-mesh/isthmus/test/framework"
 	"github.com/isthmus-mesh/isthmus/test/framework/install"
 	"github.com/isthmus-mesh/isthmus/test/framework/realnode"
 )
@@ -57,7 +58,7 @@ var c1Releases = []string{"isthmus-base", "isthmus-pilot", "isthmus-cni", "isthm
 // its plugin off the node.
 func TestREADMEInstall(t *testing.T) {
 	ctx := t.Context()
-	log := slog.New(slog.NewTextHandler(tWriter{t}, nil))
+	log := slog.New(slog.NewTextHandler(framework.TestWriter(t), nil))
 	registry := readmeRegistry(t)
 	version, err := os.ReadFile(filepath.Join(moduleDir, "VERSION"))
 	require.NoError(t, err)
@@ -217,12 +218,4 @@ func binFiles(t require.TestingT, env *realnode.Env) []string {
 	}
 	slices.Sort(out)
 	return out
-}
-
-// tWriter writes log lines to a test's log.
-type tWriter struct{ t testing.TB }
-
-func (w tWriter) Write(p []byte) (int, error) {
-	w.t.Log(strings.TrimSuffix(string(p), "\n"))
-	return len(p), nil
 }

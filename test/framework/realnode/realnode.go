@@ -105,7 +105,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -351,14 +350,6 @@ func moduleRoot() (string, error) {
 		}
 		dir = parent
 	}
-}
-
-// tWriter writes log lines to a test's log.
-type tWriter struct{ t testing.TB }
-
-func (w tWriter) Write(p []byte) (int, error) {
-	w.t.Log(strings.TrimSuffix(string(p), "\n"))
-	return len(p), nil
 }
 
 // proc is a process this package started.

@@ -107,12 +107,12 @@ func TestSetOptionsValidate(t *testing.T) {
 		{"full network", []ClusterSpec{{Name: "c1", Network: "n", Nodes: 60}, {Name: "c2", Network: "n", Nodes: 40}}, "network n: 100 nodes, at most 99"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			o, err := SetOptions{Clusters: c.clusters, ModuleDir: "/nonexistent"}.withDefaults(t)
+			o, err := SetOptions{Clusters: c.clusters, ModuleDir: "/nonexistent"}.withDefaults()
 			require.NoError(t, err)
 			require.ErrorContains(t, o.validate(), c.want)
 		})
 	}
-	o, err := SetOptions{Clusters: []ClusterSpec{{Name: "c1", Nodes: 2}, {Name: "c2", NodeNames: []string{"x"}}}, ModuleDir: "/nonexistent"}.withDefaults(t)
+	o, err := SetOptions{Clusters: []ClusterSpec{{Name: "c1", Nodes: 2}, {Name: "c2", NodeNames: []string{"x"}}}, ModuleDir: "/nonexistent"}.withDefaults()
 	require.NoError(t, err)
 	require.NoError(t, o.validate())
 	require.Equal(t, []string{"c1-node-1", "c1-node-2"}, o.Clusters[0].NodeNames)

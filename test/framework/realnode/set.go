@@ -42,7 +42,7 @@ type ClusterSpec struct {
 	NodeNames []string
 }
 
-// SetOptions configures StartSet.
+// SetOptions configures StartSet and Launch.
 type SetOptions struct {
 	// Clusters to start (at least one).
 	Clusters []ClusterSpec
@@ -57,7 +57,8 @@ type SetOptions struct {
 	// ModuleDir is the root of this Go module (default: found from the
 	// working directory upwards).
 	ModuleDir string
-	// Log receives progress (default: the test's log).
+	// Log receives progress (default: the test's log in StartSet,
+	// discarded in Launch).
 	Log *slog.Logger
 	// ReadyTimeout bounds the wait for the nodes to be Ready, and for each
 	// cluster's DNS (default 3 min each).
@@ -72,7 +73,7 @@ type SetOptions struct {
 type Set struct {
 	// Clusters are the clusters, in SetOptions.Clusters' order.
 	Clusters []*Env
-	// Started is how long StartSet took.
+	// Started is how long starting the set took.
 	Started time.Duration
 
 	opts   SetOptions
@@ -84,6 +85,9 @@ type Set struct {
 	images map[string]string
 	mu     sync.Mutex
 	files  []*os.File // the log files, closed by stop
+
+	stopOnce sync.Once
+	stopErr  error
 }
 
 // Cluster returns the cluster called name, or nil.
@@ -145,19 +149,43 @@ func (s *Set) RSSBytes() int64 {
 }
 
 // StartSet brings up the clusters and their nodes, waits for every node to
-// be Ready, and registers the teardown with t.Cleanup. The control planes,
-// the images and the networks are made in parallel, then the nodes start
-// in parallel. Any failure fails the test.
+// be Ready, and registers the teardown with t.Cleanup (see Launch). Any
+// failure fails the test; Log defaults to the test's log.
 func StartSet(t testing.TB, opts SetOptions) *Set {
 	t.Helper()
-	s, err := startSet(t, opts)
+	if opts.Log == nil {
+		opts.Log = slog.New(slog.NewTextHandler(framework.TestWriter(t), &slog.HandlerOptions{Level: slog.LevelInfo}))
+	}
+	s, err := Launch(t.Context(), opts)
 	if err != nil {
 		t.Fatalf("realnode: %v", err)
 	}
+	t.Cleanup(func() {
+		if err := s.Stop(); err != nil {
+			t.Errorf("realnode: teardown: %v", err)
+		}
+	})
 	return s
 }
 
-func (o SetOptions) withDefaults(t testing.TB) (SetOptions, error) {
+// Launch brings up the clusters and their nodes and waits for every node
+// (and each cluster's DNS) to be Ready, for programs that are not tests
+// (the demo, a set kept up for tests given kubeconfigs). The control
+// planes, the images and the networks are made in parallel, then the nodes
+// start in parallel. On error everything started is torn down; otherwise
+// the caller calls Stop. Log defaults to discarding.
+func Launch(ctx context.Context, opts SetOptions) (*Set, error) {
+	s, err := startSet(ctx, opts)
+	if err != nil && s != nil {
+		if stopErr := s.Stop(); stopErr != nil {
+			err = fmt.Errorf("%w; teardown: %w", err, stopErr)
+		}
+		return nil, err
+	}
+	return s, err
+}
+
+func (o SetOptions) withDefaults() (SetOptions, error) {
 	o.Clusters = append([]ClusterSpec(nil), o.Clusters...)
 	for i := range o.Clusters {
 		c := &o.Clusters[i]
@@ -181,7 +209,7 @@ func (o SetOptions) withDefaults(t testing.TB) (SetOptions, error) {
 		o.AssetsDir = os.Getenv("KUBEBUILDER_ASSETS")
 	}
 	if o.Log == nil {
-		o.Log = slog.New(slog.NewTextHandler(tWriter{t}, &slog.HandlerOptions{Level: slog.LevelInfo}))
+		o.Log = slog.New(slog.DiscardHandler)
 	}
 	if o.ReadyTimeout == 0 {
 		o.ReadyTimeout = 3 * time.Minute
@@ -259,9 +287,11 @@ func (o SetOptions) check() error {
 	return errors.Join(errs...)
 }
 
-func startSet(t testing.TB, opts SetOptions) (*Set, error) {
+// startSet starts the set; on error it returns what it started (nil when
+// nothing was) for the caller to stop.
+func startSet(ctx context.Context, opts SetOptions) (*Set, error) {
 	t0 := time.Now()
-	opts, err := opts.withDefaults(t)
+	opts, err := opts.withDefaults()
 	if err != nil {
 		return nil, err
 	}
@@ -279,27 +309,22 @@ func startSet(t testing.TB, opts SetOptions) (*Set, error) {
 		return nil, err
 	}
 	s := &Set{opts: opts, log: opts.Log, dir: dir, lock: lock}
-	t.Cleanup(func() {
-		if err := s.stop(); err != nil {
-			t.Errorf("realnode: teardown: %v", err)
-		}
-	})
 	if err := os.MkdirAll(filepath.Join(dir, "logs"), 0o755); err != nil {
-		return nil, err
+		return s, err
 	}
 	tarball, err := s.startShared()
 	if err != nil {
-		return nil, err
+		return s, err
 	}
 	if err := s.startControlPlanes(); err != nil {
-		return nil, err
+		return s, err
 	}
 	if err := s.startNodes(tarball); err != nil {
-		return nil, err
+		return s, err
 	}
 	if !opts.NoClusterDNS {
-		if err := s.startClusterDNS(t.Context()); err != nil {
-			return nil, err
+		if err := s.startClusterDNS(ctx); err != nil {
+			return s, err
 		}
 	}
 	s.Started = time.Since(t0)
@@ -494,9 +519,14 @@ func createNode(c *framework.Cluster, name string, podCIDR netip.Prefix) error {
 	return nil
 }
 
-// stop tears everything down: the nodes (their processes, containers,
+// Stop tears everything down: the nodes (their processes, containers,
 // namespaces and cgroups) in parallel, the controllers, the networks, the
 // control planes, the cgroups, the files.
+func (s *Set) Stop() error {
+	s.stopOnce.Do(func() { s.stopErr = s.stop() })
+	return s.stopErr
+}
+
 func (s *Set) stop() error {
 	var mu sync.Mutex
 	var errs []error

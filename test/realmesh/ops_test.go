@@ -1,0 +1,262 @@
+package realmesh_test
+
+import (
+	"encoding/json"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/intstr"
+
+	"github.com/isthmus-mesh/isthmus/test/framework/install"
+	"github.com/isthmus-mesh/isthmus/test/framework/meshup"
+)
+
+// The charts' workloads, as the README installs them.
+const (
+	ztunnelDS    = "ztunnel"
+	cniDS        = "isthmus-cni"
+	gatewayDep   = "isthmus-eastwestgateway"
+	pilotDep     = "isthmusd"
+	readerSA     = "isthmus-reader-service-account"
+	restartedAt  = "kubectl.kubernetes.io/restartedAt"
+	plainNS      = "plain"
+	operationsTO = 5 * time.Minute
+)
+
+// operations runs, in order, what a user does to a running mesh, and the
+// scenario after each (the client served, the intruder refused), with the
+// client's requests counted while each operation runs.
+func (s *scenario) operations(t *testing.T) {
+	both := s.mesh.Clusters
+	t.Run("RolloutRestartZtunnel", func(t *testing.T) {
+		p := s.startProbe(t)
+		s.rolloutRestart(t, both, "DaemonSet", ztunnelDS)
+		require.Zero(t, p.end(t, "the ztunnel rollouts"), "requests failed while ztunnel rolled (maxSurge, handoff in the pods' namespaces)")
+		s.check(t)
+	})
+	t.Run("RolloutRestartGateway", func(t *testing.T) {
+		p := s.startProbe(t)
+		s.rolloutRestart(t, both, "Deployment", gatewayDep)
+		p.end(t, "the gateway rollouts")
+		s.check(t)
+	})
+	t.Run("RolloutRestartPilot", func(t *testing.T) {
+		p := s.startProbe(t)
+		s.rolloutRestart(t, both[:1], "Deployment", pilotDep)
+		require.Zero(t, p.end(t, "the pilot rollout"), "requests failed while pilot rolled (the data plane keeps its state)")
+		s.check(t)
+	})
+	t.Run("NodePodsRecreated", func(t *testing.T) {
+		s.recreateNodePods(t)
+		s.check(t)
+	})
+	t.Run("RemoteSecretRotated", func(t *testing.T) {
+		s.rotateRemoteSecret(t)
+		s.check(t)
+	})
+	t.Run("HelmUpgrade", func(t *testing.T) {
+		p := s.startProbe(t)
+		s.upgradeGatewayReplicas(t, 1)
+		p.end(t, "the gateway's helm upgrade to one replica")
+		s.check(t)
+	})
+	t.Run("HelmUninstall", func(t *testing.T) {
+		s.uninstallNodeMesh(t)
+	})
+}
+
+// rolloutRestart does what `kubectl rollout restart` does to kind/name in
+// the system namespace of each cluster, at once, and waits for each
+// rollout to be complete: every replica updated, Ready, no old one left.
+func (s *scenario) rolloutRestart(t *testing.T, clusters []meshup.Cluster, kind, name string) {
+	patch, err := json.Marshal(map[string]any{"spec": map[string]any{"template": map[string]any{"metadata": map[string]any{
+		"annotations": map[string]string{restartedAt: time.Now().Format(time.RFC3339)},
+	}}}})
+	require.NoError(t, err)
+	var wg sync.WaitGroup
+	for _, c := range clusters {
+		wg.Go(func() {
+			var err error
+			apps := c.Client.AppsV1()
+			if kind == "DaemonSet" {
+				_, err = apps.DaemonSets(meshup.SystemNamespace).Patch(t.Context(), name, types.StrategicMergePatchType, patch, metav1.PatchOptions{})
+			} else {
+				_, err = apps.Deployments(meshup.SystemNamespace).Patch(t.Context(), name, types.StrategicMergePatchType, patch, metav1.PatchOptions{})
+			}
+			if assert.NoError(t, err, "%s: restart %s/%s", c.Name, kind, name) {
+				s.waitRollout(t, c, kind, name)
+			}
+		})
+	}
+	wg.Wait()
+	if t.Failed() {
+		t.FailNow()
+	}
+}
+
+// waitRollout waits for kind/name to be rolled out as `kubectl rollout
+// status` says, and for its pods to be exactly the updated, Ready ones.
+func (s *scenario) waitRollout(t *testing.T, c meshup.Cluster, kind, name string) {
+	t0 := time.Now()
+	ok := assert.EventuallyWithT(t, func(col *assert.CollectT) {
+		apps := c.Client.AppsV1()
+		var want int32
+		var selector *metav1.LabelSelector
+		if kind == "DaemonSet" {
+			ds, err := apps.DaemonSets(meshup.SystemNamespace).Get(t.Context(), name, metav1.GetOptions{})
+			require.NoError(col, err)
+			st := ds.Status
+			require.GreaterOrEqual(col, st.ObservedGeneration, ds.Generation, "observed")
+			want = st.DesiredNumberScheduled
+			require.Equal(col, want, st.UpdatedNumberScheduled, "updated")
+			require.Equal(col, want, st.NumberAvailable, "available")
+			selector = ds.Spec.Selector
+		} else {
+			d, err := apps.Deployments(meshup.SystemNamespace).Get(t.Context(), name, metav1.GetOptions{})
+			require.NoError(col, err)
+			st := d.Status
+			require.GreaterOrEqual(col, st.ObservedGeneration, d.Generation, "observed")
+			want = *d.Spec.Replicas
+			require.Equal(col, want, st.UpdatedReplicas, "updated")
+			require.Equal(col, want, st.AvailableReplicas, "available")
+			require.Equal(col, want, st.Replicas, "no old replica left")
+			selector = d.Spec.Selector
+		}
+		sel, err := metav1.LabelSelectorAsSelector(selector)
+		require.NoError(col, err)
+		pods, err := c.Client.CoreV1().Pods(meshup.SystemNamespace).List(t.Context(), metav1.ListOptions{LabelSelector: sel.String()})
+		require.NoError(col, err)
+		require.Len(col, pods.Items, int(want), "pods of %s (old ones gone)", name)
+		for i := range pods.Items {
+			require.True(col, meshup.Ready(&pods.Items[i]), "pod %s Ready", pods.Items[i].Name)
+		}
+	}, operationsTO, time.Second, "%s: rollout of %s/%s", c.Name, kind, name)
+	if !ok {
+		s.report(t)
+		return
+	}
+	t.Logf("%s: %s/%s rolled out in %v", c.Name, kind, name, time.Since(t0).Round(100*time.Millisecond))
+}
+
+// recreateNodePods deletes every pod on each cluster's node, in every
+// namespace, at once: the controllers re-create theirs (pilot, the
+// gateways, ztunnel, the CNI agent, the cluster DNS); the test re-creates
+// the application's bare pods, the server under a new name.
+func (s *scenario) recreateNodePods(t *testing.T) {
+	ctx := t.Context()
+	var gone []func()
+	for _, c := range s.mesh.Clusters {
+		pods, err := c.Client.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
+		require.NoError(t, err)
+		for _, p := range pods.Items {
+			require.NoError(t, c.Client.CoreV1().Pods(p.Namespace).Delete(ctx, p.Name, metav1.DeleteOptions{}))
+			gone = append(gone, func() { waitGone(t, c, p.Namespace, p.Name) })
+		}
+		t.Logf("%s: deleted %d pods", c.Name, len(pods.Items))
+	}
+	for _, wait := range gone {
+		wait()
+	}
+	for _, c := range s.mesh.Clusters {
+		require.NoError(t, s.mesh.WaitSystemReady(ctx, c))
+	}
+	s.runServer()
+	s.runClients()
+}
+
+// rotateRemoteSecret revokes the token pilot reads cluster-2 with (the
+// reader's token Secret deleted), registers cluster-2 again with a new
+// one, as create-remote-secret does, and moves the server to a new pod:
+// the client reaching it proves pilot follows cluster-2 with the new
+// credential.
+func (s *scenario) rotateRemoteSecret(t *testing.T) {
+	ctx := t.Context()
+	secrets := s.c2.Client.CoreV1().Secrets(meshup.SystemNamespace)
+	list, err := secrets.List(ctx, metav1.ListOptions{FieldSelector: "type=" + string(corev1.SecretTypeServiceAccountToken)})
+	require.NoError(t, err)
+	var revoked int
+	for _, sec := range list.Items {
+		if sec.Annotations[corev1.ServiceAccountNameKey] == readerSA {
+			require.NoError(t, secrets.Delete(ctx, sec.Name, metav1.DeleteOptions{}))
+			revoked++
+		}
+	}
+	require.NotZero(t, revoked, "the reader's token Secret in cluster-2")
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		list, err := secrets.List(ctx, metav1.ListOptions{FieldSelector: "type=" + string(corev1.SecretTypeServiceAccountToken)})
+		require.NoError(c, err)
+		for _, sec := range list.Items {
+			require.NotEqual(c, readerSA, sec.Annotations[corev1.ServiceAccountNameKey], "old token Secret %s still there", sec.Name)
+		}
+	}, time.Minute, 200*time.Millisecond)
+	require.NoError(t, s.mesh.Register(ctx, s.c2.Name))
+	old := s.server
+	s.runServer()
+	require.NoError(t, s.c2.Client.CoreV1().Pods(appNS).Delete(ctx, old, metav1.DeleteOptions{}))
+	waitGone(t, s.c2, appNS, old)
+}
+
+// upgradeGatewayReplicas runs `helm upgrade --reuse-values --set
+// replicaCount=n` on cluster-2's gateway release, and waits for the
+// Deployment to have n replicas, the others gone.
+func (s *scenario) upgradeGatewayReplicas(t *testing.T, n int) {
+	rel, err := install.Upgrade(t.Context(), s.c2.Config, meshup.SystemNamespace, "isthmus-eastwest",
+		filepath.Join(moduleDir, "manifests/eastwest-gateway"), map[string]any{"replicaCount": n}, true, nil)
+	require.NoError(t, err)
+	require.Equal(t, 2, rel.Version, "the release's second revision")
+	s.waitRollout(t, s.c2, "Deployment", gatewayDep)
+	d, err := s.c2.Client.AppsV1().Deployments(meshup.SystemNamespace).Get(t.Context(), gatewayDep, metav1.GetOptions{})
+	require.NoError(t, err)
+	require.Equal(t, int32(n), *d.Spec.Replicas)
+}
+
+// uninstallNodeMesh takes cluster-1's nodes out of the mesh as the CNI
+// chart's NOTES say (helm upgrade --set uninstallOnExit=true, then helm
+// uninstall of the CNI chart, then of ztunnel's): the client, captured
+// until then, keeps its plain networking: it reaches a plain Service of
+// its own cluster by name, and a new pod starts on the node.
+func (s *scenario) uninstallNodeMesh(t *testing.T) {
+	ctx := t.Context()
+	_, err := install.Upgrade(ctx, s.c1.Config, meshup.SystemNamespace, "isthmus-cni",
+		filepath.Join(moduleDir, "manifests/cni"), map[string]any{"uninstallOnExit": true}, true, nil)
+	require.NoError(t, err)
+	s.waitRollout(t, s.c1, "DaemonSet", cniDS)
+	for _, rel := range []string{"isthmus-cni", "isthmus-ztunnel"} {
+		_, err := install.Uninstall(s.c1.Config, meshup.SystemNamespace, rel, true, nil)
+		require.NoError(t, err, "helm uninstall %s", rel)
+	}
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		pods, err := s.c1.Client.CoreV1().Pods(meshup.SystemNamespace).List(ctx, metav1.ListOptions{})
+		require.NoError(c, err)
+		for _, p := range pods.Items {
+			for _, o := range p.OwnerReferences {
+				require.False(c, o.Kind == "DaemonSet" && (o.Name == cniDS || o.Name == ztunnelDS), "pod %s of %s left", p.Name, o.Name)
+			}
+		}
+	}, operationsTO, time.Second)
+
+	_, err = s.c1.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: plainNS}}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	_, err = s.c1.Client.CoreV1().Services(plainNS).Create(ctx, &corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Name: "local", Namespace: plainNS},
+		Spec: corev1.ServiceSpec{Selector: map[string]string{"app": "local"}, Ports: []corev1.ServicePort{{
+			Name: "http", Port: 8080, TargetPort: intstr.FromInt32(8080),
+		}}},
+	}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	require.NoError(t, s.mesh.RunPod(ctx, s.c1, meshup.Pod{
+		Namespace: plainNS, Name: "local-0", Labels: map[string]string{"app": "local"}, Image: s.mesh.Env.ImageRef(serverImg),
+	}), "a pod starts on the node after the uninstall")
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		out, err := s.mesh.Exec(ctx, s.c1, appNS, "client", serverBin, "-get", "http://local."+plainNS+".svc.cluster.local:8080/")
+		require.NoError(c, err)
+		require.Equal(c, "isthmus realnode server local-0\n", out)
+	}, time.Minute, time.Second, "the client, no longer captured, reaches a plain service by its name")
+}
