@@ -25,16 +25,18 @@ LDFLAGS   := -X $(VERSION_PKG).version=$(VERSION) -X $(VERSION_PKG).commit=$(COM
 IMAGES_OUT ?= out/images
 REGISTRY  ?= docker.io
 PLATFORMS ?= linux/amd64,linux/arm64
+# IMAGES_FLAGS: more flags of hack/images build (--with-test-server: make e2e's server image).
+IMAGES_FLAGS ?=
 export KUBEBUILDER_ASSETS := $(TESTBIN)
 export ISTHMUS_NODEBIN := $(NODEBIN)
 
 FUZZTIME  ?= 30s
 FUZZ_FLAGS ?=
-.PHONY: help help-check all build demo-bin images images-check push test bench soak fuzz fuzz-targets lint testbin nodebin istio-dashboards generate demo demo-once clean
+.PHONY: help help-check all build demo-bin images images-check push test e2e e2e-local bench soak fuzz fuzz-targets lint testbin nodebin istio-dashboards generate demo demo-once clean
 
 ## help: every target with what it does (the "## target:" comments of this file).
 help:
-	@awk '/^## [a-z][a-z-]*:/ { if (doc != "") print doc; sub(/^## /, ""); t = $$0; sub(/:.*/, "", t); d = $$0; sub(/^[^:]*: */, "", d); doc = sprintf("  %-14s %s", t, d); next } \
+	@awk '/^## [a-z][a-z0-9-]*:/ { if (doc != "") print doc; sub(/^## /, ""); t = $$0; sub(/:.*/, "", t); d = $$0; sub(/^[^:]*: */, "", d); doc = sprintf("  %-14s %s", t, d); next } \
 	  /^## / && doc != "" { sub(/^## /, ""); doc = doc " " $$0; next } { if (doc != "") print doc; doc = "" } END { if (doc != "") print doc }' $(firstword $(MAKEFILE_LIST)) | fold -s -w 92 | sed '2,$$s/^\([^ ]\)/                   \1/'
 
 ## help-check: fail when a target of .PHONY has no "## target:" comment (run by lint).
@@ -57,7 +59,7 @@ build:
 images:
 	$(GO) run ./hack/images build --version "$(VERSION)" --commit "$(COMMIT)" \
 	  --source-date-epoch "$(SOURCE_DATE_EPOCH)" --platform "$(PLATFORMS)" \
-	  --registry "$(REGISTRY)" --out "$(IMAGES_OUT)"
+	  --registry "$(REGISTRY)" --out "$(IMAGES_OUT)" $(IMAGES_FLAGS)
 
 ## images-check: the image tests for every platform (make test checks the
 ## host's only): two builds give the same digests, configs, SBOMs, push/pull.
@@ -149,6 +151,18 @@ fuzz-targets:
 	want=$$(printf '%s\n' $(FUZZ_TARGETS) | sort); \
 	if [ "$$have" != "$$want" ]; then \
 	  printf 'FUZZ_TARGETS lists:\n%s\nbut the tree has:\n%s\n' "$$want" "$$have"; exit 1; fi
+
+## e2e: the end-to-end tests (test/realmesh) against the clusters E2E_FLAGS names,
+## e.g. E2E_FLAGS="-isthmus.kubeconfig cluster-1=a.kubeconfig -isthmus.network
+## cluster-1=network1 ... -isthmus.registry reg:5000" (test/framework/meshup, Flags),
+## or without E2E_FLAGS the local real-node clusters, as in make test.
+e2e: testbin nodebin
+	$(GO) test $(GOTEST_FLAGS) -v ./test/realmesh/ -args $(E2E_FLAGS)
+
+## e2e-local: the same tests given the local real-node clusters by kubeconfig files
+## and -isthmus.* flags, as existing clusters are (test/framework/meshup/e2e-local).
+e2e-local: testbin nodebin
+	$(GO) run ./test/framework/meshup/e2e-local -- $(GO) test $(GOTEST_FLAGS) -v ./test/realmesh/ -args
 
 ## soak: the randomized consistency run of pilot against three real clusters,
 ## longer than in `make test`: SOAK_SEEDS seeds of SOAK_CHANGES changes each.

@@ -38,11 +38,16 @@ func newCommand() *cobra.Command {
 	return root
 }
 
+// E2EServer is the image of the end-to-end tests' server and client
+// (test/realmesh), for clusters that pull from a registry.
+var E2EServer = imagebuild.Image{Name: "server", Package: "./test/realnode/server", Description: "Isthmus end-to-end test server"}
+
 func logger() *slog.Logger { return slog.New(slog.NewTextHandler(os.Stderr, nil)) }
 
 func newBuildCommand() *cobra.Command {
 	var cfg imagebuild.Config
 	var only []string
+	var testServer bool
 	cmd := &cobra.Command{
 		Use:   "build",
 		Short: "Build every image for every platform into an OCI layout, docker-load tarballs and SBOMs",
@@ -57,6 +62,12 @@ func newBuildCommand() *cobra.Command {
 				if len(cfg.Images) != len(only) {
 					return fmt.Errorf("--image %v: not all of them are in the image list", only)
 				}
+			}
+			if testServer {
+				if len(cfg.Images) == 0 {
+					cfg.Images = imagebuild.Images()
+				}
+				cfg.Images = append(cfg.Images, E2EServer)
 			}
 			start := time.Now()
 			res, err := imagebuild.Build(cmd.Context(), cfg, imagebuild.Deps{Log: logger()})
@@ -77,6 +88,7 @@ func newBuildCommand() *cobra.Command {
 	f.Int64Var(&cfg.SourceDateEpoch, "source-date-epoch", 0, "time of every file and config, in Unix seconds (the commit time)")
 	f.StringSliceVar(&cfg.Platforms, "platform", []string{"linux/amd64", "linux/arm64"}, "platforms as os/arch")
 	f.StringSliceVar(&only, "image", nil, "build only these images (default: all)")
+	f.BoolVar(&testServer, "with-test-server", false, "also build the end-to-end tests' server image (make e2e's -isthmus.image server=...)")
 	f.StringVar(&cfg.Registry, "registry", "docker.io", "registry part of the image references")
 	f.StringVar(&cfg.OutDir, "out", filepath.Join("out", "images"), "output directory (replaced)")
 	f.StringVar(&cfg.ModuleDir, "module", ".", "root of the Go module")

@@ -11,6 +11,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/url"
 	"time"
 
 	"github.com/isthmus-mesh/isthmus/internal/defaults"
@@ -260,6 +261,28 @@ func Kubeconfig(clusterID, server string, caData []byte, token string) ([]byte, 
 	cfg.AuthInfos[clusterID] = &clientcmdapi.AuthInfo{Token: token}
 	cfg.Contexts[clusterID] = &clientcmdapi.Context{Cluster: clusterID, AuthInfo: clusterID}
 	cfg.CurrentContext = clusterID
+	return clientcmd.Write(*cfg)
+}
+
+// ReplaceServer rewrites the server of every cluster of kubeconfig to
+// server (an address pilot reaches that the API server's certificate does
+// not name: a forwarder, a NAT), keeping the old server's host name as
+// tls-server-name so the certificate is still verified against it.
+func ReplaceServer(kubeconfig []byte, server string) ([]byte, error) {
+	cfg, err := clientcmd.Load(kubeconfig)
+	if err != nil {
+		return nil, err
+	}
+	for _, c := range cfg.Clusters {
+		u, err := url.Parse(c.Server)
+		if err != nil {
+			return nil, err
+		}
+		if c.TLSServerName == "" {
+			c.TLSServerName = u.Hostname()
+		}
+		c.Server = server
+	}
 	return clientcmd.Write(*cfg)
 }
 

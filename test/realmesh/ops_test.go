@@ -145,21 +145,26 @@ func (s *scenario) waitRollout(t *testing.T, c meshup.Cluster, kind, name string
 	t.Logf("%s: %s/%s rolled out in %v", c.Name, kind, name, time.Since(t0).Round(100*time.Millisecond))
 }
 
-// recreateNodePods deletes every pod on each cluster's node, in every
-// namespace, at once: the controllers re-create theirs (pilot, the
-// gateways, ztunnel, the CNI agent, the cluster DNS); the test re-creates
-// the application's bare pods, the server under a new name.
+// recreateNodePods deletes, at once, every pod of the mesh's and the
+// application's namespaces on each cluster's node: the controllers
+// re-create theirs (pilot, the gateways, ztunnel, the CNI agent); the test
+// re-creates the application's bare pods, the server under a new name.
 func (s *scenario) recreateNodePods(t *testing.T) {
 	ctx := t.Context()
 	var gone []func()
 	for _, c := range s.mesh.Clusters {
-		pods, err := c.Client.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
-		require.NoError(t, err)
-		for _, p := range pods.Items {
-			require.NoError(t, c.Client.CoreV1().Pods(p.Namespace).Delete(ctx, p.Name, metav1.DeleteOptions{}))
-			gone = append(gone, func() { waitGone(t, c, p.Namespace, p.Name) })
+		node := s.nodeOf(t, c)
+		n := 0
+		for _, ns := range []string{meshup.SystemNamespace, appNS} {
+			pods, err := c.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + node})
+			require.NoError(t, err)
+			for _, p := range pods.Items {
+				require.NoError(t, c.Client.CoreV1().Pods(p.Namespace).Delete(ctx, p.Name, metav1.DeleteOptions{}))
+				gone = append(gone, func() { waitGone(t, c, p.Namespace, p.Name) })
+				n++
+			}
 		}
-		t.Logf("%s: deleted %d pods", c.Name, len(pods.Items))
+		t.Logf("%s: deleted the %d pods of node %s", c.Name, n, node)
 	}
 	for _, wait := range gone {
 		wait()
@@ -169,6 +174,18 @@ func (s *scenario) recreateNodePods(t *testing.T) {
 	}
 	s.runServer()
 	s.runClients()
+}
+
+// nodeOf is the node the client (cluster-1) or the server (cluster-2)
+// runs on.
+func (s *scenario) nodeOf(t *testing.T, c meshup.Cluster) string {
+	pod := "client"
+	if c.Name == s.c2.Name {
+		pod = s.server
+	}
+	p, err := c.Client.CoreV1().Pods(appNS).Get(t.Context(), pod, metav1.GetOptions{})
+	require.NoError(t, err)
+	return p.Spec.NodeName
 }
 
 // rotateRemoteSecret revokes the token pilot reads cluster-2 with (the

@@ -99,6 +99,19 @@ func (s *scenario) check(t *testing.T) {
 	s.expectRefused(t, "intruder")
 }
 
+// cleanup deletes the application's namespaces and uninstalls the mesh.
+func (s *scenario) cleanup(t *testing.T) {
+	ctx := context.Background()
+	for _, c := range s.mesh.Clusters {
+		for _, ns := range []string{appNS, plainNS} {
+			if err := c.Client.CoreV1().Namespaces().Delete(ctx, ns, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+				t.Errorf("%s: delete namespace %s: %v", c.Name, ns, err)
+			}
+		}
+	}
+	assert.NoError(t, s.mesh.Uninstall(ctx))
+}
+
 // report logs what is not Ready in both clusters.
 func (s *scenario) report(t *testing.T) {
 	for _, c := range s.mesh.Clusters {

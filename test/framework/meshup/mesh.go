@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"time"
 
+	"helm.sh/helm/v3/pkg/storage/driver"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -243,4 +244,34 @@ func Ready(p *corev1.Pod) bool {
 		}
 	}
 	return false
+}
+
+// Uninstall removes what Up installed, in reverse order: the remote
+// Secrets, then each cluster's releases (helm uninstall, not waiting), so
+// that existing clusters are left as they were found. Releases already
+// gone (a test uninstalled them) are not an error.
+func (m *Mesh) Uninstall(ctx context.Context) error {
+	var errs []error
+	for _, c := range m.Clusters[1:] {
+		name := remotesecret.Secret(c.Name, SystemNamespace, nil).Name
+		err := m.Clusters[0].Client.CoreV1().Secrets(SystemNamespace).Delete(ctx, name, metav1.DeleteOptions{})
+		if err != nil && !apierrors.IsNotFound(err) {
+			errs = append(errs, fmt.Errorf("%s: remote Secret: %w", c.Name, err))
+		}
+	}
+	for i := len(m.Clusters) - 1; i >= 0; i-- {
+		c := m.Clusters[i]
+		steps := m.Steps[c.Name]
+		for j := len(steps) - 1; j >= 0; j-- {
+			st := steps[j]
+			if st.Release == nil {
+				continue
+			}
+			_, err := install.Uninstall(c.Config, st.Release.Namespace, st.Release.Name, false, m.opts.Log)
+			if err != nil && !errors.Is(err, driver.ErrReleaseNotFound) {
+				errs = append(errs, fmt.Errorf("%s: helm uninstall %s: %w", c.Name, st.Release.Name, err))
+			}
+		}
+	}
+	return errors.Join(errs...)
 }

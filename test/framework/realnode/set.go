@@ -20,7 +20,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
-	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/isthmus-mesh/isthmus/internal/imagebuild"
 	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
@@ -614,17 +613,5 @@ func (e *Env) RemoteKubeconfig(ctx context.Context, clusterID string, opts remot
 	if err != nil {
 		return nil, err
 	}
-	cfg, err := clientcmd.Load(kc)
-	if err != nil {
-		return nil, err
-	}
-	for _, c := range cfg.Clusters {
-		u, err := url.Parse(c.Server)
-		if err != nil {
-			return nil, err
-		}
-		c.TLSServerName = u.Hostname()
-		c.Server = "https://" + e.APIServer.String()
-	}
-	return clientcmd.Write(*cfg)
+	return remotesecret.ReplaceServer(kc, "https://"+e.APIServer.String())
 }
