@@ -246,10 +246,15 @@ type builder struct {
 	envoy *envoyBuilder
 	td    trustDomains
 	alloc Allocations
+	istio istioEncoder
 }
 
 func (s *Server) newBuilder() *builder {
-	return &builder{reg: s.reg, gws: newGatewayIndex(s.reg.Gateways()), envoy: s.envoy, td: s.trustDomainOf, alloc: s.cfg.Allocations}
+	gws := newGatewayIndex(s.reg.Gateways())
+	snap := s.authz.src.Snapshot()
+	policies := func(uid string) []string { return istioPolicyNames(snap, s.reg.Workload(uid)) }
+	return &builder{reg: s.reg, gws: gws, envoy: s.envoy, td: s.trustDomainOf, alloc: s.cfg.Allocations,
+		istio: istioEncoder{gws: gws, policies: policies}}
 }
 
 // trustDomains gives the trust domain of a cluster's identities.
@@ -304,10 +309,21 @@ func (s *Server) applyPending() error {
 	bd := s.newBuilder()
 	var errs []error
 	changed := 0
+	var all []*model.Workload
 	for _, v := range s.snapshotViews() {
 		b := v.newBatch(false)
 		for uid := range p.workloads {
 			b.workload(bd, uid)
+		}
+		if p.policies && v.serves(IstioAddressType) {
+			// Istio's workloads name their policies: every one may read
+			// differently (policy changes are rare).
+			if all == nil {
+				all = s.reg.Workloads()
+			}
+			for _, w := range all {
+				b.workload(bd, w.UID)
+			}
 		}
 		for h := range hosts {
 			if err := b.service(bd, h); err != nil {
@@ -463,7 +479,7 @@ func (r routerCache) CreateWatch(req *cache.Request, sub cache.Subscription, ch 
 // CreateDeltaWatch opens a delta watch on the view of the request's node
 // (on the node's own cache for the authorization type).
 func (r routerCache) CreateDeltaWatch(req *cache.DeltaRequest, sub cache.Subscription, ch chan cache.DeltaResponse) (func(), error) {
-	if req.GetTypeUrl() == AuthorizationType {
+	if req.GetTypeUrl() == AuthorizationType || req.GetTypeUrl() == IstioAuthorizationType {
 		return r.s.authz.createDeltaWatch(req, sub, ch)
 	}
 	if err := checkType(req.GetTypeUrl()); err != nil {
