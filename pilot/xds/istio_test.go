@@ -1,0 +1,256 @@
+package xds_test
+
+import (
+	"maps"
+	"net/netip"
+	"slices"
+	"testing"
+
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/emptypb"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+	"istio.io/api/security/v1beta1"
+	securityclient "istio.io/client-go/pkg/apis/security/v1"
+	"istio.io/istio/pkg/workloadapi"
+	"istio.io/istio/pkg/workloadapi/security"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/isthmus-mesh/isthmus/internal/nodebind"
+	"github.com/isthmus-mesh/isthmus/pilot/model"
+	"github.com/isthmus-mesh/isthmus/pilot/xds"
+	"github.com/isthmus-mesh/isthmus/pilot/xds/xdstest"
+)
+
+// Istio's type URLs, spelled out: the test pins what Istio's ztunnel
+// subscribes to, not pilot's constants.
+const (
+	istioAddressURL = "type.googleapis.com/istio.workload.Address"
+	istioAuthzURL   = "type.googleapis.com/istio.security.Authorization"
+	// istioZtunnelID is the identity Istio's ztunnel presents: its
+	// ServiceAccount's.
+	istioZtunnelID = "spiffe://cluster.local/ns/istio-system/sa/ztunnel"
+)
+
+// istioClient is a delta ADS stream decoding every resource with Istio's
+// own Go types, as Istio's ztunnel would.
+type istioClient struct {
+	*deltaClient
+	addresses map[string]*workloadapi.Address
+	authz     map[string]*security.Authorization
+}
+
+func openIstio(t *testing.T, e *authEnv, nodeName string, bind nodebind.Binding, typeURL string) *istioClient {
+	t.Helper()
+	cc := e.dialAs(t, e.ca, istioZtunnelID, bind)
+	first := &discovery.DeltaDiscoveryRequest{Node: claims("ztunnel~"+nodeName, string(bind.Cluster), "", nodeName), TypeUrl: typeURL}
+	return &istioClient{deltaClient: openDelta(t, cc, first), addresses: map[string]*workloadapi.Address{}, authz: map[string]*security.Authorization{}}
+}
+
+// step receives one response, decodes it into the client's state and ACKs
+// it; it returns the response.
+func (c *istioClient) step() *discovery.DeltaDiscoveryResponse {
+	c.t.Helper()
+	r := c.next()
+	for _, res := range r.GetResources() {
+		switch r.GetTypeUrl() {
+		case istioAddressURL:
+			a := &workloadapi.Address{}
+			require.NoError(c.t, res.GetResource().UnmarshalTo(a), res.GetName())
+			c.addresses[res.GetName()] = a
+		case istioAuthzURL:
+			a := &security.Authorization{}
+			require.NoError(c.t, res.GetResource().UnmarshalTo(a), res.GetName())
+			c.authz[res.GetName()] = a
+		default:
+			c.t.Fatalf("response of type %q", r.GetTypeUrl())
+		}
+	}
+	for _, n := range r.GetRemovedResources() {
+		delete(c.addresses, n)
+		delete(c.authz, n)
+	}
+	require.NoError(c.t, c.stream.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: r.GetTypeUrl(), ResponseNonce: r.GetNonce()}))
+	return r
+}
+
+func (c *istioClient) workload(t *testing.T, name string) *workloadapi.Workload {
+	t.Helper()
+	require.Contains(t, c.addresses, name)
+	return c.addresses[name].GetWorkload()
+}
+
+// istioRegistry is two clusters on two networks, each with a trusted
+// east-west gateway and an Istio ztunnel (istio-system/ztunnel,
+// hostNetwork) on its node: service echo has a pod in each cluster,
+// remote-only a pod in c2 only.
+func istioRegistry() (*xdstest.Registry, []model.NetworkGateway) {
+	reg := xdstest.New()
+	gws := []model.NetworkGateway{
+		{Network: "net1", Cluster: "c1", Address: ip("10.1.255.1"), HBONEPort: 15008, Source: "istio-system/eastwest", ServiceAccounts: []string{"eastwest"}},
+		{Network: "net2", Cluster: "c2", Address: ip("10.2.255.1"), HBONEPort: 15009, Source: "istio-system/eastwest", ServiceAccounts: []string{"eastwest"}},
+	}
+	for _, g := range gws {
+		reg.SetGateway(g)
+	}
+	local := xdstest.Pod("c1", "net1", ns, "local", ip("10.1.0.1"))
+	local.Labels = map[string]string{"app": "echo"}
+	local.Locality = model.Locality{Region: "r1", Zone: "z1"}
+	remote := xdstest.Pod("c2", "net2", ns, "remote", ip("10.2.0.1"))
+	remote.Labels = map[string]string{"app": "echo"}
+	vips := map[model.ClusterID][]netip.Addr{"c1": {ip("10.96.0.10")}, "c2": {ip("10.97.0.10")}}
+	svc, ws := xdstest.Backing("echo", ns, tcp80, vips, local, remote)
+	publish(reg, svc, ws)
+	only, ows := xdstest.Backing("remote-only", ns, tcp80, map[model.ClusterID][]netip.Addr{"c2": {ip("10.97.0.20")}},
+		xdstest.Pod("c2", "net2", ns, "ro", ip("10.2.0.9")))
+	publish(reg, only, ows)
+	for _, cl := range []model.ClusterID{"c1", "c2"} {
+		zt := xdstest.Pod(cl, model.Network("net"+string(cl[1:])), "istio-system", "ztunnel", ip("10."+string(cl[1:])+".9.1"))
+		zt.ServiceAccount, zt.HostNetwork = "ztunnel", true
+		reg.SetWorkload(zt)
+	}
+	return reg, gws
+}
+
+// istioPolicies are a namespace-wide ALLOW policy of namespace default
+// (returned) and a DENY policy selecting app=echo.
+func istioPolicies(t *testing.T) (*fakePolicies, *securityclient.AuthorizationPolicy) {
+	allow := &securityclient.AuthorizationPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "allow-client"}}
+	allow.Spec.Action = v1beta1.AuthorizationPolicy_ALLOW
+	allow.Spec.Rules = []*v1beta1.Rule{{
+		From: []*v1beta1.Rule_From{{Source: &v1beta1.Source{Principals: []string{"cluster.local/ns/default/sa/client"}, NotIpBlocks: []string{"10.9.0.0/16"}}}},
+		To:   []*v1beta1.Rule_To{{Operation: &v1beta1.Operation{Ports: []string{"8080"}}}},
+	}}
+	return newFakePolicies(t, true, allow, authPolicy(ns, "sel", map[string]string{"app": "echo"})), allow
+}
+
+// TestIstioWorkloadAPI: an Istio ztunnel, authenticated by its
+// ServiceAccount's certificate, is served Istio's istio.workload.Address
+// and istio.security.Authorization, decoded here with Istio's own Go types:
+// every resource of a two-cluster, two-network registry, as the registry
+// has it (pods in Istio's uid format, services by namespace/hostname, the
+// other network's endpoints only through its gateway in network_gateway
+// form), the converted policies of its node; updates and removals follow.
+func TestIstioWorkloadAPI(t *testing.T) {
+	reg, gws := istioRegistry()
+	pols, allow := istioPolicies(t)
+	e := startTLSWith(t, reg, xds.Config{NodeAccounts: []string{"istio-system/ztunnel"}, Policies: pols})
+	bind := nodebind.Binding{Cluster: "c1", Node: "c1-node"}
+	c := openIstio(t, e, "c1-node", bind, istioAddressURL)
+	c.step()
+
+	echoKey, onlyKey := ns+"/echo.default.svc.cluster.local", ns+"/remote-only.default.svc.cluster.local"
+	splitEcho := "net2/SplitHorizonWorkload/istio-system/eastwest/10.2.255.1/" + echoKey
+	splitOnly := "net2/SplitHorizonWorkload/istio-system/eastwest/10.2.255.1/" + onlyKey
+	// (The hostNetwork ztunnel pods own no address: never served.)
+	require.ElementsMatch(t, []string{"c1//Pod/default/local", echoKey, onlyKey, splitEcho, splitOnly},
+		slices.Collect(maps.Keys(c.addresses)))
+
+	strict := "istio-system/istio_converted_static_strict"
+	equalProto(t, &workloadapi.Workload{
+		Uid: "c1//Pod/default/local", Name: "local", Namespace: ns, Addresses: [][]byte{ip("10.1.0.1").AsSlice()},
+		Network: "net1", ClusterId: "c1", Node: "c1-node", TrustDomain: "cluster.local", ServiceAccount: "default",
+		TunnelProtocol: workloadapi.TunnelProtocol_HBONE, WorkloadType: workloadapi.WorkloadType_POD,
+		WorkloadName: "local", CanonicalName: "echo", CanonicalRevision: "latest",
+		Locality: &workloadapi.Locality{Region: "r1", Zone: "z1"},
+		Services: map[string]*workloadapi.PortList{echoKey: {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}}}},
+		// The selector policy that selects it, and STRICT (the default).
+		AuthorizationPolicies: []string{"default/sel", strict},
+	}, c.workload(t, "c1//Pod/default/local"))
+
+	equalProto(t, &workloadapi.Service{
+		Name: "echo", Namespace: ns, Hostname: "echo.default.svc.cluster.local",
+		Addresses: []*workloadapi.NetworkAddress{
+			{Network: "net1", Address: ip("10.96.0.10").AsSlice()},
+			{Network: "net2", Address: ip("10.97.0.10").AsSlice()},
+		},
+		Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}},
+	}, c.addresses[echoKey].GetService())
+	require.Equal(t, []*workloadapi.NetworkAddress{{Network: "net2", Address: ip("10.97.0.20").AsSlice()}},
+		c.addresses[onlyKey].GetService().GetAddresses(), "a service of the remote cluster only")
+
+	for key, split := range map[string]string{echoKey: splitEcho, onlyKey: splitOnly} {
+		equalProto(t, &workloadapi.Workload{
+			Uid: split, Name: split, Namespace: ns, Network: "net2", ClusterId: "c2", TrustDomain: "cluster.local",
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE, WorkloadType: workloadapi.WorkloadType_POD,
+			Capacity: wrapperspb.UInt32(1),
+			NetworkGateway: &workloadapi.GatewayAddress{
+				Destination:   &workloadapi.GatewayAddress_Address{Address: &workloadapi.NetworkAddress{Network: "net2", Address: gws[1].Address.AsSlice()}},
+				HboneMtlsPort: 15009,
+			},
+			Services: map[string]*workloadapi.PortList{key: {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 80}}}},
+		}, c.workload(t, split))
+	}
+
+	// The other network's ztunnel sees that network's pods of the remote
+	// cluster with their addresses, and network 1 through its gateway.
+	c2 := openIstio(t, e, "c2-node", nodebind.Binding{Cluster: "c2", Node: "c2-node"}, istioAddressURL)
+	c2.step()
+	require.ElementsMatch(t, []string{"c2//Pod/default/remote", "c2//Pod/default/ro", echoKey, onlyKey,
+		"net1/SplitHorizonWorkload/istio-system/eastwest/10.1.255.1/" + echoKey}, slices.Collect(maps.Keys(c2.addresses)))
+	remote := c2.workload(t, "c2//Pod/default/remote")
+	require.Equal(t, [][]byte{ip("10.2.0.1").AsSlice()}, remote.GetAddresses())
+	require.Equal(t, "c2", remote.GetClusterId())
+	require.Equal(t, "net2", remote.GetNetwork())
+	require.Equal(t, []string{"default/sel", strict}, remote.GetAuthorizationPolicies(), "default/sel selects it too")
+	require.Equal(t, uint32(15008), c2.workload(t, "net1/SplitHorizonWorkload/istio-system/eastwest/10.1.255.1/"+echoKey).GetNetworkGateway().GetHboneMtlsPort())
+
+	// Authorization, per node: the namespace policy and the selector policy
+	// of its workload, and Istio's static STRICT policy.
+	a := openIstio(t, e, "c1-node", bind, istioAuthzURL)
+	a.step()
+	require.ElementsMatch(t, []string{"default/allow-client", "default/sel", strict}, slices.Collect(maps.Keys(a.authz)))
+	presence := &security.StringMatch{MatchType: &security.StringMatch_Presence{Presence: &emptypb.Empty{}}}
+	equalProto(t, &security.Authorization{
+		Name: "allow-client", Namespace: ns, Scope: security.Scope_NAMESPACE, Action: security.Action_ALLOW,
+		Groups: []*security.Group{{Rules: []*security.Rules{
+			{Matches: []*security.Match{{
+				Principals:   []*security.StringMatch{{MatchType: &security.StringMatch_Exact{Exact: "cluster.local/ns/default/sa/client"}}},
+				NotSourceIps: []*security.Address{{Address: ip("10.9.0.0").AsSlice(), Length: 16}},
+			}}},
+			{Matches: []*security.Match{{DestinationPorts: []uint32{8080}}}},
+		}}},
+	}, a.authz["default/allow-client"])
+	equalProto(t, &security.Authorization{
+		Name: "sel", Namespace: ns, Scope: security.Scope_WORKLOAD_SELECTOR, Action: security.Action_DENY,
+		Groups: []*security.Group{{}},
+	}, a.authz["default/sel"])
+	equalProto(t, &security.Authorization{
+		Name: "istio_converted_static_strict", Namespace: rootNS, Scope: security.Scope_WORKLOAD_SELECTOR, Action: security.Action_DENY,
+		Groups: []*security.Group{{Rules: []*security.Rules{{Matches: []*security.Match{{NotPrincipals: []*security.StringMatch{presence}}}}}}},
+	}, a.authz[strict])
+
+	// Updates: the local pod turns unready.
+	unready := *reg.Workload("c1/default/local")
+	unready.Ready = false
+	reg.SetWorkload(&unready)
+	r := c.step()
+	require.Equal(t, []string{"c1//Pod/default/local"}, names(r))
+	require.Equal(t, workloadapi.WorkloadStatus_UNHEALTHY, c.workload(t, "c1//Pod/default/local").GetStatus())
+
+	// The selector policy goes: removed from the node's Authorizations and
+	// from the workload's list.
+	pols.set(t, allow)
+	pols.notify()
+	r = a.step()
+	require.Equal(t, []string{"default/sel"}, r.GetRemovedResources())
+	r = c.step()
+	require.Equal(t, []string{"c1//Pod/default/local"}, names(r))
+	require.Equal(t, []string{strict}, c.workload(t, "c1//Pod/default/local").GetAuthorizationPolicies())
+
+	// A mesh-wide policy arrives, GLOBAL.
+	pols.set(t, allow, authPolicy(rootNS, "mesh-deny", nil))
+	pols.notify()
+	r = a.step()
+	require.Equal(t, []string{"istio-system/mesh-deny"}, names(r))
+	require.Equal(t, security.Scope_GLOBAL, a.authz["istio-system/mesh-deny"].GetScope())
+
+	// The local pod goes: its Address is removed, and its node keeps only
+	// the mesh-wide policy.
+	reg.RemoveWorkload("c1/default/local")
+	r = c.step()
+	require.Equal(t, []string{"c1//Pod/default/local"}, r.GetRemovedResources())
+	r = a.step()
+	require.ElementsMatch(t, []string{"default/allow-client", strict}, r.GetRemovedResources())
+	require.Equal(t, []string{"istio-system/mesh-deny"}, slices.Collect(maps.Keys(a.authz)))
+}
