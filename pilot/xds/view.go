@@ -49,7 +49,7 @@ type view struct {
 	ready [3]atomic.Bool
 	// workloads serves the workload type, istio Istio's.
 	workloads, istio *typeCache
-	mux       *cache.MuxCache
+	mux              *cache.MuxCache
 
 	// current are the Envoy types' resources in the caches (raw, see
 	// raw.go), per type URL and name. The workload types' are the delta
