@@ -1,13 +1,17 @@
 package xds_test
 
 import (
+	"encoding/json"
 	"maps"
+	"net/http"
+	"net/http/httptest"
 	"net/netip"
 	"slices"
 	"testing"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/types/known/emptypb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 	"istio.io/api/security/v1beta1"
@@ -17,6 +21,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/isthmus-mesh/isthmus/internal/nodebind"
+	workloadv1 "github.com/isthmus-mesh/isthmus/pilot/api/workload/v1"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 	"github.com/isthmus-mesh/isthmus/pilot/xds"
 	"github.com/isthmus-mesh/isthmus/pilot/xds/xdstest"
@@ -253,4 +258,100 @@ func TestIstioWorkloadAPI(t *testing.T) {
 	r = a.step()
 	require.ElementsMatch(t, []string{"default/allow-client", strict}, r.GetRemovedResources())
 	require.Equal(t, []string{"istio-system/mesh-deny"}, slices.Collect(maps.Keys(a.authz)))
+}
+
+// TestIstioTypeEncodedOnDemand: a class encodes Istio's type only once an
+// Istio ztunnel of it asks, and Isthmus's only once an Isthmus ztunnel
+// does; a change reaches both encodings of a class that serves both.
+func TestIstioTypeEncodedOnDemand(t *testing.T) {
+	reg := xdstest.New()
+	svc, ws := xdstest.Backing("echo", ns, tcp80, nil, xdstest.Pod("c1", "net1", ns, "a", ip("10.1.0.1")), xdstest.Pod("c2", "net1", ns, "b", ip("10.1.0.2")))
+	publish(reg, svc, ws)
+	e := start(t, reg)
+	dump := func(id string) map[string]map[string]json.RawMessage {
+		rec := httptest.NewRecorder()
+		e.srv.DebugHandler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/debug/config_dump?proxy="+id, nil))
+		require.Equal(t, http.StatusOK, rec.Code, rec.Body.String())
+		var d struct {
+			Resources map[string]map[string]json.RawMessage `json:"resources"`
+		}
+		require.NoError(t, json.Unmarshal(rec.Body.Bytes(), &d))
+		return d.Resources
+	}
+
+	own := openDelta(t, dial(t, e.addr), wildcard(node("zt-own", "net1", "c1")))
+	own.apply(own.next())
+	d := dump("zt-own")
+	require.Contains(t, d[xds.WorkloadType], "c1/default/a")
+	require.Empty(t, d[istioAddressURL], "no Istio client in the class yet")
+
+	istio := &istioClient{deltaClient: openDelta(t, dial(t, e.addr), &discovery.DeltaDiscoveryRequest{Node: node("zt-istio", "net1", "c1"), TypeUrl: istioAddressURL}),
+		addresses: map[string]*workloadapi.Address{}}
+	istio.step()
+	require.ElementsMatch(t, []string{"c1//Pod/default/a", "c2//Pod/default/b", ns + "/echo.default.svc.cluster.local"}, slices.Collect(maps.Keys(istio.addresses)))
+	d = dump("zt-istio")
+	require.Len(t, d[xds.WorkloadType], 3)
+	require.Len(t, d[istioAddressURL], 3)
+
+	// Another class with Istio ztunnels only holds Istio's encoding only.
+	other := &istioClient{deltaClient: openDelta(t, dial(t, e.addr), &discovery.DeltaDiscoveryRequest{Node: node("zt-istio-2", "net1", "c2"), TypeUrl: istioAddressURL}),
+		addresses: map[string]*workloadapi.Address{}}
+	other.step()
+	d = dump("zt-istio-2")
+	require.Empty(t, d[xds.WorkloadType])
+	require.Len(t, d[istioAddressURL], 3)
+
+	// A change reaches both encodings.
+	moved := *reg.Workload("c1/default/a")
+	moved.Addresses = []netip.Addr{ip("10.1.0.9")}
+	reg.SetWorkload(&moved)
+	r := own.next()
+	require.Equal(t, []string{"c1/default/a"}, names(r))
+	r = istio.step()
+	require.Equal(t, []string{"c1//Pod/default/a"}, names(r))
+	require.Equal(t, [][]byte{ip("10.1.0.9").AsSlice()}, istio.workload(t, "c1//Pod/default/a").GetAddresses())
+}
+
+// TestIstioAuthorizationOnlyForNodeProxies: Istio's authorization type is
+// refused, as Isthmus's is, to a stream that is not a verified node proxy.
+func TestIstioAuthorizationOnlyForNodeProxies(t *testing.T) {
+	reg, _ := istioRegistry()
+	e := startTLSWith(t, reg, xds.Config{NodeAccounts: []string{"istio-system/ztunnel"}})
+	workload := e.dialAs(t, e.ca, clientID)
+	msg := refusedWith(t, workload, &discovery.DeltaDiscoveryRequest{Node: claims("w", "c1", "", ""), TypeUrl: istioAuthzURL}, codes.PermissionDenied)
+	require.Contains(t, msg, istioAuthzURL)
+	// Nor is Isthmus's ztunnel account when pilot is configured with
+	// Istio's only: it is then a workload identity that runs nowhere.
+	isthmus := e.dialAs(t, e.ca, ztunnelID, nodebind.Binding{Cluster: "c1", Node: "c1-node"})
+	refusedWith(t, isthmus, &discovery.DeltaDiscoveryRequest{Node: claims("z", "c1", "", "c1-node"), TypeUrl: istioAuthzURL}, codes.PermissionDenied)
+}
+
+func TestIstioWorkloadUID(t *testing.T) {
+	for in, want := range map[string]string{
+		"c1/default/echo-7d9f":                          "c1//Pod/default/echo-7d9f",
+		"c1/default/endpointslice.db.10.0.0.7":          "c1/discovery.k8s.io/EndpointSlice/default/db/10.0.0.7",
+		"c1/default/endpointslice.db.fd00::7":           "c1/discovery.k8s.io/EndpointSlice/default/db/fd00::7",
+		model.WorkloadUID("c-2", "ns", "pod.with.dots"): "c-2//Pod/ns/pod.with.dots",
+		"not-a-uid": "not-a-uid",
+	} {
+		require.Equal(t, want, xds.IstioWorkloadUID(in), in)
+	}
+}
+
+// TestIstioEnumsAligned pins what the encoder relies on: Isthmus's enums
+// number their values as Istio's do.
+func TestIstioEnumsAligned(t *testing.T) {
+	same := func(isthmus, istio map[int32]string, rename map[string]string) {
+		t.Helper()
+		for n, name := range isthmus {
+			if r, ok := rename[name]; ok {
+				name = r
+			}
+			require.Equal(t, name, istio[n], "value %d", n)
+		}
+	}
+	same(workloadv1.LoadBalancing_Scope_name, workloadapi.LoadBalancing_Scope_name, map[string]string{"SCOPE_UNSPECIFIED": "UNSPECIFIED_SCOPE"})
+	same(workloadv1.LoadBalancing_Mode_name, workloadapi.LoadBalancing_Mode_name, nil)
+	same(workloadv1.TunnelProtocol_name, workloadapi.TunnelProtocol_name, nil)
+	same(workloadv1.WorkloadStatus_name, workloadapi.WorkloadStatus_name, nil)
 }
