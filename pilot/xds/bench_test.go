@@ -232,7 +232,9 @@ func BenchmarkDeltaFleet(b *testing.B) {
 	}
 }
 
-func runFleet(b *testing.B, endpoints int) { runFleetOf(b, endpoints, benchSubscribers, xds.WorkloadType) }
+func runFleet(b *testing.B, endpoints int) {
+	runFleetOf(b, endpoints, benchSubscribers, xds.WorkloadType)
+}
 
 // runFleetOf is runFleet with subscribers subscribers of typeURL (the
 // workload type, or Istio's).

@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"slices"
 	"testing"
+	"time"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/stretchr/testify/require"
@@ -354,4 +355,26 @@ func TestIstioEnumsAligned(t *testing.T) {
 	same(workloadv1.LoadBalancing_Mode_name, workloadapi.LoadBalancing_Mode_name, nil)
 	same(workloadv1.TunnelProtocol_name, workloadapi.TunnelProtocol_name, nil)
 	same(workloadv1.WorkloadStatus_name, workloadapi.WorkloadStatus_name, nil)
+}
+
+// TestIstioAddressesWaitForPolicies: Istio's ztunnel enforces only the
+// policies its workloads name, so no workload is sent before the policies
+// are read: then every one names its own.
+func TestIstioAddressesWaitForPolicies(t *testing.T) {
+	reg, _ := istioRegistry()
+	pols, _ := istioPolicies(t)
+	pols.synced.Store(false)
+	e := startTLSWith(t, reg, xds.Config{NodeAccounts: []string{"istio-system/ztunnel"}, Policies: pols})
+	c := openIstio(t, e, "c1-node", nodebind.Binding{Cluster: "c1", Node: "c1-node"}, istioAddressURL)
+	c.quiet(300 * time.Millisecond)
+	// Isthmus's own type is answered meanwhile (its ztunnel fails closed
+	// on a workload whose binding it does not hold yet).
+	own := openDelta(t, e.dialAs(t, e.ca, istioZtunnelID, nodebind.Binding{Cluster: "c1", Node: "c1-node"}),
+		&discovery.DeltaDiscoveryRequest{Node: claims("own", "c1", "", "c1-node"), TypeUrl: xds.WorkloadType})
+	own.apply(own.next())
+
+	pols.synced.Store(true)
+	pols.notify()
+	c.step()
+	require.Equal(t, []string{"default/sel", "istio-system/istio_converted_static_strict"}, c.workload(t, "c1//Pod/default/local").GetAuthorizationPolicies())
 }

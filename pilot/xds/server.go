@@ -59,6 +59,11 @@ type Server struct {
 	pending   pendingChanges
 	kick      chan struct{}
 	running   atomic.Bool
+
+	// istioMu guards istioPending: watches of Istio's workload type
+	// waiting for the policies (istio_wait.go).
+	istioMu      sync.Mutex
+	istioPending map[*istioWatch]struct{}
 }
 
 // pendingChanges are the keys changed since the last applied batch.
@@ -125,6 +130,8 @@ func New(cfg Config, reg Registry, logger *slog.Logger) (*Server, error) {
 		cancel: cancel,
 		views:  map[class]*view{},
 		kick:   make(chan struct{}, 1),
+
+		istioPending: map[*istioWatch]struct{}{},
 	}
 	s.authz = newAuthzServer(cfg.Policies, reg, cfg.VersionPrefix, slogAdapter{logger})
 	s.stats = newTracker(m, logger, s.classOf, newAuthorizer(cfg, reg, s.trustDomainOf), s.internNames)
@@ -177,6 +184,7 @@ func (s *Server) Run(ctx context.Context) error {
 	if err := s.authz.resync(); err != nil {
 		s.log.Error("xds authorization resync failed", "err", err)
 	}
+	s.openIstioPending()
 	for {
 		select {
 		case <-ctx.Done():
@@ -185,6 +193,7 @@ func (s *Server) Run(ctx context.Context) error {
 			if err := s.applyPending(); err != nil {
 				s.log.Error("xds push failed", "err", err)
 			}
+			s.openIstioPending()
 		}
 	}
 }
@@ -485,11 +494,10 @@ func (r routerCache) CreateDeltaWatch(req *cache.DeltaRequest, sub cache.Subscri
 	if err := checkType(req.GetTypeUrl()); err != nil {
 		return nil, err
 	}
-	v, err := r.s.viewFor(req.GetNode(), req.GetTypeUrl())
-	if err != nil {
-		return nil, err
+	if req.GetTypeUrl() == IstioAddressType {
+		return r.s.istioAddressWatch(req, sub, ch)
 	}
-	return v.mux.CreateDeltaWatch(req, sub, ch)
+	return r.s.openDeltaWatch(req, sub, ch)
 }
 
 // Fetch is not served: xDS over REST is not supported.
