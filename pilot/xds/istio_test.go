@@ -130,6 +130,15 @@ func istioPolicies(t *testing.T) (*fakePolicies, *securityclient.AuthorizationPo
 	return newFakePolicies(t, true, allow, authPolicy(ns, "sel", map[string]string{"app": "echo"})), allow
 }
 
+// Resource names of istioRegistry in Istio's type.
+const (
+	istioEchoKey   = "default/echo.default.svc.cluster.local"
+	istioOnlyKey   = "default/remote-only.default.svc.cluster.local"
+	istioSplitEcho = "net2/SplitHorizonWorkload/istio-system/eastwest/10.2.255.1/" + istioEchoKey
+	istioSplitOnly = "net2/SplitHorizonWorkload/istio-system/eastwest/10.2.255.1/" + istioOnlyKey
+	istioStrict    = "istio-system/istio_converted_static_strict"
+)
+
 // TestIstioWorkloadAPI: an Istio ztunnel, authenticated by its
 // ServiceAccount's certificate, is served Istio's istio.workload.Address
 // and istio.security.Authorization, decoded here with Istio's own Go types:
@@ -145,23 +154,64 @@ func TestIstioWorkloadAPI(t *testing.T) {
 	c := openIstio(t, e, "c1-node", bind, istioAddressURL)
 	c.step()
 
-	echoKey, onlyKey := ns+"/echo.default.svc.cluster.local", ns+"/remote-only.default.svc.cluster.local"
-	splitEcho := "net2/SplitHorizonWorkload/istio-system/eastwest/10.2.255.1/" + echoKey
-	splitOnly := "net2/SplitHorizonWorkload/istio-system/eastwest/10.2.255.1/" + onlyKey
 	// (The hostNetwork ztunnel pods own no address: never served.)
-	require.ElementsMatch(t, []string{"c1//Pod/default/local", echoKey, onlyKey, splitEcho, splitOnly},
+	require.ElementsMatch(t, []string{"c1//Pod/default/local", istioEchoKey, istioOnlyKey, istioSplitEcho, istioSplitOnly},
 		slices.Collect(maps.Keys(c.addresses)))
+	requireIstioNetwork1(t, c, gws)
+	requireIstioNetwork2(t, e)
 
-	strict := "istio-system/istio_converted_static_strict"
+	// Authorization, per node.
+	a := openIstio(t, e, "c1-node", bind, istioAuthzURL)
+	requireIstioAuthorizations(t, a)
+
+	// Updates: the local pod turns unready.
+	unready := *reg.Workload("c1/default/local")
+	unready.Ready = false
+	reg.SetWorkload(&unready)
+	r := c.step()
+	require.Equal(t, []string{"c1//Pod/default/local"}, names(r))
+	require.Equal(t, workloadapi.WorkloadStatus_UNHEALTHY, c.workload(t, "c1//Pod/default/local").GetStatus())
+
+	// The selector policy goes: removed from the node's Authorizations and
+	// from the workload's list.
+	pols.set(t, allow)
+	pols.notify()
+	r = a.step()
+	require.Equal(t, []string{"default/sel"}, r.GetRemovedResources())
+	r = c.step()
+	require.Equal(t, []string{"c1//Pod/default/local"}, names(r))
+	require.Equal(t, []string{istioStrict}, c.workload(t, "c1//Pod/default/local").GetAuthorizationPolicies())
+
+	// A mesh-wide policy arrives, GLOBAL.
+	pols.set(t, allow, authPolicy(rootNS, "mesh-deny", nil))
+	pols.notify()
+	r = a.step()
+	require.Equal(t, []string{"istio-system/mesh-deny"}, names(r))
+	require.Equal(t, security.Scope_GLOBAL, a.authz["istio-system/mesh-deny"].GetScope())
+
+	// The local pod goes: its Address is removed, and its node keeps only
+	// the mesh-wide policy.
+	reg.RemoveWorkload("c1/default/local")
+	r = c.step()
+	require.Equal(t, []string{"c1//Pod/default/local"}, r.GetRemovedResources())
+	r = a.step()
+	require.ElementsMatch(t, []string{"default/allow-client", istioStrict}, r.GetRemovedResources())
+	require.Equal(t, []string{"istio-system/mesh-deny"}, slices.Collect(maps.Keys(a.authz)))
+}
+
+// requireIstioNetwork1 checks what the network-1 Istio ztunnel of
+// TestIstioWorkloadAPI holds first.
+func requireIstioNetwork1(t *testing.T, c *istioClient, gws []model.NetworkGateway) {
+	t.Helper()
 	equalProto(t, &workloadapi.Workload{
 		Uid: "c1//Pod/default/local", Name: "local", Namespace: ns, Addresses: [][]byte{ip("10.1.0.1").AsSlice()},
 		Network: "net1", ClusterId: "c1", Node: "c1-node", TrustDomain: "cluster.local", ServiceAccount: "default",
 		TunnelProtocol: workloadapi.TunnelProtocol_HBONE, WorkloadType: workloadapi.WorkloadType_POD,
 		WorkloadName: "local", CanonicalName: "echo", CanonicalRevision: "latest",
 		Locality: &workloadapi.Locality{Region: "r1", Zone: "z1"},
-		Services: map[string]*workloadapi.PortList{echoKey: {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}}}},
+		Services: map[string]*workloadapi.PortList{istioEchoKey: {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}}}},
 		// The selector policy that selects it, and STRICT (the default).
-		AuthorizationPolicies: []string{"default/sel", strict},
+		AuthorizationPolicies: []string{"default/sel", istioStrict},
 	}, c.workload(t, "c1//Pod/default/local"))
 
 	equalProto(t, &workloadapi.Service{
@@ -171,11 +221,11 @@ func TestIstioWorkloadAPI(t *testing.T) {
 			{Network: "net2", Address: ip("10.97.0.10").AsSlice()},
 		},
 		Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}},
-	}, c.addresses[echoKey].GetService())
+	}, c.addresses[istioEchoKey].GetService())
 	require.Equal(t, []*workloadapi.NetworkAddress{{Network: "net2", Address: ip("10.97.0.20").AsSlice()}},
-		c.addresses[onlyKey].GetService().GetAddresses(), "a service of the remote cluster only")
+		c.addresses[istioOnlyKey].GetService().GetAddresses(), "a service of the remote cluster only")
 
-	for key, split := range map[string]string{echoKey: splitEcho, onlyKey: splitOnly} {
+	for key, split := range map[string]string{istioEchoKey: istioSplitEcho, istioOnlyKey: istioSplitOnly} {
 		equalProto(t, &workloadapi.Workload{
 			Uid: split, Name: split, Namespace: ns, Network: "net2", ClusterId: "c2", TrustDomain: "cluster.local",
 			TunnelProtocol: workloadapi.TunnelProtocol_HBONE, WorkloadType: workloadapi.WorkloadType_POD,
@@ -187,25 +237,32 @@ func TestIstioWorkloadAPI(t *testing.T) {
 			Services: map[string]*workloadapi.PortList{key: {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 80}}}},
 		}, c.workload(t, split))
 	}
+}
 
-	// The other network's ztunnel sees that network's pods of the remote
-	// cluster with their addresses, and network 1 through its gateway.
+// requireIstioNetwork2 checks what a network-2 Istio ztunnel holds: that
+// network's pods of the remote cluster with their addresses, and network 1
+// through its gateway.
+func requireIstioNetwork2(t *testing.T, e *authEnv) {
+	t.Helper()
 	c2 := openIstio(t, e, "c2-node", nodebind.Binding{Cluster: "c2", Node: "c2-node"}, istioAddressURL)
 	c2.step()
-	require.ElementsMatch(t, []string{"c2//Pod/default/remote", "c2//Pod/default/ro", echoKey, onlyKey,
-		"net1/SplitHorizonWorkload/istio-system/eastwest/10.1.255.1/" + echoKey}, slices.Collect(maps.Keys(c2.addresses)))
+	require.ElementsMatch(t, []string{"c2//Pod/default/remote", "c2//Pod/default/ro", istioEchoKey, istioOnlyKey,
+		"net1/SplitHorizonWorkload/istio-system/eastwest/10.1.255.1/" + istioEchoKey}, slices.Collect(maps.Keys(c2.addresses)))
 	remote := c2.workload(t, "c2//Pod/default/remote")
 	require.Equal(t, [][]byte{ip("10.2.0.1").AsSlice()}, remote.GetAddresses())
 	require.Equal(t, "c2", remote.GetClusterId())
 	require.Equal(t, "net2", remote.GetNetwork())
-	require.Equal(t, []string{"default/sel", strict}, remote.GetAuthorizationPolicies(), "default/sel selects it too")
-	require.Equal(t, uint32(15008), c2.workload(t, "net1/SplitHorizonWorkload/istio-system/eastwest/10.1.255.1/"+echoKey).GetNetworkGateway().GetHboneMtlsPort())
+	require.Equal(t, []string{"default/sel", istioStrict}, remote.GetAuthorizationPolicies(), "default/sel selects it too")
+	require.Equal(t, uint32(15008), c2.workload(t, "net1/SplitHorizonWorkload/istio-system/eastwest/10.1.255.1/"+istioEchoKey).GetNetworkGateway().GetHboneMtlsPort())
+}
 
-	// Authorization, per node: the namespace policy and the selector policy
-	// of its workload, and Istio's static STRICT policy.
-	a := openIstio(t, e, "c1-node", bind, istioAuthzURL)
+// requireIstioAuthorizations checks the Authorizations of node c1-node:
+// the namespace policy and the selector policy of its workload, and
+// Istio's static STRICT policy.
+func requireIstioAuthorizations(t *testing.T, a *istioClient) {
+	t.Helper()
 	a.step()
-	require.ElementsMatch(t, []string{"default/allow-client", "default/sel", strict}, slices.Collect(maps.Keys(a.authz)))
+	require.ElementsMatch(t, []string{"default/allow-client", "default/sel", istioStrict}, slices.Collect(maps.Keys(a.authz)))
 	presence := &security.StringMatch{MatchType: &security.StringMatch_Presence{Presence: &emptypb.Empty{}}}
 	equalProto(t, &security.Authorization{
 		Name: "allow-client", Namespace: ns, Scope: security.Scope_NAMESPACE, Action: security.Action_ALLOW,
@@ -224,41 +281,7 @@ func TestIstioWorkloadAPI(t *testing.T) {
 	equalProto(t, &security.Authorization{
 		Name: "istio_converted_static_strict", Namespace: rootNS, Scope: security.Scope_WORKLOAD_SELECTOR, Action: security.Action_DENY,
 		Groups: []*security.Group{{Rules: []*security.Rules{{Matches: []*security.Match{{NotPrincipals: []*security.StringMatch{presence}}}}}}},
-	}, a.authz[strict])
-
-	// Updates: the local pod turns unready.
-	unready := *reg.Workload("c1/default/local")
-	unready.Ready = false
-	reg.SetWorkload(&unready)
-	r := c.step()
-	require.Equal(t, []string{"c1//Pod/default/local"}, names(r))
-	require.Equal(t, workloadapi.WorkloadStatus_UNHEALTHY, c.workload(t, "c1//Pod/default/local").GetStatus())
-
-	// The selector policy goes: removed from the node's Authorizations and
-	// from the workload's list.
-	pols.set(t, allow)
-	pols.notify()
-	r = a.step()
-	require.Equal(t, []string{"default/sel"}, r.GetRemovedResources())
-	r = c.step()
-	require.Equal(t, []string{"c1//Pod/default/local"}, names(r))
-	require.Equal(t, []string{strict}, c.workload(t, "c1//Pod/default/local").GetAuthorizationPolicies())
-
-	// A mesh-wide policy arrives, GLOBAL.
-	pols.set(t, allow, authPolicy(rootNS, "mesh-deny", nil))
-	pols.notify()
-	r = a.step()
-	require.Equal(t, []string{"istio-system/mesh-deny"}, names(r))
-	require.Equal(t, security.Scope_GLOBAL, a.authz["istio-system/mesh-deny"].GetScope())
-
-	// The local pod goes: its Address is removed, and its node keeps only
-	// the mesh-wide policy.
-	reg.RemoveWorkload("c1/default/local")
-	r = c.step()
-	require.Equal(t, []string{"c1//Pod/default/local"}, r.GetRemovedResources())
-	r = a.step()
-	require.ElementsMatch(t, []string{"default/allow-client", strict}, r.GetRemovedResources())
-	require.Equal(t, []string{"istio-system/mesh-deny"}, slices.Collect(maps.Keys(a.authz)))
+	}, a.authz[istioStrict])
 }
 
 // TestIstioTypeEncodedOnDemand: a class encodes Istio's type only once an
