@@ -401,3 +401,44 @@ func TestIstioAddressesWaitForPolicies(t *testing.T) {
 	c.step()
 	require.Equal(t, []string{"default/sel", "istio-system/istio_converted_static_strict"}, c.workload(t, "c1//Pod/default/local").GetAuthorizationPolicies())
 }
+
+// TestIstioSplitHorizonGatewayForms: a gateway known by hostname is sent in
+// Istio's NamespacedHostname form; of several trusted gateways, Istio's one
+// network_gateway is the first by key (Isthmus's type lists them all), and
+// a tenant's candidate is never used.
+func TestIstioSplitHorizonGatewayForms(t *testing.T) {
+	reg := xdstest.New()
+	for _, g := range []model.NetworkGateway{
+		{Network: "net2", Cluster: "c2", Hostname: "gw.example.com", HBONEPort: 15443, Source: "istio-system/eastwest-b"},
+		{Network: "net2", Cluster: "c2", Address: ip("10.2.255.1"), Source: "istio-system/eastwest-c"},
+		{Network: "net2", Cluster: "c2", Address: ip("10.2.255.66"), Source: "aaa/evil", Ignored: model.GatewayIgnoredUntrustedNamespace},
+	} {
+		reg.SetGateway(g)
+	}
+	svc, ws := xdstest.Backing("echo", ns, tcp80, nil, xdstest.Pod("c2", "net2", ns, "r", ip("10.2.0.1")))
+	publish(reg, svc, ws)
+	e := start(t, reg)
+	c := &istioClient{deltaClient: openDelta(t, dial(t, e.addr), &discovery.DeltaDiscoveryRequest{Node: node("zt", "net1", "c1"), TypeUrl: istioAddressURL}),
+		addresses: map[string]*workloadapi.Address{}}
+	c.step()
+	split := "net2/SplitHorizonWorkload/istio-system/eastwest-b/gw.example.com/" + istioEchoKey
+	require.ElementsMatch(t, []string{istioEchoKey, split}, slices.Collect(maps.Keys(c.addresses)))
+	equalProto(t, &workloadapi.GatewayAddress{
+		Destination:   &workloadapi.GatewayAddress_Hostname{Hostname: &workloadapi.NamespacedHostname{Namespace: "istio-system", Hostname: "gw.example.com"}},
+		HboneMtlsPort: 15443,
+	}, c.workload(t, split).GetNetworkGateway())
+
+	// The hostname gateway goes: the split workload is renamed for the
+	// next gateway (its port defaulting to 15008).
+	reg.Update(func(tx *xdstest.Tx) {
+		tx.RemoveGateway(model.NetworkGateway{Network: "net2", Cluster: "c2", Hostname: "gw.example.com", HBONEPort: 15443, Source: "istio-system/eastwest-b"})
+	})
+	r := c.step()
+	next := "net2/SplitHorizonWorkload/istio-system/eastwest-c/10.2.255.1/" + istioEchoKey
+	require.Equal(t, []string{split}, r.GetRemovedResources())
+	require.Equal(t, []string{next}, names(r))
+	equalProto(t, &workloadapi.GatewayAddress{
+		Destination:   &workloadapi.GatewayAddress_Address{Address: &workloadapi.NetworkAddress{Network: "net2", Address: ip("10.2.255.1").AsSlice()}},
+		HboneMtlsPort: 15008,
+	}, c.workload(t, next).GetNetworkGateway())
+}
