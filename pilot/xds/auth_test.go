@@ -98,13 +98,19 @@ type authEnv struct {
 
 func startTLS(t *testing.T, reg *xdstest.Registry) *authEnv {
 	t.Helper()
+	return startTLSWith(t, reg, xds.Config{})
+}
+
+// startTLSWith is startTLS with cfg.
+func startTLSWith(t *testing.T, reg *xdstest.Registry, cfg xds.Config) *authEnv {
+	t.Helper()
 	ca := newAuthCA(t)
 	serving := ca.leaf(t, "", net.IPv4(127, 0, 0, 1))
 	creds := credentials.NewTLS(&tls.Config{
 		MinVersion: tls.VersionTLS13, Certificates: []tls.Certificate{serving},
 		ClientAuth: tls.VerifyClientCertIfGiven, ClientCAs: ca.pool,
 	})
-	return &authEnv{env: startWith(t, reg, xds.Config{}, grpc.Creds(creds)), ca: ca}
+	return &authEnv{env: startWith(t, reg, cfg, grpc.Creds(creds)), ca: ca}
 }
 
 // dialAs connects with the client certificate of uri ("" for none), signed

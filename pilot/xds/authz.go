@@ -2,6 +2,7 @@ package xds
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"sync"
 
@@ -85,12 +86,19 @@ type authzServer struct {
 	nodeOf  map[string]nodeKey
 	locals  map[nodeKey]map[string]struct{}
 	nodes   map[nodeKey]*typeCache
-	pending map[*pendingWatch]struct{}
+	// istioNodes serve IstioAuthorizationType, made when an Istio ztunnel
+	// of the node first asks (istio_authz.go).
+	istioNodes map[nodeKey]*typeCache
+	pending    map[*pendingWatch]struct{}
+	// memo keeps the Istio encodings of memoSnap's policies.
+	memoSnap *policy.Snapshot
+	memo     map[string]istioMemo
 }
 
 // pendingWatch is a delta watch opened before the policies synced.
 type pendingWatch struct {
 	key    nodeKey
+	istio  bool // the watch is of IstioAuthorizationType
 	req    *cache.DeltaRequest
 	sub    cache.Subscription
 	ch     chan cache.DeltaResponse
@@ -104,29 +112,34 @@ func newAuthzServer(src Policies, reg Registry, prefix string, logger slogAdapte
 	}
 	return &authzServer{src: src, reg: reg, prefix: prefix, logger: logger,
 		nodeOf: map[string]nodeKey{}, locals: map[nodeKey]map[string]struct{}{},
-		nodes: map[nodeKey]*typeCache{}, pending: map[*pendingWatch]struct{}{}}
+		nodes: map[nodeKey]*typeCache{}, istioNodes: map[nodeKey]*typeCache{}, pending: map[*pendingWatch]struct{}{}}
 }
+
+// errNotNodeProxy: a stream's node carries no verified node name.
+var errNotNodeProxy = errors.New("not a verified node proxy")
 
 // nodeKeyOf returns the node a stream's verified metadata names.
 func nodeKeyOf(node *corev3.Node) (nodeKey, error) {
 	f := node.GetMetadata().GetFields()
 	name := f[MetadataVerifiedNode].GetStringValue()
 	if name == "" {
-		return nodeKey{}, status.Errorf(codes.PermissionDenied, "xds: %s is served to node proxies (ztunnel) only", AuthorizationType)
+		return nodeKey{}, errNotNodeProxy
 	}
 	return nodeKey{cluster: model.ClusterID(f[MetadataClusterID].GetStringValue()), node: name}, nil
 }
 
-// createDeltaWatch opens a watch on the cache of the request's node, or
-// parks it until the policies sync.
+// createDeltaWatch opens a watch on the cache of the request's node (of
+// its type: AuthorizationType or IstioAuthorizationType), or parks it
+// until the policies sync.
 func (a *authzServer) createDeltaWatch(req *cache.DeltaRequest, sub cache.Subscription, ch chan cache.DeltaResponse) (func(), error) {
 	key, err := nodeKeyOf(req.GetNode())
 	if err != nil {
-		return nil, err
+		return nil, status.Errorf(codes.PermissionDenied, "xds: %s is served to node proxies (ztunnel) only", req.GetTypeUrl())
 	}
+	istio := req.GetTypeUrl() == IstioAuthorizationType
 	a.mu.Lock()
 	if !a.synced {
-		p := &pendingWatch{key: key, req: req, sub: sub, ch: ch}
+		p := &pendingWatch{key: key, istio: istio, req: req, sub: sub, ch: ch}
 		a.pending[p] = struct{}{}
 		a.mu.Unlock()
 		return func() {
@@ -142,24 +155,37 @@ func (a *authzServer) createDeltaWatch(req *cache.DeltaRequest, sub cache.Subscr
 	// nodeCache and the watch, which would park it on a cache no change
 	// reaches any more.
 	defer a.mu.Unlock()
-	c, err := a.nodeCache(key)
+	c, err := a.nodeCache(key, istio)
 	if err != nil {
 		return nil, err
 	}
 	return c.CreateDeltaWatch(req, sub, ch)
 }
 
-// nodeCache returns the cache of key, made and built on first use. The
-// caller holds mu.
-func (a *authzServer) nodeCache(key nodeKey) (*typeCache, error) {
-	if c := a.nodes[key]; c != nil {
+// caches returns the node caches of one encoding. The caller holds mu.
+func (a *authzServer) caches(istio bool) map[nodeKey]*typeCache {
+	if istio {
+		return a.istioNodes
+	}
+	return a.nodes
+}
+
+// nodeCache returns the cache of key in one encoding, made and built on
+// first use. The caller holds mu.
+func (a *authzServer) nodeCache(key nodeKey, istio bool) (*typeCache, error) {
+	nodes := a.caches(istio)
+	if c := nodes[key]; c != nil {
 		return c, nil
 	}
 	a.index()
-	c := newTypeCache(AuthorizationType, a.prefix, a.logger)
-	a.nodes[key] = c
-	if err := a.build(a.src.Snapshot(), key, c); err != nil {
-		delete(a.nodes, key)
+	t := AuthorizationType
+	if istio {
+		t = IstioAuthorizationType
+	}
+	c := newTypeCache(t, a.prefix, a.logger)
+	nodes[key] = c
+	if err := a.build(a.src.Snapshot(), key, c, istio); err != nil {
+		delete(nodes, key)
 		return nil, status.Errorf(codes.Internal, "build authorization of node %s/%s: %v", key.cluster, key.node, err)
 	}
 	return c, nil
@@ -236,19 +262,25 @@ func (a *authzServer) apply(workloads map[string]struct{}, policiesChanged bool)
 		for k := range a.nodes {
 			dirty[k] = true
 		}
+		for k := range a.istioNodes {
+			dirty[k] = true
+		}
 	}
 	var errs []error
 	for k := range dirty {
-		c := a.nodes[k]
-		if c == nil {
-			continue
-		}
-		if len(a.locals[k]) == 0 && !c.inUse() {
-			delete(a.nodes, k) // a node gone, with no ztunnel left
-			continue
-		}
-		if err := a.build(snap, k, c); err != nil {
-			errs = append(errs, err)
+		for _, istio := range []bool{false, true} {
+			nodes := a.caches(istio)
+			c := nodes[k]
+			if c == nil {
+				continue
+			}
+			if len(a.locals[k]) == 0 && !c.inUse() {
+				delete(nodes, k) // a node gone, with no ztunnel left
+				continue
+			}
+			if err := a.build(snap, k, c, istio); err != nil {
+				errs = append(errs, err)
+			}
 		}
 	}
 	if !a.synced {
@@ -266,7 +298,7 @@ func (a *authzServer) apply(workloads map[string]struct{}, policiesChanged bool)
 func (a *authzServer) openPending() {
 	for p := range a.pending {
 		delete(a.pending, p)
-		c, err := a.nodeCache(p.key)
+		c, err := a.nodeCache(p.key, p.istio)
 		if err != nil {
 			a.logger.Errorf("authorization watch of node %s/%s: %v", p.key.cluster, p.key.node, err)
 			continue
@@ -280,9 +312,9 @@ func (a *authzServer) openPending() {
 	}
 }
 
-// build puts in c exactly the resources of node key under snap. The
-// caller holds mu.
-func (a *authzServer) build(snap *policy.Snapshot, key nodeKey, c *typeCache) error {
+// build puts in c exactly the resources of node key under snap, in
+// Istio's encoding if istio. The caller holds mu.
+func (a *authzServer) build(snap *policy.Snapshot, key nodeKey, c *typeCache, istio bool) error {
 	locals := make([]*model.Workload, 0, len(a.locals[key]))
 	for uid := range a.locals[key] {
 		if w := a.reg.Workload(uid); policy.Enforced(w) && keyOf(w) == key {
@@ -290,6 +322,9 @@ func (a *authzServer) build(snap *policy.Snapshot, key nodeKey, c *typeCache) er
 		}
 	}
 	res, err := snap.NodeResources(locals)
+	if err == nil && istio {
+		res, err = a.istioNodeResources(snap, res)
+	}
 	if err != nil {
 		return err
 	}

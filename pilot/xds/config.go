@@ -38,7 +38,8 @@ type Config struct {
 	AllowPlaintext bool
 	// NodeAccounts are the "namespace/serviceaccount" identities of node
 	// proxies (ztunnel): their claims are checked down to their node (default
-	// "isthmus-system/ztunnel", defaults.Namespace).
+	// "isthmus-system/ztunnel", defaults.Namespace). Istio's ztunnel is served
+	// only if its account ("istio-system/ztunnel") is listed too.
 	NodeAccounts []string
 	// Metrics registers the server's Prometheus metrics; nil keeps them in a
 	// private registry.

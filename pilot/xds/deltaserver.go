@@ -83,9 +83,9 @@ type deltaServer struct {
 }
 
 // deltaTypes bounds the responses a stream can have waiting: one per type
-// it watches (the types served and the authorization type; any other type
-// ends the stream), twice over as go-control-plane sizes it.
-var deltaTypes = 2 * (len(allTypes) + 1)
+// it watches (the types served and the two authorization types; any other
+// type ends the stream), twice over as go-control-plane sizes it.
+var deltaTypes = 2 * (len(allTypes) + 2)
 
 // serve serves one delta stream until it ends, the client breaks the
 // protocol or the server stops. A goroutine receives the requests

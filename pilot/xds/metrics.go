@@ -117,9 +117,9 @@ func metricType(typeURL string) string {
 		return "lds"
 	case resource.RouteType:
 		return "rds"
-	case WorkloadType:
+	case WorkloadType, IstioAddressType:
 		return "wds"
-	case AuthorizationType:
+	case AuthorizationType, IstioAuthorizationType:
 		return "wads"
 	}
 	return "other"
@@ -180,8 +180,8 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			return nil, err
 		}
 	}
-	m.sent = make(map[string]sentCounters, len(allTypes)+1)
-	for _, t := range append([]string{AuthorizationType}, allTypes...) {
+	m.sent = make(map[string]sentCounters, len(allTypes)+2)
+	for _, t := range append([]string{AuthorizationType, IstioAuthorizationType}, allTypes...) {
 		m.sent[t] = m.newSent(t)
 		m.istio.rejects.WithLabelValues(metricType(t)) // export zeros, as for pushes
 	}

@@ -1,6 +1,8 @@
 // Package xds turns the federated registry into xDS resources and serves them
 // with go-control-plane: workload discovery (Address resources, delta ADS) for
-// ztunnels, and CDS/EDS/LDS/RDS for Envoy and proxyless gRPC clients.
+// ztunnels, in Isthmus's encoding and in Istio's (istio.workload.Address and
+// istio.security.Authorization, for Istio's ztunnel: istio.go), and
+// CDS/EDS/LDS/RDS for Envoy and proxyless gRPC clients.
 //
 // Clients are grouped into classes by the network and cluster in their node
 // metadata (NETWORK, CLUSTER_ID, as Istio names them). On TLS those claims are

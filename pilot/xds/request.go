@@ -236,8 +236,11 @@ func knownType(b []byte) string {
 			return t
 		}
 	}
-	if string(b) == AuthorizationType {
+	switch string(b) {
+	case AuthorizationType:
 		return AuthorizationType
+	case IstioAuthorizationType:
+		return IstioAuthorizationType
 	}
 	return string(b)
 }

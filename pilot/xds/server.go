@@ -59,6 +59,11 @@ type Server struct {
 	pending   pendingChanges
 	kick      chan struct{}
 	running   atomic.Bool
+
+	// istioMu guards istioPending: watches of Istio's workload type
+	// waiting for the policies (istio_wait.go).
+	istioMu      sync.Mutex
+	istioPending map[*istioWatch]struct{}
 }
 
 // pendingChanges are the keys changed since the last applied batch.
@@ -125,6 +130,8 @@ func New(cfg Config, reg Registry, logger *slog.Logger) (*Server, error) {
 		cancel: cancel,
 		views:  map[class]*view{},
 		kick:   make(chan struct{}, 1),
+
+		istioPending: map[*istioWatch]struct{}{},
 	}
 	s.authz = newAuthzServer(cfg.Policies, reg, cfg.VersionPrefix, slogAdapter{logger})
 	s.stats = newTracker(m, logger, s.classOf, newAuthorizer(cfg, reg, s.trustDomainOf), s.internNames)
@@ -177,6 +184,7 @@ func (s *Server) Run(ctx context.Context) error {
 	if err := s.authz.resync(); err != nil {
 		s.log.Error("xds authorization resync failed", "err", err)
 	}
+	s.openIstioPending()
 	for {
 		select {
 		case <-ctx.Done():
@@ -185,6 +193,7 @@ func (s *Server) Run(ctx context.Context) error {
 			if err := s.applyPending(); err != nil {
 				s.log.Error("xds push failed", "err", err)
 			}
+			s.openIstioPending()
 		}
 	}
 }
@@ -246,10 +255,15 @@ type builder struct {
 	envoy *envoyBuilder
 	td    trustDomains
 	alloc Allocations
+	istio istioEncoder
 }
 
 func (s *Server) newBuilder() *builder {
-	return &builder{reg: s.reg, gws: newGatewayIndex(s.reg.Gateways()), envoy: s.envoy, td: s.trustDomainOf, alloc: s.cfg.Allocations}
+	gws := newGatewayIndex(s.reg.Gateways())
+	snap := s.authz.src.Snapshot()
+	policies := func(uid string) []string { return istioPolicyNames(snap, s.reg.Workload(uid)) }
+	return &builder{reg: s.reg, gws: gws, envoy: s.envoy, td: s.trustDomainOf, alloc: s.cfg.Allocations,
+		istio: istioEncoder{gws: gws, policies: policies}}
 }
 
 // trustDomains gives the trust domain of a cluster's identities.
@@ -304,10 +318,21 @@ func (s *Server) applyPending() error {
 	bd := s.newBuilder()
 	var errs []error
 	changed := 0
+	var all []*model.Workload
 	for _, v := range s.snapshotViews() {
 		b := v.newBatch(false)
 		for uid := range p.workloads {
 			b.workload(bd, uid)
+		}
+		if p.policies && v.serves(IstioAddressType) {
+			// Istio's workloads name their policies: every one may read
+			// differently (policy changes are rare).
+			if all == nil {
+				all = s.reg.Workloads()
+			}
+			for _, w := range all {
+				b.workload(bd, w.UID)
+			}
 		}
 		for h := range hosts {
 			if err := b.service(bd, h); err != nil {
@@ -463,17 +488,16 @@ func (r routerCache) CreateWatch(req *cache.Request, sub cache.Subscription, ch 
 // CreateDeltaWatch opens a delta watch on the view of the request's node
 // (on the node's own cache for the authorization type).
 func (r routerCache) CreateDeltaWatch(req *cache.DeltaRequest, sub cache.Subscription, ch chan cache.DeltaResponse) (func(), error) {
-	if req.GetTypeUrl() == AuthorizationType {
+	if req.GetTypeUrl() == AuthorizationType || req.GetTypeUrl() == IstioAuthorizationType {
 		return r.s.authz.createDeltaWatch(req, sub, ch)
 	}
 	if err := checkType(req.GetTypeUrl()); err != nil {
 		return nil, err
 	}
-	v, err := r.s.viewFor(req.GetNode(), req.GetTypeUrl())
-	if err != nil {
-		return nil, err
+	if req.GetTypeUrl() == IstioAddressType {
+		return r.s.istioAddressWatch(req, sub, ch)
 	}
-	return v.mux.CreateDeltaWatch(req, sub, ch)
+	return r.s.openDeltaWatch(req, sub, ch)
 }
 
 // Fetch is not served: xDS over REST is not supported.

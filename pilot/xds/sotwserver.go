@@ -408,8 +408,8 @@ func (s *sotwSubscription) IsWildcard() bool {
 
 // sotwWatch opens a SotW watch on the view of the request's node.
 func (s *Server) sotwWatch(req *cache.Request, sub cache.Subscription, deliver func(cache.Response)) (func(), error) {
-	if req.GetTypeUrl() == AuthorizationType {
-		return nil, status.Errorf(codes.Unimplemented, "%s is served over delta xDS only", AuthorizationType)
+	if t := req.GetTypeUrl(); t == AuthorizationType || t == IstioAuthorizationType || t == IstioAddressType {
+		return nil, status.Errorf(codes.Unimplemented, "%s is served over delta xDS only", t)
 	}
 	if err := checkType(req.GetTypeUrl()); err != nil {
 		return nil, err

@@ -17,13 +17,19 @@ import (
 )
 
 // allTypes are the type URLs every view serves.
-var allTypes = append([]string{WorkloadType}, envoyTypes...)
+var allTypes = append([]string{WorkloadType, IstioAddressType}, envoyTypes...)
+
+// direct reports whether type t's resources are kept in its cache's own
+// map only (see view.current): the workload types.
+func direct(t string) bool { return t == WorkloadType || t == IstioAddressType }
 
 // view holds what one class of clients sees: each type in a typeCache,
 // combined by a MuxCache keyed by type URL.
 //
 // A view builds only the resources its clients ask for: the workload type
-// once a client of the class asks for it (ztunnels), the four Envoy types
+// once a client of the class asks for it (ztunnels), Istio's workload type
+// once an Istio ztunnel asks for it (encoded from the same built
+// resources: istio.go), the four Envoy types
 // together once a client asks for any of them (Envoy, proxyless gRPC). A
 // class of ztunnels holds no Envoy resources and a class of gRPC clients no
 // workloads.
@@ -37,17 +43,17 @@ type view struct {
 	caches map[string]*typeCache
 	// building is set per group of types (workloadGroup, envoyGroup) once a
 	// client asked for one of them: the builder keeps that group up to date.
-	building [2]bool
+	building [3]bool
 	// ready is set once a group's resources are in the caches, so that
 	// watches may be opened on them.
-	ready [2]atomic.Bool
-	// workloads serves the workload type.
-	workloads *typeCache
-	mux       *cache.MuxCache
+	ready [3]atomic.Bool
+	// workloads serves the workload type, istio Istio's.
+	workloads, istio *typeCache
+	mux              *cache.MuxCache
 
 	// current are the Envoy types' resources in the caches (raw, see
-	// raw.go), per type URL and name. The workload type's are the delta
-	// cache's own map (see stored): at 50,000 endpoints a second map and a
+	// raw.go), per type URL and name. The workload types' are the delta
+	// caches' own maps (see stored): at 50,000 endpoints a second map and a
 	// holder message per resource cost ~90 B each, per class.
 	current map[string]map[string]types.Resource
 	// owned are the names each service hostname owns, per type URL.
@@ -61,22 +67,33 @@ type view struct {
 const (
 	workloadGroup = iota
 	envoyGroup
+	istioGroup
 )
 
 func groupOf(typeURL string) int {
-	if typeURL == WorkloadType {
+	switch typeURL {
+	case WorkloadType:
 		return workloadGroup
+	case IstioAddressType:
+		return istioGroup
 	}
 	return envoyGroup
 }
 
 // cache returns the cache serving type t in v.
 func (v *view) cache(t string) *typeCache {
-	if t == WorkloadType {
+	switch t {
+	case WorkloadType:
 		return v.workloads
+	case IstioAddressType:
+		return v.istio
 	}
 	return v.caches[t]
 }
+
+// buildsAddresses reports whether v builds the workload discovery
+// resources, for either encoding.
+func (v *view) buildsAddresses() bool { return v.serves(WorkloadType) || v.serves(IstioAddressType) }
 
 // serves reports whether the builder keeps resources of type t up to date
 // in v. The caller holds Server.buildMu.
@@ -95,7 +112,7 @@ func newView(c class, versionPrefix string, logger slogAdapter) *view {
 	}
 	muxed := make(map[string]cache.Cache, len(allTypes))
 	for _, t := range allTypes {
-		if t == WorkloadType {
+		if direct(t) {
 			continue
 		}
 		v.current[t] = make(map[string]types.Resource)
@@ -105,6 +122,8 @@ func newView(c class, versionPrefix string, logger slogAdapter) *view {
 	}
 	v.workloads = newTypeCache(WorkloadType, versionPrefix, logger)
 	muxed[WorkloadType] = v.workloads
+	v.istio = newTypeCache(IstioAddressType, versionPrefix, logger)
+	muxed[IstioAddressType] = v.istio
 	byType := func(t string) string { return t }
 	v.mux = &cache.MuxCache{
 		Classify:      func(r *cache.Request) string { return byType(r.GetTypeUrl()) },
@@ -153,7 +172,7 @@ func (b *batch) put(t, name string, m proto.Message) {
 	if cur, ok := b.current(t, name); ok && bytes.Equal(cur, rawBytes(r)) {
 		return
 	}
-	if t != WorkloadType {
+	if !direct(t) {
 		b.v.current[t][name] = r
 	}
 	delete(b.deleted[t], name)
@@ -178,10 +197,10 @@ func (b *batch) current(t, name string) ([]byte, bool) {
 // stored returns the encoding of resource name of type t in v's caches.
 // The caller holds Server.buildMu.
 func (v *view) stored(t, name string) ([]byte, bool) {
-	if t == WorkloadType {
+	if direct(t) {
 		// Read without the cache's lock: only the builder, which holds
 		// buildMu, writes the map.
-		e, ok := v.workloads.resources[name]
+		e, ok := v.cache(t).resources[name]
 		return e.raw, ok
 	}
 	r, ok := v.current[t][name]
@@ -196,7 +215,7 @@ func (b *batch) del(t, name string) {
 	if _, ok := b.current(t, name); !ok {
 		return
 	}
-	if t != WorkloadType {
+	if !direct(t) {
 		delete(b.v.current[t], name)
 	}
 	delete(b.updated[t], name)
@@ -206,9 +225,11 @@ func (b *batch) del(t, name string) {
 	b.deleted[t][name] = struct{}{}
 }
 
-// workload rebuilds the Address of workload uid.
+// workload rebuilds the Address of workload uid, in each encoding v
+// serves.
 func (b *batch) workload(bd *builder, uid string) {
-	if !b.v.serves(WorkloadType) {
+	isthmus, istio := b.v.serves(WorkloadType), b.v.serves(IstioAddressType)
+	if !isthmus && !istio {
 		return
 	}
 	w := bd.reg.Workload(uid)
@@ -216,11 +237,18 @@ func (b *batch) workload(bd *builder, uid string) {
 		w = nil // another workload is served for its address
 	}
 	if a := buildWorkload(b.v.class, w, bd.td, bd.reg.Service); a != nil {
-		b.put(WorkloadType, uid, a)
+		if isthmus {
+			b.put(WorkloadType, uid, a)
+		}
+		if istio {
+			name, ia := bd.istio.address(uid, a)
+			b.put(IstioAddressType, name, ia)
+		}
 		return
 	}
 	if !b.ownedByService(uid) {
 		b.del(WorkloadType, uid)
+		b.del(IstioAddressType, IstioWorkloadUID(uid))
 	}
 }
 
@@ -248,8 +276,15 @@ func (b *batch) service(bd *builder, hostname string) error {
 		fresh[t] = map[string]types.Resource{}
 	}
 	s := bd.reg.Service(hostname)
-	if b.v.serves(WorkloadType) {
+	if b.v.buildsAddresses() {
 		buildServiceAddresses(b.v.class, s, bd.gws, bd.td, bd.alloc, fresh[WorkloadType])
+		if b.v.serves(IstioAddressType) {
+			for n, r := range fresh[WorkloadType] {
+				if name, ia := bd.istio.address(n, r.(*workloadv1.Address)); ia != nil {
+					fresh[IstioAddressType][name] = ia
+				}
+			}
+		}
 		// Which clusters' endpoints are visible changed (an export, a
 		// cluster-local setting): the service bindings of its workloads
 		// change with it, though the workloads themselves did not.
@@ -301,8 +336,8 @@ func (b *batch) service(bd *builder, hostname string) error {
 func (b *batch) sweep() {
 	for _, t := range allTypes {
 		var names []string
-		if t == WorkloadType {
-			names = slices.Collect(maps.Keys(b.v.workloads.resources))
+		if direct(t) {
+			names = slices.Collect(maps.Keys(b.v.cache(t).resources))
 		} else {
 			names = slices.Collect(maps.Keys(b.v.current[t]))
 		}
