@@ -13,8 +13,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/isthmus-mesh/isthmus/cni/istiozds"
 	"github.com/isthmus-mesh/isthmus/cni/plugin"
 	"github.com/isthmus-mesh/isthmus/cni/selection"
+	"github.com/isthmus-mesh/isthmus/cni/zds"
 	"github.com/isthmus-mesh/isthmus/internal/defaults"
 )
 
@@ -55,8 +57,15 @@ type Config struct {
 	// on the node and in the agent (the plugin runs on the node).
 	PluginSocket string
 	// ZtunnelSocket is where the agent serves ztunnel (cni/zds), mode
-	// 0600.
+	// 0600; default /var/run/isthmus/cni/ztunnel.sock, or Istio's
+	// /var/run/ztunnel/ztunnel.sock with ZtunnelProtocol "istio".
 	ZtunnelSocket string
+	// ZtunnelProtocol is what ZtunnelSocket speaks: "isthmus" (the
+	// default, cni/zds's JSON protocol) or "istio" (Istio's ZDS protobuf,
+	// cni/istiozds, for Istio's ztunnel: no cgroup id in its hello, so the
+	// pods' rules exempt its sockets by their mark alone). The peer checks
+	// are the same.
+	ZtunnelProtocol string
 	// ZtunnelUIDs may connect to ZtunnelSocket besides the agent's own uid
 	// (a ztunnel running as another user); every other peer is refused.
 	ZtunnelUIDs []uint32
@@ -112,6 +121,20 @@ type Config struct {
 	ShutdownTimeout time.Duration
 }
 
+// ZtunnelProtocol values.
+const (
+	ZtunnelProtocolIsthmus = "isthmus"
+	ZtunnelProtocolIstio   = "istio"
+)
+
+// zdsCodec is the wire format of ZtunnelProtocol.
+func (c Config) zdsCodec() zds.Codec {
+	if c.ZtunnelProtocol == ZtunnelProtocolIstio {
+		return istiozds.Codec{}
+	}
+	return zds.JSON{}
+}
+
 // DefaultConfig returns the defaults.
 func DefaultConfig() Config {
 	return Config{
@@ -152,6 +175,10 @@ func (c Config) withDefaults() Config {
 	or(&c.CNIConfDir, d.CNIConfDir)
 	orDur(&c.InstallCheckInterval, d.InstallCheckInterval)
 	or(&c.PluginSocket, d.PluginSocket)
+	or(&c.ZtunnelProtocol, ZtunnelProtocolIsthmus)
+	if c.ZtunnelProtocol == ZtunnelProtocolIstio {
+		or(&c.ZtunnelSocket, istiozds.SocketPath)
+	}
 	or(&c.ZtunnelSocket, d.ZtunnelSocket)
 	orDur(&c.PluginTimeout, d.PluginTimeout)
 	orDur(&c.AckTimeout, d.AckTimeout)
@@ -178,6 +205,9 @@ func (c Config) validate() error {
 	}
 	if c.PluginSocket == c.ZtunnelSocket {
 		errs = append(errs, errors.New("PluginSocket and ZtunnelSocket must differ"))
+	}
+	if c.ZtunnelProtocol != ZtunnelProtocolIsthmus && c.ZtunnelProtocol != ZtunnelProtocolIstio {
+		errs = append(errs, fmt.Errorf("ZtunnelProtocol: %q is neither %q nor %q", c.ZtunnelProtocol, ZtunnelProtocolIsthmus, ZtunnelProtocolIstio))
 	}
 	if c.AckTimeout >= c.PluginTimeout {
 		errs = append(errs, errors.New("AckTimeout must be shorter than PluginTimeout, or a ztunnel ack outlives the plugin's wait"))

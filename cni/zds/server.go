@@ -26,6 +26,9 @@ type Config struct {
 	// AllowedUIDs may connect besides the server's own uid (the peer's
 	// uid as SO_PEERCRED reports it); every other peer is refused.
 	AllowedUIDs []uint32
+	// Codec is the wire format; default JSON (this package's protocol).
+	// cni/istiozds.Codec speaks Istio's ZDS instead, for Istio's ztunnel.
+	Codec Codec
 }
 
 func (c Config) withDefaults() Config {
@@ -34,6 +37,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.HelloTimeout <= 0 {
 		c.HelloTimeout = 5 * time.Second
+	}
+	if c.Codec == nil {
+		c.Codec = JSON{}
 	}
 	return c
 }
@@ -315,15 +321,7 @@ func (s *Server) serve(ctx context.Context, uc *net.UnixConn) {
 		return
 	}
 	_ = uc.SetReadDeadline(time.Now().Add(s.cfg.HelloTimeout))
-	var hello Hello
-	fd, err := Read(uc, &hello)
-	if fd != nil {
-		fd.Close()
-		err = errors.New("zds: a file descriptor came with hello")
-	}
-	if err == nil && (hello.Version < MinVersion || hello.Version > Version) {
-		err = fmt.Errorf("zds: ztunnel speaks version %d, want %d to %d", hello.Version, MinVersion, Version)
-	}
+	hello, err := s.cfg.Codec.ReadHello(uc)
 	if err != nil {
 		log.Warn("ztunnel connection refused", "error", err)
 		s.refused(RefusedHello)
@@ -335,7 +333,7 @@ func (s *Server) serve(ctx context.Context, uc *net.UnixConn) {
 	// any pod.
 	s.join(uc, hello.CgroupID)
 	defer s.leave(ctx, uc)
-	c := newConn(uc, hello.Version)
+	c := newConn(uc, hello.Version, s.cfg.Codec)
 	if !s.snapshot(c) {
 		return
 	}
@@ -451,6 +449,7 @@ func (s *Server) handOff() {
 type conn struct {
 	uc      *net.UnixConn
 	version int // of the peer's hello
+	codec   Codec
 	acks    chan Ack
 	dead    chan struct{} // closed by the reader when it ends
 	closed  chan struct{} // closed by close
@@ -458,8 +457,8 @@ type conn struct {
 	once    sync.Once
 }
 
-func newConn(uc *net.UnixConn, version int) *conn {
-	c := &conn{uc: uc, version: version, acks: make(chan Ack), dead: make(chan struct{}), closed: make(chan struct{})}
+func newConn(uc *net.UnixConn, version int, codec Codec) *conn {
+	c := &conn{uc: uc, version: version, codec: codec, acks: make(chan Ack), dead: make(chan struct{}), closed: make(chan struct{})}
 	go c.read()
 	return c
 }
@@ -467,12 +466,7 @@ func newConn(uc *net.UnixConn, version int) *conn {
 func (c *conn) read() {
 	defer close(c.dead)
 	for {
-		var ack Ack
-		fd, err := Read(c.uc, &ack)
-		if fd != nil {
-			fd.Close()
-			err = errors.New("zds: a file descriptor came with an ack")
-		}
+		ack, err := c.codec.ReadAck(c.uc)
 		if err != nil {
 			c.readErr = err
 			c.uc.Close()
@@ -488,7 +482,7 @@ func (c *conn) read() {
 
 func (c *conn) send(req Request, fd *os.File, op, uid string, timeout time.Duration) *Error {
 	fail := func(r FailureReason, msg string) *Error { return &Error{Reason: r, Op: op, UID: uid, Msg: msg} }
-	if err := Write(c.uc, req, fd); err != nil {
+	if err := c.codec.WriteRequest(c.uc, req, fd); err != nil {
 		return fail(Disconnected, err.Error())
 	}
 	t := time.NewTimer(timeout)

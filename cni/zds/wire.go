@@ -140,12 +140,19 @@ func (r *Request) Validate(hasFD bool) error {
 	return nil
 }
 
-// Write sends v as one datagram on c, with fd (if not nil) as SCM_RIGHTS.
+// Write sends v as one JSON datagram on c, with fd (if not nil) as
+// SCM_RIGHTS.
 func Write(c *net.UnixConn, v any, fd *os.File) error {
 	b, err := json.Marshal(v)
 	if err != nil {
 		return err
 	}
+	return WriteDatagram(c, b, fd)
+}
+
+// WriteDatagram sends b as one datagram on c, with fd (if not nil) as
+// SCM_RIGHTS; b longer than MaxMessage is refused unsent.
+func WriteDatagram(c *net.UnixConn, b []byte, fd *os.File) error {
 	if len(b) > MaxMessage {
 		return fmt.Errorf("zds: message of %d bytes exceeds %d", len(b), MaxMessage)
 	}
@@ -153,14 +160,27 @@ func Write(c *net.UnixConn, v any, fd *os.File) error {
 	if fd != nil {
 		oob = unix.UnixRights(int(fd.Fd()))
 	}
-	_, _, err = c.WriteMsgUnix(b, oob, nil)
+	_, _, err := c.WriteMsgUnix(b, oob, nil)
 	return err
 }
 
-// Read receives one datagram from c into v. A descriptor that came with it
-// is returned as a file the caller owns; a message with more than one
-// descriptor, or a truncated one, is refused (and its descriptors closed).
+// Read receives one JSON datagram from c into v, with ReadDatagram's rules;
+// a message that does not decode is refused (and its descriptor closed).
 func Read(c *net.UnixConn, v any) (*os.File, error) {
+	return ReadDatagram(c, func(b []byte, _ bool) error {
+		if err := json.Unmarshal(b, v); err != nil {
+			return fmt.Errorf("zds: decode message: %w", err)
+		}
+		return nil
+	})
+}
+
+// ReadDatagram receives one datagram from c and gives its bytes to decode
+// (which must not keep them), with whether a descriptor came with it. A descriptor that came with it is returned
+// as a file the caller owns; a message with more than one descriptor, a
+// truncated one, an empty one (a seqpacket peer that closed: io.EOF) or
+// one decode refuses is refused, and its descriptors closed.
+func ReadDatagram(c *net.UnixConn, decode func(b []byte, hasFD bool) error) (*os.File, error) {
 	buf := make([]byte, MaxMessage+1)
 	oob := make([]byte, unix.CmsgSpace(4*4))
 	n, oobn, flags, _, err := c.ReadMsgUnix(buf, oob)
@@ -178,9 +198,7 @@ func Read(c *net.UnixConn, v any) (*os.File, error) {
 		perr = io.EOF // a seqpacket peer that closed reads as an empty message
 	}
 	if perr == nil {
-		if err := json.Unmarshal(buf[:n], v); err != nil {
-			perr = fmt.Errorf("zds: decode message: %w", err)
-		}
+		perr = decode(buf[:n], len(fds) == 1)
 	}
 	if perr != nil {
 		for _, fd := range fds {
