@@ -62,10 +62,17 @@ type Config struct {
 	ZtunnelSocket string
 	// ZtunnelProtocol is what ZtunnelSocket speaks: "isthmus" (the
 	// default, cni/zds's JSON protocol) or "istio" (Istio's ZDS protobuf,
-	// cni/istiozds, for Istio's ztunnel: no cgroup id in its hello, so the
-	// pods' rules exempt its sockets by their mark alone). The peer checks
-	// are the same.
+	// cni/istiozds, for Istio's ztunnel). The peer checks are the same.
+	// Istio's hello carries no cgroup id: the agent takes the cgroup of
+	// the connecting process from the kernel through ProcDir (cni/zds
+	// Config.PeerProcDir) and refuses a ztunnel whose cgroup it cannot
+	// find, unless ZtunnelMarkOnly.
 	ZtunnelProtocol string
+	// ZtunnelMarkOnly, with ZtunnelProtocol "istio", accepts a ztunnel
+	// whose cgroup cannot be found (no cgroup v2, a ztunnel in the node's
+	// cgroup namespace, a kernel before 6.5) and exempts its sockets by
+	// the mark alone, which any pod process with CAP_NET_RAW can set.
+	ZtunnelMarkOnly bool
 	// ZtunnelUIDs may connect to ZtunnelSocket besides the agent's own uid
 	// (a ztunnel running as another user); every other peer is refused.
 	ZtunnelUIDs []uint32
@@ -127,12 +134,16 @@ const (
 	ZtunnelProtocolIstio   = "istio"
 )
 
-// zdsCodec is the wire format of ZtunnelProtocol.
-func (c Config) zdsCodec() zds.Codec {
+// zds is the configuration of the ztunnel server.
+func (c Config) zds() zds.Config {
+	zc := zds.Config{SocketPath: c.ZtunnelSocket, AckTimeout: c.AckTimeout, AllowedUIDs: c.ZtunnelUIDs}
 	if c.ZtunnelProtocol == ZtunnelProtocolIstio {
-		return istiozds.Codec{}
+		zc.Codec, zc.MarkOnlyFallback = istiozds.Codec{}, c.ZtunnelMarkOnly
+		if c.ProcDir != Disabled {
+			zc.PeerProcDir = c.ProcDir
+		}
 	}
-	return zds.JSON{}
+	return zc
 }
 
 // DefaultConfig returns the defaults.
@@ -208,6 +219,9 @@ func (c Config) validate() error {
 	}
 	if c.ZtunnelProtocol != ZtunnelProtocolIsthmus && c.ZtunnelProtocol != ZtunnelProtocolIstio {
 		errs = append(errs, fmt.Errorf("ZtunnelProtocol: %q is neither %q nor %q", c.ZtunnelProtocol, ZtunnelProtocolIsthmus, ZtunnelProtocolIstio))
+	}
+	if c.ZtunnelProtocol == ZtunnelProtocolIstio && c.ProcDir == Disabled && !c.ZtunnelMarkOnly {
+		errs = append(errs, errors.New("ZtunnelProtocol istio needs ProcDir to find the ztunnel's cgroup (or ZtunnelMarkOnly)"))
 	}
 	if c.AckTimeout >= c.PluginTimeout {
 		errs = append(errs, errors.New("AckTimeout must be shorter than PluginTimeout, or a ztunnel ack outlives the plugin's wait"))

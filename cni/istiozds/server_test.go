@@ -26,7 +26,12 @@ import (
 	"github.com/isthmus-mesh/isthmus/ztunnel/netns/netnstest"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) {
+	if os.Getenv(peerEnv) != "" {
+		os.Exit(peerHelper())
+	}
+	goleak.VerifyTestMain(m)
+}
 
 // logBuffer collects the server's log lines.
 type logBuffer struct {
@@ -62,11 +67,17 @@ func (f *fixture) events() ([]zds.FailureReason, []zds.RefusalReason, []zds.Capt
 	return append([]zds.FailureReason(nil), f.failures...), append([]zds.RefusalReason(nil), f.refused...), append([]zds.Capture(nil), f.captures...)
 }
 
-// start runs the agent's server speaking Istio's ZDS (istiozds.Codec).
-func start(t *testing.T) *fixture {
+// start runs the agent's server speaking Istio's ZDS (istiozds.Codec),
+// with cfg's peer settings.
+func start(t *testing.T, cfgs ...zds.Config) *fixture {
 	t.Helper()
 	f := &fixture{path: filepath.Join(t.TempDir(), "ztunnel.sock"), log: &logBuffer{}}
-	srv, err := zds.New(zds.Config{SocketPath: f.path, AckTimeout: 5 * time.Second, Codec: istiozds.Codec{}}, zds.Deps{
+	var cfg zds.Config
+	if len(cfgs) > 0 {
+		cfg = cfgs[0]
+	}
+	cfg.SocketPath, cfg.AckTimeout, cfg.Codec = f.path, 5*time.Second, istiozds.Codec{}
+	srv, err := zds.New(cfg, zds.Deps{
 		Log: slog.New(slog.NewTextHandler(f.log, nil)),
 		OnFailure: func(r zds.FailureReason) {
 			f.mu.Lock()

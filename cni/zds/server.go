@@ -29,6 +29,22 @@ type Config struct {
 	// Codec is the wire format; default JSON (this package's protocol).
 	// cni/istiozds.Codec speaks Istio's ZDS instead, for Istio's ztunnel.
 	Codec Codec
+	// PeerProcDir, when set (the node's /proc as mounted here), makes a
+	// hello without a cgroup id (Istio's ZDS has none) take the cgroup of
+	// the peer's process from the kernel (see peerCgroup); when it cannot
+	// be found the connection is refused (RefusedCgroup) unless
+	// MarkOnlyFallback. Unset: such a hello turns the exemption into the
+	// mark alone, as before.
+	PeerProcDir string
+	// PeerCgroupMounts are where a peer may mount cgroup v2 inside its
+	// root, the first cgroup2 counting; default /sys/fs/cgroup and
+	// /sys/fs/cgroup/unified.
+	PeerCgroupMounts []string
+	// MarkOnlyFallback lets a peer whose cgroup PeerProcDir cannot give
+	// connect anyway, its sockets exempt by the mark alone (which any pod
+	// process with CAP_NET_RAW can set). Off: refused, and the pods stay
+	// captured without it (fail closed).
+	MarkOnlyFallback bool
 }
 
 func (c Config) withDefaults() Config {
@@ -40,6 +56,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.Codec == nil {
 		c.Codec = JSON{}
+	}
+	if c.PeerCgroupMounts == nil {
+		c.PeerCgroupMounts = []string{"/sys/fs/cgroup", "/sys/fs/cgroup/unified"}
 	}
 	return c
 }
@@ -74,6 +93,9 @@ const (
 	RefusedPeer RefusalReason = "peer-not-allowed"
 	// RefusedHello: no valid hello of this version within HelloTimeout.
 	RefusedHello RefusalReason = "bad-hello"
+	// RefusedCgroup: the hello had no cgroup id and Config.PeerProcDir
+	// could not tell the peer's (and MarkOnlyFallback is off).
+	RefusedCgroup RefusalReason = "peer-cgroup-unknown"
 )
 
 // Capture is what the pods' rules exempt for the connected ztunnels.
@@ -329,6 +351,20 @@ func (s *Server) serve(ctx context.Context, uc *net.UnixConn) {
 		return
 	}
 	_ = uc.SetReadDeadline(time.Time{})
+	if hello.CgroupID == 0 && s.cfg.PeerProcDir != "" {
+		id, err := s.peerCgroup(uc)
+		switch {
+		case err == nil:
+			hello.CgroupID = id
+		case s.cfg.MarkOnlyFallback:
+			log.Warn("the peer's cgroup is unknown: its sockets are exempt from capture by the mark alone (MarkOnlyFallback)", "error", err)
+		default:
+			log.Warn("ztunnel connection refused: its hello has no cgroup id and its cgroup is unknown (the pods stay captured)", "error", err)
+			s.refused(RefusedCgroup)
+			uc.Close()
+			return
+		}
+	}
 	// The pods' rules exempt this ztunnel's sockets before it learns of
 	// any pod.
 	s.join(uc, hello.CgroupID)
