@@ -36,9 +36,16 @@
 // cgroup directory). The pods' rules exempt from capture only the marked
 // sockets of the connected ztunnels' cgroups (cni/redirect); before a new
 // ztunnel gets its snapshot, every enrolled pod's rules are re-written to
-// include its cgroup (Deps.OnCapture). A ztunnel that sends none (Istio's,
-// or one on a node without cgroup v2), or the root cgroup's id, turns the
-// exemption into the mark alone.
+// include its cgroup (Deps.OnCapture). A ztunnel that sends none (one on a
+// node without cgroup v2), or the root cgroup's id, turns the exemption
+// into the mark alone; with Config.PeerProcDir (Istio's ztunnel, whose
+// hello has no cgroup id) the cgroup is taken from the kernel's record of
+// the connecting process instead, and a peer whose cgroup is not found is
+// refused unless Config.MarkOnlyFallback.
+//
+// The wire format is a Codec: JSON, above, by default; cni/istiozds has
+// Istio's ZDS protobuf, so that Istio's ztunnel can take the pods. The
+// peer checks, ordering, snapshots and timeouts are the same for both.
 //
 // Every request waits for its ack before the next is sent. A ztunnel that
 // (re)connects is sent the full snapshot. While no ztunnel is connected the
