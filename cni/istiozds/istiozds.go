@@ -19,9 +19,10 @@
 // KeepWorkload{uid}, only before SnapshotSent, names a pod whose namespace
 // the agent could not open: ztunnel keeps serving it if it does, without a
 // new descriptor. Istio's protocol has no HandedOff and no cgroup id in its
-// hello: a ZDS ztunnel is a version 1 peer of cni/zds with no cgroup id
-// (see the security notes there and in docs/security.md), and carries no
-// pod addresses (ztunnel takes them from xDS).
+// hello: a ZDS ztunnel is a version 1 peer of cni/zds whose cgroup the
+// agent takes from the kernel (zds Config.PeerProcDir; docs/security.md
+// "Istio's ZDS on the agent's socket"), and its adds carry no pod
+// addresses (ztunnel takes them from xDS).
 //
 // Every decoder checks what the protobuf cannot: exactly one payload, a uid
 // where one is needed, a descriptor exactly with an add.
