@@ -131,6 +131,7 @@ FUZZ_TARGETS := \
 	./internal/spiffe:FuzzParseTrustBundle \
 	./ztunnel/dns:FuzzAnswer \
 	./cni/zds:FuzzWire \
+	./cni/istiozds:FuzzAgentWire \
 	./cni/plugin:FuzzPluginInput
 
 ## fuzz: fuzz each target for FUZZTIME (e.g. `make fuzz FUZZTIME=5m`), one

@@ -220,7 +220,8 @@ func TestChartsApplyToAPIServer(t *testing.T) {
 			"ClusterRole/isthmus-cni-isthmus-system", "ClusterRoleBinding/isthmus-cni-isthmus-system",
 			"DaemonSet/isthmus-cni", "ServiceAccount/isthmus-cni"}},
 		{name: "cni with options", chart: "cni",
-			values: map[string]any{"excludedNamespaces": []any{"kube-system", "legacy"}, "redirectDNS": false, "uninstallOnExit": true},
+			values: map[string]any{"excludedNamespaces": []any{"kube-system", "legacy"}, "redirectDNS": false, "uninstallOnExit": true,
+				"ztunnelProtocol": "istio", "ztunnelMarkOnly": true},
 			want: []string{
 				"ClusterRole/isthmus-cni-isthmus-system", "ClusterRoleBinding/isthmus-cni-isthmus-system",
 				"DaemonSet/isthmus-cni", "ServiceAccount/isthmus-cni"}},
@@ -395,6 +396,33 @@ func TestChartValues(t *testing.T) {
 		require.NotContains(t, offArgs, "--redirect-dns", "and can be turned off")
 		require.Equal(t, "system-node-critical", spec.PriorityClassName)
 		require.Equal(t, int32(0), ds.Spec.UpdateStrategy.RollingUpdate.MaxSurge.IntVal, "two agents never share a node")
+	})
+	t.Run("cni agent serving Istio's ztunnel (ZDS)", func(t *testing.T) {
+		ctrOf := func(values map[string]any) (corev1.Container, corev1.PodSpec) {
+			objs := render(t, "cni", namespace, values)
+			spec := convert[appsv1.DaemonSet](t, find(t, objs, "DaemonSet", "isthmus-cni")).Spec.Template.Spec
+			return spec.Containers[0], spec
+		}
+		ctr, spec := ctrOf(nil)
+		require.NotContains(t, ctr.Args, "--ztunnel-protocol=istio", "Isthmus's protocol by default")
+		require.Len(t, spec.Volumes, 6, "no Istio socket folder by default")
+		ctr, spec = ctrOf(map[string]any{"ztunnelProtocol": "istio"})
+		require.Contains(t, ctr.Args, "--ztunnel-protocol=istio")
+		require.Contains(t, ctr.Args, "--ztunnel-socket=/var/run/ztunnel/ztunnel.sock", "Istio's path")
+		require.NotContains(t, ctr.Args, "--ztunnel-socket=/var/run/isthmus/cni/ztunnel.sock")
+		require.NotContains(t, ctr.Args, "--ztunnel-mark-only", "refused when its cgroup is unknown, by default")
+		require.Contains(t, ctr.Args, "--plugin-socket=/var/run/isthmus/cni/plugin.sock")
+		hostPaths, mounts := map[string]string{}, map[string]string{}
+		for _, v := range spec.Volumes {
+			hostPaths[v.Name] = v.HostPath.Path
+		}
+		for _, m := range ctr.VolumeMounts {
+			mounts[m.Name] = m.MountPath
+		}
+		require.Equal(t, "/var/run/ztunnel", hostPaths["istio-ztunnel-socket"])
+		require.Equal(t, "/var/run/ztunnel", mounts["istio-ztunnel-socket"])
+		ctr, _ = ctrOf(map[string]any{"ztunnelProtocol": "istio", "ztunnelMarkOnly": true})
+		require.Contains(t, ctr.Args, "--ztunnel-mark-only")
 	})
 	t.Run("east-west gateway Service", func(t *testing.T) {
 		objs := render(t, "eastwest-gateway", namespace, map[string]any{"network": "net-b"})

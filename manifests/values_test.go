@@ -96,6 +96,7 @@ func TestSchemasRefuseWrongValues(t *testing.T) {
 		{"cni", map[string]any{"cniBinDir": "opt/cni/bin"}, "/cniBinDir"},
 		{"cni", map[string]any{"logLevel": "verbose"}, "/logLevel"},
 		{"cni", map[string]any{"socketdir": "/run"}, "socketdir"},
+		{"cni", map[string]any{"ztunnelProtocol": "grpc"}, "/ztunnelProtocol"},
 		{"ztunnel", map[string]any{"mode": "sidecar"}, "/mode"},
 		{"ztunnel", map[string]any{"ports": map[string]any{"hbone": "15008"}}, "/ports/hbone"},
 		{"eastwest-gateway", map[string]any{"replicaCount": "2"}, "/replicaCount"},
@@ -171,6 +172,7 @@ func TestNotes(t *testing.T) {
 		{"cni", nil, []string{"rollout status daemonset/isthmus-cni", "/var/run/isthmus/cni/ztunnel.sock", "never: kube-system, isthmus-system",
 			"istio.io/dataplane-mode=ambient", "set uninstallOnExit=true"}},
 		{"cni", map[string]any{"excludedNamespaces": []any{"legacy"}, "uninstallOnExit": true}, []string{"never: legacy)"}},
+		{"cni", map[string]any{"ztunnelProtocol": "istio"}, []string{"serves ztunnel at /var/run/ztunnel/ztunnel.sock (Istio's ZDS"}},
 	} {
 		rel, err := install(t, tc.chart, tc.values)
 		require.NoError(t, err)

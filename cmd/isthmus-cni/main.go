@@ -24,6 +24,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/isthmus-mesh/isthmus/cni/agent"
+	"github.com/isthmus-mesh/isthmus/cni/istiozds"
 	"github.com/isthmus-mesh/isthmus/cni/plugin"
 	"github.com/isthmus-mesh/isthmus/internal/cmdutil"
 	"github.com/isthmus-mesh/isthmus/internal/version"
@@ -126,7 +127,9 @@ func newAgentCommand(stderr io.Writer, run runFunc) *cobra.Command {
 	f.BoolVar(&cfg.UninstallOnExit, "uninstall-on-exit", false, "remove the plugin and its conflist entry on exit")
 	f.DurationVar(&cfg.InstallCheckInterval, "install-check-interval", d.InstallCheckInterval, "how often the installation is checked besides file notifications")
 	f.StringVar(&cfg.PluginSocket, "plugin-socket", d.PluginSocket, "the plugin's socket (same path on the node and here)")
-	f.StringVar(&cfg.ZtunnelSocket, "ztunnel-socket", d.ZtunnelSocket, "ztunnel's socket")
+	f.StringVar(&cfg.ZtunnelSocket, "ztunnel-socket", "", "ztunnel's socket (default "+d.ZtunnelSocket+", or Istio's "+istiozds.SocketPath+" with --ztunnel-protocol=istio)")
+	f.StringVar(&cfg.ZtunnelProtocol, "ztunnel-protocol", agent.ZtunnelProtocolIsthmus, `what --ztunnel-socket speaks: "isthmus" (the Isthmus ztunnel) or "istio" (Istio's ZDS, for Istio's ztunnel; its cgroup is found through --proc-dir)`)
+	f.BoolVar(&cfg.ZtunnelMarkOnly, "ztunnel-mark-only", false, "with --ztunnel-protocol=istio: accept a ztunnel whose cgroup cannot be found, exempting its sockets by the mark alone")
 	f.UintSliceVar(&ztunnelUIDs, "ztunnel-uids", nil, "uids besides this process' own that may connect to --ztunnel-socket")
 	f.DurationVar(&cfg.PluginTimeout, "plugin-timeout", d.PluginTimeout, "the plugin's bound on its exchange with the agent")
 	f.DurationVar(&cfg.AckTimeout, "ack-timeout", d.AckTimeout, "bound on ztunnel's ack of each message")

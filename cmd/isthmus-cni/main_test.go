@@ -51,7 +51,8 @@ func TestFlagsToConfig(t *testing.T) {
 		CNIBinDir: "/host/opt/cni/bin", CNIConfDir: "/host/etc/cni/net.d", UninstallOnExit: true,
 		InstallCheckInterval: agent.DefaultConfig().InstallCheckInterval,
 		PluginSocket:         "/s/plugin.sock", ZtunnelSocket: "/s/ztunnel.sock", PluginTimeout: 7 * time.Second,
-		AckTimeout: agent.DefaultConfig().AckTimeout, NetnsDirs: []string{"/var/run/netns", "/run/docker/netns"},
+		ZtunnelProtocol: agent.ZtunnelProtocolIsthmus,
+		AckTimeout:      agent.DefaultConfig().AckTimeout, NetnsDirs: []string{"/var/run/netns", "/run/docker/netns"},
 		ProcDir: "/host/proc", StateDir: "/var/run/isthmus/cni-state",
 		PodCgroupRoots: []string{"/kubepods", "/kubelet.slice/kubelet-kubepods.slice"}, NodeAddresses: []netip.Addr{netip.MustParseAddr("10.0.0.5"), netip.MustParseAddr("fd00::5")},
 		RedirectDNS: true, MonitoringAddr: ":15014", ShutdownTimeout: agent.DefaultConfig().ShutdownTimeout,
@@ -68,6 +69,11 @@ func TestFlagsToConfig(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, []uint32{1337, 2000}, cfg.ZtunnelUIDs)
 	require.Equal(t, "/host/proc/1/ns/cgroup", cfg.NodeCgroupNS)
+	cfg, _, err = capture(t, "agent", "--ztunnel-protocol=istio", "--ztunnel-mark-only")
+	require.NoError(t, err)
+	require.Equal(t, agent.ZtunnelProtocolIstio, cfg.ZtunnelProtocol)
+	require.True(t, cfg.ZtunnelMarkOnly)
+	require.Empty(t, cfg.ZtunnelSocket, "unset: the agent's default for the protocol (Istio's path)")
 	_, _, err = capture(t, "agent", "--ztunnel-uids=4294967296")
 	require.ErrorContains(t, err, "--ztunnel-uids")
 

@@ -104,7 +104,7 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		return nil, fmt.Errorf("agent: metrics: %w", err)
 	}
 	a := &Agent{cfg: cfg, deps: deps, log: deps.Log, m: m, pods: map[string]*enrolment{}, reported: map[string]*reportState{}}
-	a.zds, err = zds.New(zds.Config{SocketPath: cfg.ZtunnelSocket, AckTimeout: cfg.AckTimeout, AllowedUIDs: cfg.ZtunnelUIDs}, zds.Deps{
+	a.zds, err = zds.New(cfg.zds(), zds.Deps{
 		Log:           deps.Log.With("component", "zds"),
 		OnFailure:     func(r zds.FailureReason) { a.fail(string(r)) },
 		OnConnections: func(n int) { m.ztunnels.Set(float64(n)) },

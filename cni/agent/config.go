@@ -13,8 +13,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/isthmus-mesh/isthmus/cni/istiozds"
 	"github.com/isthmus-mesh/isthmus/cni/plugin"
 	"github.com/isthmus-mesh/isthmus/cni/selection"
+	"github.com/isthmus-mesh/isthmus/cni/zds"
 	"github.com/isthmus-mesh/isthmus/internal/defaults"
 )
 
@@ -57,8 +59,22 @@ type Config struct {
 	// on the node and in the agent (the plugin runs on the node).
 	PluginSocket string
 	// ZtunnelSocket is where the agent serves ztunnel (cni/zds), mode
-	// 0600.
+	// 0600; default /var/run/isthmus/cni/ztunnel.sock, or Istio's
+	// /var/run/ztunnel/ztunnel.sock with ZtunnelProtocol "istio".
 	ZtunnelSocket string
+	// ZtunnelProtocol is what ZtunnelSocket speaks: "isthmus" (the
+	// default, cni/zds's JSON protocol) or "istio" (Istio's ZDS protobuf,
+	// cni/istiozds, for Istio's ztunnel). The peer checks are the same.
+	// Istio's hello carries no cgroup id: the agent takes the cgroup of
+	// the connecting process from the kernel through ProcDir (cni/zds
+	// Config.PeerProcDir) and refuses a ztunnel whose cgroup it cannot
+	// find, unless ZtunnelMarkOnly.
+	ZtunnelProtocol string
+	// ZtunnelMarkOnly, with ZtunnelProtocol "istio", accepts a ztunnel
+	// whose cgroup cannot be found (no cgroup v2, a ztunnel in the node's
+	// cgroup namespace, a kernel before 6.5) and exempts its sockets by
+	// the mark alone, which any pod process with CAP_NET_RAW can set.
+	ZtunnelMarkOnly bool
 	// ZtunnelUIDs may connect to ZtunnelSocket besides the agent's own uid
 	// (a ztunnel running as another user); every other peer is refused.
 	ZtunnelUIDs []uint32
@@ -114,6 +130,24 @@ type Config struct {
 	ShutdownTimeout time.Duration
 }
 
+// ZtunnelProtocol values.
+const (
+	ZtunnelProtocolIsthmus = "isthmus"
+	ZtunnelProtocolIstio   = "istio"
+)
+
+// zds is the configuration of the ztunnel server.
+func (c Config) zds() zds.Config {
+	zc := zds.Config{SocketPath: c.ZtunnelSocket, AckTimeout: c.AckTimeout, AllowedUIDs: c.ZtunnelUIDs}
+	if c.ZtunnelProtocol == ZtunnelProtocolIstio {
+		zc.Codec, zc.MarkOnlyFallback = istiozds.Codec{}, c.ZtunnelMarkOnly
+		if c.ProcDir != Disabled {
+			zc.PeerProcDir = c.ProcDir
+		}
+	}
+	return zc
+}
+
 // DefaultConfig returns the defaults.
 func DefaultConfig() Config {
 	return Config{
@@ -154,6 +188,10 @@ func (c Config) withDefaults() Config {
 	or(&c.CNIConfDir, d.CNIConfDir)
 	orDur(&c.InstallCheckInterval, d.InstallCheckInterval)
 	or(&c.PluginSocket, d.PluginSocket)
+	or(&c.ZtunnelProtocol, ZtunnelProtocolIsthmus)
+	if c.ZtunnelProtocol == ZtunnelProtocolIstio {
+		or(&c.ZtunnelSocket, istiozds.SocketPath)
+	}
 	or(&c.ZtunnelSocket, d.ZtunnelSocket)
 	orDur(&c.PluginTimeout, d.PluginTimeout)
 	orDur(&c.AckTimeout, d.AckTimeout)
@@ -180,6 +218,12 @@ func (c Config) validate() error {
 	}
 	if c.PluginSocket == c.ZtunnelSocket {
 		errs = append(errs, errors.New("PluginSocket and ZtunnelSocket must differ"))
+	}
+	if c.ZtunnelProtocol != ZtunnelProtocolIsthmus && c.ZtunnelProtocol != ZtunnelProtocolIstio {
+		errs = append(errs, fmt.Errorf("ZtunnelProtocol: %q is neither %q nor %q", c.ZtunnelProtocol, ZtunnelProtocolIsthmus, ZtunnelProtocolIstio))
+	}
+	if c.ZtunnelProtocol == ZtunnelProtocolIstio && c.ProcDir == Disabled && !c.ZtunnelMarkOnly {
+		errs = append(errs, errors.New("ZtunnelProtocol istio needs ProcDir to find the ztunnel's cgroup (or ZtunnelMarkOnly)"))
 	}
 	if c.AckTimeout >= c.PluginTimeout {
 		errs = append(errs, errors.New("AckTimeout must be shorter than PluginTimeout, or a ztunnel ack outlives the plugin's wait"))

@@ -67,13 +67,13 @@ func newMetrics(reg *prometheus.Registry) (*metrics, error) {
 		}),
 		ztunnelRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "isthmus_cni_ztunnel_refused_total",
-			Help: "Connections to the ztunnel socket refused before their snapshot, by reason (peer-not-allowed, bad-hello).",
+			Help: "Connections to the ztunnel socket refused before their snapshot, by reason (peer-not-allowed, bad-hello, peer-cgroup-unknown).",
 		}, []string{"reason"}),
 	}
 	for _, r := range sandboxReasons {
 		m.sandbox.WithLabelValues(r)
 	}
-	for _, r := range []zds.RefusalReason{zds.RefusedPeer, zds.RefusedHello} {
+	for _, r := range []zds.RefusalReason{zds.RefusedPeer, zds.RefusedHello, zds.RefusedCgroup} {
 		m.ztunnelRefused.WithLabelValues(string(r))
 	}
 	for _, c := range []prometheus.Collector{m.enrolled, m.failures, m.pluginEvents, m.ztunnels, m.installations, m.sandbox,

@@ -26,6 +26,25 @@ type Config struct {
 	// AllowedUIDs may connect besides the server's own uid (the peer's
 	// uid as SO_PEERCRED reports it); every other peer is refused.
 	AllowedUIDs []uint32
+	// Codec is the wire format; default JSON (this package's protocol).
+	// cni/istiozds.Codec speaks Istio's ZDS instead, for Istio's ztunnel.
+	Codec Codec
+	// PeerProcDir, when set (the node's /proc as mounted here), makes a
+	// hello without a cgroup id (Istio's ZDS has none) take the cgroup of
+	// the peer's process from the kernel (see peerCgroup); when it cannot
+	// be found the connection is refused (RefusedCgroup) unless
+	// MarkOnlyFallback. Unset: such a hello turns the exemption into the
+	// mark alone, as before.
+	PeerProcDir string
+	// PeerCgroupMounts are where a peer may mount cgroup v2 inside its
+	// root, the first cgroup2 counting; default /sys/fs/cgroup and
+	// /sys/fs/cgroup/unified.
+	PeerCgroupMounts []string
+	// MarkOnlyFallback lets a peer whose cgroup PeerProcDir cannot give
+	// connect anyway, its sockets exempt by the mark alone (which any pod
+	// process with CAP_NET_RAW can set). Off: refused, and the pods stay
+	// captured without it (fail closed).
+	MarkOnlyFallback bool
 }
 
 func (c Config) withDefaults() Config {
@@ -34,6 +53,12 @@ func (c Config) withDefaults() Config {
 	}
 	if c.HelloTimeout <= 0 {
 		c.HelloTimeout = 5 * time.Second
+	}
+	if c.Codec == nil {
+		c.Codec = JSON{}
+	}
+	if c.PeerCgroupMounts == nil {
+		c.PeerCgroupMounts = []string{"/sys/fs/cgroup", "/sys/fs/cgroup/unified"}
 	}
 	return c
 }
@@ -68,6 +93,9 @@ const (
 	RefusedPeer RefusalReason = "peer-not-allowed"
 	// RefusedHello: no valid hello of this version within HelloTimeout.
 	RefusedHello RefusalReason = "bad-hello"
+	// RefusedCgroup: the hello had no cgroup id and Config.PeerProcDir
+	// could not tell the peer's (and MarkOnlyFallback is off).
+	RefusedCgroup RefusalReason = "peer-cgroup-unknown"
 )
 
 // Capture is what the pods' rules exempt for the connected ztunnels.
@@ -315,15 +343,7 @@ func (s *Server) serve(ctx context.Context, uc *net.UnixConn) {
 		return
 	}
 	_ = uc.SetReadDeadline(time.Now().Add(s.cfg.HelloTimeout))
-	var hello Hello
-	fd, err := Read(uc, &hello)
-	if fd != nil {
-		fd.Close()
-		err = errors.New("zds: a file descriptor came with hello")
-	}
-	if err == nil && (hello.Version < MinVersion || hello.Version > Version) {
-		err = fmt.Errorf("zds: ztunnel speaks version %d, want %d to %d", hello.Version, MinVersion, Version)
-	}
+	hello, err := s.cfg.Codec.ReadHello(uc)
 	if err != nil {
 		log.Warn("ztunnel connection refused", "error", err)
 		s.refused(RefusedHello)
@@ -331,11 +351,25 @@ func (s *Server) serve(ctx context.Context, uc *net.UnixConn) {
 		return
 	}
 	_ = uc.SetReadDeadline(time.Time{})
+	if hello.CgroupID == 0 && s.cfg.PeerProcDir != "" {
+		id, err := s.peerCgroup(uc)
+		switch {
+		case err == nil:
+			hello.CgroupID = id
+		case s.cfg.MarkOnlyFallback:
+			log.Warn("the peer's cgroup is unknown: its sockets are exempt from capture by the mark alone (MarkOnlyFallback)", "error", err)
+		default:
+			log.Warn("ztunnel connection refused: its hello has no cgroup id and its cgroup is unknown (the pods stay captured)", "error", err)
+			s.refused(RefusedCgroup)
+			uc.Close()
+			return
+		}
+	}
 	// The pods' rules exempt this ztunnel's sockets before it learns of
 	// any pod.
 	s.join(uc, hello.CgroupID)
 	defer s.leave(ctx, uc)
-	c := newConn(uc, hello.Version)
+	c := newConn(uc, hello.Version, s.cfg.Codec)
 	if !s.snapshot(c) {
 		return
 	}
@@ -451,6 +485,7 @@ func (s *Server) handOff() {
 type conn struct {
 	uc      *net.UnixConn
 	version int // of the peer's hello
+	codec   Codec
 	acks    chan Ack
 	dead    chan struct{} // closed by the reader when it ends
 	closed  chan struct{} // closed by close
@@ -458,8 +493,8 @@ type conn struct {
 	once    sync.Once
 }
 
-func newConn(uc *net.UnixConn, version int) *conn {
-	c := &conn{uc: uc, version: version, acks: make(chan Ack), dead: make(chan struct{}), closed: make(chan struct{})}
+func newConn(uc *net.UnixConn, version int, codec Codec) *conn {
+	c := &conn{uc: uc, version: version, codec: codec, acks: make(chan Ack), dead: make(chan struct{}), closed: make(chan struct{})}
 	go c.read()
 	return c
 }
@@ -467,12 +502,7 @@ func newConn(uc *net.UnixConn, version int) *conn {
 func (c *conn) read() {
 	defer close(c.dead)
 	for {
-		var ack Ack
-		fd, err := Read(c.uc, &ack)
-		if fd != nil {
-			fd.Close()
-			err = errors.New("zds: a file descriptor came with an ack")
-		}
+		ack, err := c.codec.ReadAck(c.uc)
 		if err != nil {
 			c.readErr = err
 			c.uc.Close()
@@ -488,7 +518,7 @@ func (c *conn) read() {
 
 func (c *conn) send(req Request, fd *os.File, op, uid string, timeout time.Duration) *Error {
 	fail := func(r FailureReason, msg string) *Error { return &Error{Reason: r, Op: op, UID: uid, Msg: msg} }
-	if err := Write(c.uc, req, fd); err != nil {
+	if err := c.codec.WriteRequest(c.uc, req, fd); err != nil {
 		return fail(Disconnected, err.Error())
 	}
 	t := time.NewTimer(timeout)

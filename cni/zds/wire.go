@@ -36,9 +36,16 @@
 // cgroup directory). The pods' rules exempt from capture only the marked
 // sockets of the connected ztunnels' cgroups (cni/redirect); before a new
 // ztunnel gets its snapshot, every enrolled pod's rules are re-written to
-// include its cgroup (Deps.OnCapture). A ztunnel that sends none (Istio's,
-// or one on a node without cgroup v2), or the root cgroup's id, turns the
-// exemption into the mark alone.
+// include its cgroup (Deps.OnCapture). A ztunnel that sends none (one on a
+// node without cgroup v2), or the root cgroup's id, turns the exemption
+// into the mark alone; with Config.PeerProcDir (Istio's ztunnel, whose
+// hello has no cgroup id) the cgroup is taken from the kernel's record of
+// the connecting process instead, and a peer whose cgroup is not found is
+// refused unless Config.MarkOnlyFallback.
+//
+// The wire format is a Codec: JSON, above, by default; cni/istiozds has
+// Istio's ZDS protobuf, so that Istio's ztunnel can take the pods. The
+// peer checks, ordering, snapshots and timeouts are the same for both.
 //
 // Every request waits for its ack before the next is sent. A ztunnel that
 // (re)connects is sent the full snapshot. While no ztunnel is connected the
@@ -140,12 +147,19 @@ func (r *Request) Validate(hasFD bool) error {
 	return nil
 }
 
-// Write sends v as one datagram on c, with fd (if not nil) as SCM_RIGHTS.
+// Write sends v as one JSON datagram on c, with fd (if not nil) as
+// SCM_RIGHTS.
 func Write(c *net.UnixConn, v any, fd *os.File) error {
 	b, err := json.Marshal(v)
 	if err != nil {
 		return err
 	}
+	return WriteDatagram(c, b, fd)
+}
+
+// WriteDatagram sends b as one datagram on c, with fd (if not nil) as
+// SCM_RIGHTS; b longer than MaxMessage is refused unsent.
+func WriteDatagram(c *net.UnixConn, b []byte, fd *os.File) error {
 	if len(b) > MaxMessage {
 		return fmt.Errorf("zds: message of %d bytes exceeds %d", len(b), MaxMessage)
 	}
@@ -153,14 +167,27 @@ func Write(c *net.UnixConn, v any, fd *os.File) error {
 	if fd != nil {
 		oob = unix.UnixRights(int(fd.Fd()))
 	}
-	_, _, err = c.WriteMsgUnix(b, oob, nil)
+	_, _, err := c.WriteMsgUnix(b, oob, nil)
 	return err
 }
 
-// Read receives one datagram from c into v. A descriptor that came with it
-// is returned as a file the caller owns; a message with more than one
-// descriptor, or a truncated one, is refused (and its descriptors closed).
+// Read receives one JSON datagram from c into v, with ReadDatagram's rules;
+// a message that does not decode is refused (and its descriptor closed).
 func Read(c *net.UnixConn, v any) (*os.File, error) {
+	return ReadDatagram(c, func(b []byte, _ bool) error {
+		if err := json.Unmarshal(b, v); err != nil {
+			return fmt.Errorf("zds: decode message: %w", err)
+		}
+		return nil
+	})
+}
+
+// ReadDatagram receives one datagram from c and gives its bytes to decode
+// (which must not keep them), with whether a descriptor came with it. A descriptor that came with it is returned
+// as a file the caller owns; a message with more than one descriptor, a
+// truncated one, an empty one (a seqpacket peer that closed: io.EOF) or
+// one decode refuses is refused, and its descriptors closed.
+func ReadDatagram(c *net.UnixConn, decode func(b []byte, hasFD bool) error) (*os.File, error) {
 	buf := make([]byte, MaxMessage+1)
 	oob := make([]byte, unix.CmsgSpace(4*4))
 	n, oobn, flags, _, err := c.ReadMsgUnix(buf, oob)
@@ -178,9 +205,7 @@ func Read(c *net.UnixConn, v any) (*os.File, error) {
 		perr = io.EOF // a seqpacket peer that closed reads as an empty message
 	}
 	if perr == nil {
-		if err := json.Unmarshal(buf[:n], v); err != nil {
-			perr = fmt.Errorf("zds: decode message: %w", err)
-		}
+		perr = decode(buf[:n], len(fds) == 1)
 	}
 	if perr != nil {
 		for _, fd := range fds {

@@ -93,6 +93,7 @@ func NewCommand(stderr io.Writer, run RunFunc) *cobra.Command {
 	f.StringVar(&cfg.OutboundListen, "outbound-addr", d.OutboundListen, `outbound capture listen address ("none" disables)`)
 	f.StringVar(&cfg.SOCKS5Listen, "socks5-addr", d.SOCKS5Listen, `SOCKS5 listen address ("none" disables)`)
 	f.StringVar(&cfg.InPodSocket, "inpod-socket", "", "the CNI node agent's socket for ztunnel: serve enrolled pods inside their network namespaces (empty: serve them on their addresses in ztunnel's own)")
+	f.StringVar(&cfg.InPodProtocol, "inpod-protocol", "isthmus", `what --inpod-socket speaks: "isthmus" (the Isthmus CNI agent) or "istio" (Istio's ZDS, from istio-cni at /var/run/ztunnel/ztunnel.sock)`)
 	f.BoolVar(&podDNS, "pod-dns", true, "serve DNS on 15053 inside each enrolled pod")
 	f.StringVar(&cfg.DNSListen, "dns-addr", d.DNSListen, `node address of the DNS proxy, UDP and TCP ("none" disables)`)
 	f.StringSliceVar(&cfg.DNSUpstreams, "dns-upstream", nil, "resolvers for names outside the mesh (default: the nameservers of /etc/resolv.conf)")

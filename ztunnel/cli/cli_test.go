@@ -41,7 +41,7 @@ func TestFlagsToConfig(t *testing.T) {
 		"--mode=gateway", "--cluster-id=c1", "--network=n1", "--trust-domain=example.org",
 		"--xds-address=isthmusd.mesh.svc:15012", "--ca-address=isthmusd.mesh.svc:15012",
 		"--ca-token=/tok", "--root-cert=/root.pem", "--trust-bundle=/bundle.json", "--root-cert-reload=30s", "--hbone-port=15009",
-		"--outbound-addr=:15001", "--socks5-addr=:15080", "--inpod-socket=/var/run/isthmus/cni/ztunnel.sock",
+		"--outbound-addr=:15001", "--socks5-addr=:15080", "--inpod-socket=/var/run/isthmus/cni/ztunnel.sock", "--inpod-protocol=istio",
 		"--dns-addr=10.0.0.1:53", "--dns-upstream=10.96.0.10", "--pod-dns=false",
 		"--readiness-addr=:15021", "--metrics-addr=:15020", "--admin-addr=127.0.0.1:15000",
 		"--cert-ttl=1h", "--log-level=debug", "--log-format=text", "--handoff-wait=3s", "--drain-grace=45s",
@@ -56,7 +56,7 @@ func TestFlagsToConfig(t *testing.T) {
 		OutboundListen: ":15001", SOCKS5Listen: ":15080", AdminListen: "127.0.0.1:15000",
 		ReadinessListen: ":15021", MetricsListen: ":15020", ShutdownTimeout: node.DefaultConfig().ShutdownTimeout,
 		HandoffWait: 3 * time.Second, DrainGrace: 45 * time.Second,
-		InPodSocket: "/var/run/isthmus/cni/ztunnel.sock", DNSListen: "10.0.0.1:53", DNSUpstreams: []string{"10.96.0.10"}, DisablePodDNS: true,
+		InPodSocket: "/var/run/isthmus/cni/ztunnel.sock", InPodProtocol: "istio", DNSListen: "10.0.0.1:53", DNSUpstreams: []string{"10.96.0.10"}, DisablePodDNS: true,
 	}, cfg)
 }
 

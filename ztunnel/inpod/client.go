@@ -1,5 +1,6 @@
 // Package inpod is ztunnel's side of pod enrolment ("in-pod" mode): Client
-// connects to the CNI node agent's socket (protocol in cni/zds), receives
+// connects to the CNI node agent's socket (Isthmus's protocol in cni/zds,
+// or Istio's ZDS from istio-cni, cni/istiozds: Config.Protocol), receives
 // the node's enrolled pods, each with its network namespace as a file, and
 // hands them to a PodHandler, which serves each pod from inside its
 // namespace (listeners made with ztunnel/netns). OriginalDst reads where a
@@ -21,6 +22,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/isthmus-mesh/isthmus/cni/istiozds"
 	"github.com/isthmus-mesh/isthmus/cni/zds"
 	"github.com/isthmus-mesh/isthmus/internal/backoff"
 )
@@ -47,10 +49,22 @@ type PodHandler interface {
 	Snapshot(ctx context.Context, uids []string) error
 }
 
+// Protocols the client speaks (Config.Protocol).
+const (
+	// ProtocolIsthmus is the Isthmus agent's JSON protocol (cni/zds).
+	ProtocolIsthmus = "isthmus"
+	// ProtocolIstio is Istio's ZDS protobuf (cni/istiozds), as istio-cni
+	// serves it: no cgroup id in the hello (the agent exempts this
+	// process' sockets as it decides), no pod addresses, no HandedOff.
+	ProtocolIstio = "istio"
+)
+
 // Config configures a Client.
 type Config struct {
 	// SocketPath is the agent's ztunnel socket.
 	SocketPath string
+	// Protocol is ProtocolIsthmus (the default) or ProtocolIstio.
+	Protocol string
 	// InitialBackoff and MaxBackoff bound the reconnect delay, which
 	// doubles after each failed or broken connection and is reset by a
 	// snapshot. Defaults 100ms and 5s.
@@ -80,12 +94,18 @@ func (c Config) withDefaults() Config {
 	if c.CgroupMounts == nil {
 		c.CgroupMounts = []string{"/sys/fs/cgroup", "/sys/fs/cgroup/unified"}
 	}
+	if c.Protocol == "" {
+		c.Protocol = ProtocolIsthmus
+	}
 	return c
 }
 
 func (c Config) validate() error {
 	if c.SocketPath == "" {
 		return errors.New("inpod: SocketPath is required")
+	}
+	if c.Protocol != ProtocolIsthmus && c.Protocol != ProtocolIstio {
+		return fmt.Errorf("inpod: Protocol %q is neither %q nor %q", c.Protocol, ProtocolIsthmus, ProtocolIstio)
 	}
 	return nil
 }
@@ -178,24 +198,28 @@ func (c *Client) session(ctx context.Context) (bool, error) {
 	defer uc.Close()
 	stop := context.AfterFunc(ctx, func() { uc.Close() })
 	defer stop()
-	if err := zds.Write(uc, zds.Hello{Version: zds.Version, CgroupID: c.cgroupID()}, nil); err != nil {
+	w := c.wire()
+	if err := w.hello(uc); err != nil {
 		return false, err
 	}
 	var snapshot []string
 	inSnapshot := true
 	for {
-		var req zds.Request
-		netns, err := zds.Read(uc, &req)
+		req, netns, err := w.read(uc)
 		if err != nil {
 			return !inSnapshot, err
 		}
-		if err := req.Validate(netns != nil); err != nil {
-			if netns != nil {
-				netns.Close()
-			}
-			return !inSnapshot, err
+		var herr error
+		switch {
+		case req.Keep != "" && inSnapshot:
+			// Istio's agent could not open the pod's namespace: keep
+			// serving it if this process does (Snapshot keeps it).
+			snapshot = append(snapshot, req.Keep)
+		case req.Keep != "":
+			herr = fmt.Errorf("keep of pod %s after the snapshot", req.Keep)
+		default:
+			herr = c.handle(ctx, &req.Request, netns)
 		}
-		herr := c.handle(ctx, &req, netns)
 		switch {
 		case req.Add != nil && inSnapshot:
 			snapshot = append(snapshot, req.Add.UID)
@@ -207,14 +231,46 @@ func (c *Client) session(ctx context.Context) (bool, error) {
 			snapshot = nil
 			c.synced.Store(herr == nil)
 		}
-		ack := zds.Ack{}
+		msg := ""
 		if herr != nil {
-			ack.Error = herr.Error()
+			msg = herr.Error()
 			c.deps.Log.Warn("pod message refused", "error", herr)
 		}
-		if err := zds.Write(uc, ack, nil); err != nil {
+		if err := w.ack(uc, msg); err != nil {
 			return !inSnapshot, err
 		}
+	}
+}
+
+// wire is one protocol's messages on ztunnel's side.
+type wire struct {
+	hello func(*net.UnixConn) error
+	// read returns the next request, validated, and the add's netns.
+	read func(*net.UnixConn) (istiozds.Request, *os.File, error)
+	ack  func(uc *net.UnixConn, errMsg string) error
+}
+
+func (c *Client) wire() wire {
+	if c.cfg.Protocol == ProtocolIstio {
+		return wire{hello: istiozds.WriteHello, read: istiozds.ReadRequest, ack: istiozds.WriteAck}
+	}
+	return wire{
+		hello: func(uc *net.UnixConn) error {
+			return zds.Write(uc, zds.Hello{Version: zds.Version, CgroupID: c.cgroupID()}, nil)
+		},
+		read: func(uc *net.UnixConn) (istiozds.Request, *os.File, error) {
+			var req zds.Request
+			netns, err := zds.Read(uc, &req)
+			if err == nil {
+				err = req.Validate(netns != nil)
+			}
+			if err != nil && netns != nil {
+				netns.Close()
+				netns = nil
+			}
+			return istiozds.Request{Request: req}, netns, err
+		},
+		ack: func(uc *net.UnixConn, errMsg string) error { return zds.Write(uc, zds.Ack{Error: errMsg}, nil) },
 	}
 }
 

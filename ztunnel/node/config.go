@@ -107,6 +107,10 @@ type Config struct {
 	// that shares the pods' network, as in loopback tests and the demo's
 	// --loopback mode).
 	InPodSocket string
+	// InPodProtocol is what InPodSocket speaks: inpod.ProtocolIsthmus
+	// (the default, the Isthmus agent's) or inpod.ProtocolIstio (Istio's
+	// ZDS, from istio-cni).
+	InPodProtocol string
 	// DNSListen serves the DNS proxy on a node address (UDP and TCP), for
 	// clients identified by their address: the node's pods only, nobody
 	// else gets an answer; Disabled turns it off (the default). In-pod DNS

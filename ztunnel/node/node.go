@@ -200,7 +200,7 @@ func (n *Node) buildProxies() error {
 		if err := n.deps.Registry.Register(n.pods.Collector()); err != nil {
 			return fmt.Errorf("ztunnel metrics: %w", err)
 		}
-		if n.inpod, err = inpod.New(inpod.Config{SocketPath: n.cfg.InPodSocket}, inpod.Deps{Handler: n.pods, Log: n.log}); err != nil {
+		if n.inpod, err = inpod.New(inpod.Config{SocketPath: n.cfg.InPodSocket, Protocol: n.cfg.InPodProtocol}, inpod.Deps{Handler: n.pods, Log: n.log}); err != nil {
 			return err
 		}
 	} else {
