@@ -157,14 +157,13 @@ func (g *Gateway) connect(ctx context.Context, req *hbone.Request, rec *ConnReco
 		c.Close()
 		return hbone.Upstream{}, hbone.Refuse(http.StatusForbidden, ReasonNotVisible, "service %s is no longer visible from other clusters", host)
 	}
-	srcCluster, srcNetwork := sourcePlace(snap, req.Header)
 	labels := metrics.ConnLabels{
 		Reporter:             metrics.ReporterGateway,
 		SourcePrincipal:      req.Peer.String(),
 		DestinationPrincipal: w.Identity().String(),
-		SourceCluster:        srcCluster,
+		SourceCluster:        rec.Labels.SourceCluster, // sourcePlace, in Connect
 		DestinationCluster:   w.Cluster,
-		SourceNetwork:        srcNetwork,
+		SourceNetwork:        rec.Labels.SourceNetwork,
 		DestinationNetwork:   w.Network,
 	}
 	// The log has the service and the endpoint too (the gateway's metrics
