@@ -415,8 +415,8 @@ func (s *Server) serveStream(ci *connInfo, w http.ResponseWriter, r *http.Reques
 		s.refuse(w, ref)
 		return
 	}
-	// Whatever happens from here on (a reset, a panic), the upstream the
-	// handler dialled is closed with the stream.
+	// Done, last, sees the counts and the end however the stream ends (a
+	// panic, such as the reset below, is recovered only to be passed on).
 	res := &streamCounts{}
 	if up.Done != nil {
 		defer func() {
@@ -427,6 +427,8 @@ func (s *Server) serveStream(ci *connInfo, w http.ResponseWriter, r *http.Reques
 			up.Done(res.result())
 		}()
 	}
+	// Whatever happens from here on (a reset, a panic), the upstream the
+	// handler dialled is closed with the stream.
 	defer up.Conn.Close()
 	// Counted before the client hears of it.
 	mc := s.deps.Metrics.Open(up.Labels)
