@@ -207,8 +207,12 @@ func (r *ConnRecord) Close(reason string, sent, received int64, err error) {
 	a.mu.Lock()
 	delete(a.open, r)
 	a.mu.Unlock()
-	if a.log == nil {
-		return
+	level := slog.LevelInfo
+	if reason != CloseOK {
+		level = slog.LevelWarn
+	}
+	if a.log == nil || !a.log.Enabled(context.Background(), level) {
+		return // off, or below the log level: not a line the bucket drops
 	}
 	if !a.lim.Allow() {
 		a.dropped.Add(1)
@@ -216,10 +220,6 @@ func (r *ConnRecord) Close(reason string, sent, received int64, err error) {
 			a.metric.Inc()
 		}
 		return
-	}
-	level := slog.LevelInfo
-	if reason != CloseOK {
-		level = slog.LevelWarn
 	}
 	attrs := r.attrs()
 	attrs = append(attrs,

@@ -372,3 +372,19 @@ func TestAccessLogNoSecrets(t *testing.T) {
 		require.NotContains(t, strings.ToLower(k), "key")
 	}
 }
+
+// TestAccessLogLevel: a line below the logger's level is neither written
+// nor counted as dropped (it takes no token of the bucket).
+func TestAccessLogLevel(t *testing.T) {
+	var buf logBuffer
+	al, err := NewAccessLog(AccessLogConfig{Log: slog.New(slog.NewJSONHandler(&buf, &slog.HandlerOptions{Level: slog.LevelWarn})), Rate: 1e-9, Burst: 1})
+	require.NoError(t, err)
+	for range 3 {
+		al.Open(DirectionInbound).Close(CloseOK, 1, 1, nil) // INFO: below WARN
+	}
+	al.Open(DirectionInbound).Close(ClosePolicyDenied, 0, 0, nil)
+	lines := buf.lines(t, "connection complete")
+	require.Len(t, lines, 1)
+	require.Equal(t, ClosePolicyDenied, lines[0]["reason"])
+	require.Zero(t, al.Dropped())
+}
