@@ -313,6 +313,13 @@ func TestChartValues(t *testing.T) {
 		require.Contains(t, args[0].(map[string]any)["args"], "--mode=node")
 		require.Contains(t, args[0].(map[string]any)["args"], "--xds-address=isthmusd.isthmus-system.svc:15012")
 	})
+	t.Run("ztunnel access log: on by default at the documented rate, off by a value", func(t *testing.T) {
+		ds := convert[appsv1.DaemonSet](t, find(t, render(t, "ztunnel", namespace, nil), "DaemonSet", "ztunnel"))
+		require.Subset(t, ds.Spec.Template.Spec.Containers[0].Args, []string{"--access-log=true", "--access-log-rate=100", "--access-log-burst=200"})
+		ds = convert[appsv1.DaemonSet](t, find(t, render(t, "ztunnel", namespace, map[string]any{
+			"accessLog": map[string]any{"enabled": false, "rate": 0.5}}), "DaemonSet", "ztunnel"))
+		require.Subset(t, ds.Spec.Template.Spec.Containers[0].Args, []string{"--access-log=false", "--access-log-rate=0.5", "--access-log-burst=200"})
+	})
 	t.Run("ztunnel drain: flags, and the grace period derived from them", func(t *testing.T) {
 		ds := convert[appsv1.DaemonSet](t, find(t, render(t, "ztunnel", namespace, nil), "DaemonSet", "ztunnel"))
 		require.Subset(t, ds.Spec.Template.Spec.Containers[0].Args, []string{"--handoff-wait=10s", "--drain-grace=30s"})

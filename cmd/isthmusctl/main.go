@@ -1,7 +1,9 @@
 // Command isthmusctl operates an Isthmus mesh: it registers remote clusters
 // (create-remote-secret), reads pilot's debug endpoints (remote-clusters,
-// registry, proxy-status, version, authz check), diagnoses misconfigurations across clusters
-// (analyze) and compares rendered manifests (manifest diff).
+// registry, proxy-status, version, authz check), reads one ztunnel's admin
+// endpoint through the API server (ztunnel-config), diagnoses
+// misconfigurations across clusters (analyze) and compares rendered
+// manifests (manifest diff).
 //
 // Every subcommand parses its flags into a config struct and runs a plain
 // function of that struct; the pilot debug address comes from --pilot
@@ -122,6 +124,7 @@ func newRootCommand(stdout, stderr io.Writer) *cobra.Command {
 		newProxyStatusCommand(pilot),
 		newAuthzCommand(pilot),
 		newVersionCommand(pilot),
+		newZtunnelConfigCommand(logger, nil),
 	)
 	return root
 }

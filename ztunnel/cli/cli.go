@@ -39,7 +39,7 @@ func NewCommand(stderr io.Writer, run RunFunc) *cobra.Command {
 	cfg := node.Config{}
 	lc := cmdutil.Log{Format: "json", Level: "info"}
 	var mode string
-	var podDNS bool
+	var podDNS, accessLog bool
 	var nodeIPs []string
 	cmd := &cobra.Command{
 		Use:           "ztunnel",
@@ -63,6 +63,7 @@ func NewCommand(stderr io.Writer, run RunFunc) *cobra.Command {
 				cfg.NodeIPs = append(cfg.NodeIPs, a.Unmap())
 			}
 			cfg.DisablePodDNS = !podDNS
+			cfg.NoAccessLog = !accessLog
 			return run(cmd.Context(), cfg, node.Deps{Log: log})
 		},
 	}
@@ -107,6 +108,9 @@ func NewCommand(stderr io.Writer, run RunFunc) *cobra.Command {
 		"on SIGTERM, how long to keep serving until a newer ztunnel has taken every enrolled pod (the CNI agent says when) before draining anyway")
 	f.DurationVar(&cfg.DrainGrace, "drain-grace", d.DrainGrace,
 		"on SIGTERM, once handed over: how long established connections may run on before they are closed (the DaemonSet's terminationGracePeriodSeconds follows it)")
+	f.BoolVar(&accessLog, "access-log", true, "write one access log line per connection (refused or carried) to the log")
+	f.Float64Var(&cfg.AccessLogRate, "access-log-rate", d.AccessLogRate, "access log lines per second on average; lines over it are dropped and counted (isthmus_access_log_dropped_total)")
+	f.IntVar(&cfg.AccessLogBurst, "access-log-burst", d.AccessLogBurst, "access log lines written at once above --access-log-rate")
 	lc.AddFlags(f)
 	return cmd
 }

@@ -45,6 +45,7 @@ func TestFlagsToConfig(t *testing.T) {
 		"--dns-addr=10.0.0.1:53", "--dns-upstream=10.96.0.10", "--pod-dns=false",
 		"--readiness-addr=:15021", "--metrics-addr=:15020", "--admin-addr=127.0.0.1:15000",
 		"--cert-ttl=1h", "--log-level=debug", "--log-format=text", "--handoff-wait=3s", "--drain-grace=45s",
+		"--access-log=false", "--access-log-rate=50", "--access-log-burst=10",
 	)
 	require.NoError(t, err)
 	require.NotNil(t, deps.Log)
@@ -57,7 +58,18 @@ func TestFlagsToConfig(t *testing.T) {
 		ReadinessListen: ":15021", MetricsListen: ":15020", ShutdownTimeout: node.DefaultConfig().ShutdownTimeout,
 		HandoffWait: 3 * time.Second, DrainGrace: 45 * time.Second,
 		InPodSocket: "/var/run/isthmus/cni/ztunnel.sock", InPodProtocol: "istio", DNSListen: "10.0.0.1:53", DNSUpstreams: []string{"10.96.0.10"}, DisablePodDNS: true,
+		NoAccessLog: true, AccessLogRate: 50, AccessLogBurst: 10,
 	}, cfg)
+}
+
+// TestAccessLogFlagDefaults: the access log is on by default, at the
+// documented rate.
+func TestAccessLogFlagDefaults(t *testing.T) {
+	cfg, _, err := capture(t)
+	require.NoError(t, err)
+	require.False(t, cfg.NoAccessLog)
+	require.Equal(t, 100.0, cfg.AccessLogRate)
+	require.Equal(t, 200, cfg.AccessLogBurst)
 }
 
 // TestBadFlags proves invalid log settings and positional arguments are

@@ -89,6 +89,19 @@ type Upstream struct {
 	Header http.Header
 	// Labels describe the connection in metrics.
 	Labels metrics.ConnLabels
+	// Done, if set, is called once when the stream has ended and Conn is
+	// closed, with the bytes the stream carried each way (the same counts
+	// the metrics get) and the error that ended it (nil for a clean end).
+	Done func(StreamResult)
+}
+
+// StreamResult is how an accepted CONNECT stream ended.
+type StreamResult struct {
+	// Received are the bytes from the client (request direction), Sent
+	// those back to it (response direction).
+	Received, Sent int64
+	// Err ended the stream; nil for a clean end.
+	Err error
 }
 
 // Handler decides what an accepted CONNECT reaches. It must be safe for
@@ -402,6 +415,18 @@ func (s *Server) serveStream(ci *connInfo, w http.ResponseWriter, r *http.Reques
 		s.refuse(w, ref)
 		return
 	}
+	// Done, last, sees the counts and the end however the stream ends (a
+	// panic, such as the reset below, is recovered only to be passed on).
+	res := &streamCounts{}
+	if up.Done != nil {
+		defer func() {
+			if p := recover(); p != nil {
+				res.err.CompareAndSwap(nil, &errBox{fmt.Errorf("stream aborted: %v", p)})
+				defer panic(p)
+			}
+			up.Done(res.result())
+		}()
+	}
 	// Whatever happens from here on (a reset, a panic), the upstream the
 	// handler dialled is closed with the stream.
 	defer up.Conn.Close()
@@ -414,7 +439,31 @@ func (s *Server) serveStream(ci *connInfo, w http.ResponseWriter, r *http.Reques
 	w.WriteHeader(http.StatusOK)
 	fl := w.(http.Flusher)
 	fl.Flush()
-	s.relayStream(r, w, fl, up.Conn, mc)
+	s.relayStream(r, w, fl, up.Conn, mc, res)
+}
+
+// streamCounts are a stream's byte counts and first error, for
+// Upstream.Done; safe for concurrent use (each direction runs on its own
+// goroutine).
+type streamCounts struct {
+	received, sent atomic.Int64
+	err            atomic.Pointer[errBox]
+}
+
+type errBox struct{ err error }
+
+func (c *streamCounts) fail(err error) {
+	if err != nil {
+		c.err.CompareAndSwap(nil, &errBox{err})
+	}
+}
+
+func (c *streamCounts) result() StreamResult {
+	r := StreamResult{Received: c.received.Load(), Sent: c.sent.Load()}
+	if b := c.err.Load(); b != nil {
+		r.Err = b.err
+	}
+	return r
 }
 
 // relayStream copies the request body to upstream and upstream to the
@@ -428,7 +477,7 @@ func (s *Server) serveStream(ci *connInfo, w http.ResponseWriter, r *http.Reques
 // to upstream, until the client half-closes too or no request byte has
 // arrived for HalfCloseTimeout; only then does it return and end the
 // response.
-func (s *Server) relayStream(r *http.Request, w http.ResponseWriter, fl http.Flusher, up net.Conn, mc *metrics.Conn) {
+func (s *Server) relayStream(r *http.Request, w http.ResponseWriter, fl http.Flusher, up net.Conn, mc *metrics.Conn, res *streamCounts) {
 	stopAfter := context.AfterFunc(r.Context(), func() { up.Close() })
 	defer stopAfter()
 	var lastRecv atomic.Int64
@@ -438,8 +487,10 @@ func (s *Server) relayStream(r *http.Request, w http.ResponseWriter, fl http.Flu
 		_, err := copyHalf(up, bodyConn{r.Body}, func(n int) {
 			lastRecv.Store(time.Now().UnixNano())
 			mc.AddReceived(n)
+			res.received.Add(int64(n))
 		})
 		if err != nil {
+			res.fail(fmt.Errorf("request direction: %w", err))
 			up.Close()
 		}
 		reqDone <- err
@@ -454,9 +505,12 @@ func (s *Server) relayStream(r *http.Request, w http.ResponseWriter, fl http.Flu
 		}
 		fl.Flush()
 		mc.AddSent(len(b))
+		res.sent.Add(int64(len(b)))
 		return nil
 	})
-	if rerr == nil {
+	if rerr != nil {
+		res.fail(fmt.Errorf("response direction: %w", rerr))
+	} else {
 		rerr = s.awaitRequest(reqDone, &lastRecv)
 	}
 	if rerr != nil {

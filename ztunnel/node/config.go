@@ -156,6 +156,16 @@ type Config struct {
 	// enforces them: only for xDS servers that do not serve the type (tests
 	// of other features). Inbound then admits every verified peer.
 	NoAuthorization bool
+
+	// NoAccessLog turns the connection access log off (one line per closed
+	// connection, docs/observability.md; on by default). AccessLogRate is
+	// the lines per second it writes on average and AccessLogBurst how many
+	// at once; lines over them are dropped and counted
+	// (isthmus_access_log_dropped_total). Zero: proxy's defaults (100/s,
+	// bursts of 200).
+	NoAccessLog    bool
+	AccessLogRate  float64
+	AccessLogBurst int
 }
 
 // DefaultConfig returns the defaults.
@@ -180,6 +190,8 @@ func DefaultConfig() Config {
 		DrainGrace:            30 * time.Second,
 		HTTPReadHeaderTimeout: 10 * time.Second,
 		HTTPIdleTimeout:       60 * time.Second,
+		AccessLogRate:         proxy.DefaultAccessLogRate,
+		AccessLogBurst:        proxy.DefaultAccessLogBurst,
 		DNSListen:             Disabled,
 		Mark:                  0x539,
 	}
@@ -229,6 +241,12 @@ func (c Config) withDefaults() Config {
 	or(&c.DNSListen, d.DNSListen)
 	if c.Mark == 0 {
 		c.Mark = d.Mark
+	}
+	if c.AccessLogRate <= 0 {
+		c.AccessLogRate = d.AccessLogRate
+	}
+	if c.AccessLogBurst <= 0 {
+		c.AccessLogBurst = d.AccessLogBurst
 	}
 	return c
 }

@@ -60,6 +60,8 @@ type Node struct {
 	gw    *proxy.Gateway  // gateway mode
 	authz *authz.Enforcer // node mode, unless Config.NoAuthorization
 	self  *proxy.Self     // the node namespace's listeners and addresses
+	// access is the proxies' access log and table of open connections.
+	access *proxy.AccessLog
 
 	pods  *podproxy.Manager // node mode with InPodSocket
 	inpod *inpod.Client
@@ -156,7 +158,11 @@ func New(cfg Config, deps Deps) (*Node, error) {
 		n.certs.Close()
 		return nil, err
 	}
-	n.admin = admin.New(admin.Deps{Store: n.store, Certs: n.certs.Dump, Gatherer: deps.Registry, Ready: n.Ready})
+	ad := admin.Deps{Store: n.store, Certs: n.certs.Dump, Gatherer: deps.Registry, Ready: n.Ready, Connections: n.access.Active}
+	if n.authz != nil {
+		ad.Policies = n.authz.Store().Versions
+	}
+	n.admin = admin.New(ad)
 	return n, nil
 }
 
@@ -172,7 +178,14 @@ func (n *Node) buildProxies() error {
 	if err != nil {
 		return fmt.Errorf("ztunnel metrics: %w", err)
 	}
-	pcfg := proxy.Config{Node: n.cfg.NodeName, HBONEPort: n.cfg.HBONEPort, NodeIPs: n.cfg.NodeIPs}
+	alc := proxy.AccessLogConfig{Rate: n.cfg.AccessLogRate, Burst: n.cfg.AccessLogBurst, Registerer: n.deps.Registry}
+	if !n.cfg.NoAccessLog {
+		alc.Log = n.log.With("scope", "access")
+	}
+	if n.access, err = proxy.NewAccessLog(alc); err != nil {
+		return fmt.Errorf("ztunnel access log: %w", err)
+	}
+	pcfg := proxy.Config{Node: n.cfg.NodeName, HBONEPort: n.cfg.HBONEPort, NodeIPs: n.cfg.NodeIPs, AccessLog: n.access}
 	// One Self for the node's namespace: every proxy knows every listener
 	// (and the node's addresses) as ztunnel, never to be dialled.
 	n.self = proxy.NewSelf(proxy.SelfConfig{NodeIPs: n.cfg.NodeIPs})

@@ -1,6 +1,7 @@
 package node_test
 
 import (
+	"bytes"
 	"context"
 	"crypto/x509"
 	"encoding/binary"
@@ -102,6 +103,26 @@ type ztunnel struct {
 	n                                  *node.Node
 	socks, admin, readyURL, metricsURL string
 	stop                               func() error
+	// log holds what the node logged (also written to the test's output).
+	log *syncBuffer
+}
+
+// syncBuffer is a bytes.Buffer safe for concurrent use.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }
 
 func startNode(t *testing.T, name, cluster, token, xdsAddr string, ca *catest.Server, opts ...func(*node.Config)) *ztunnel {
@@ -109,6 +130,7 @@ func startNode(t *testing.T, name, cluster, token, xdsAddr string, ca *catest.Se
 	host := nextAddr()
 	at := func(port uint16) string { return netip.AddrPortFrom(host, port).String() }
 	z := &ztunnel{
+		log:   &syncBuffer{},
 		socks: at(15080), admin: at(15000),
 		readyURL: "http://" + at(15021) + "/healthz/ready", metricsURL: "http://" + at(15020) + "/metrics",
 	}
@@ -123,7 +145,7 @@ func startNode(t *testing.T, name, cluster, token, xdsAddr string, ca *catest.Se
 	}
 	n, err := node.New(cfg, node.Deps{
 		Token: caclient.StaticToken(token), RootsPEM: ca.RootsPEM, XDSCredentials: insecure.NewCredentials(),
-		Log: slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug})).With("test_node", name),
+		Log: slog.New(slog.NewTextHandler(io.MultiWriter(t.Output(), z.log), &slog.HandlerOptions{Level: slog.LevelDebug})).With("test_node", name),
 	})
 	require.NoError(t, err)
 	z.n = n

@@ -48,7 +48,7 @@ func (in *Inbound) authorize(ctx context.Context, snap *state.Snapshot, req *hbo
 		if errors.As(err, &d) {
 			reason = d.Decision.Reason
 		}
-		return nil, hbone.Refuse(http.StatusForbidden, ReasonAuthzPrefix+reason, "%s to %s: %v", req.Peer, w.UID, err)
+		return nil, hbone.Refuse(http.StatusForbidden, ReasonAuthzPrefix+reason, "%s to %s: %w", req.Peer, w.UID, err)
 	}
 	a.release = release
 	return a, nil
@@ -61,6 +61,13 @@ type admission struct {
 	mu      sync.Mutex
 	conn    net.Conn
 	revoked bool
+}
+
+// wasRevoked reports whether a policy change revoked the admission.
+func (a *admission) wasRevoked() bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.revoked
 }
 
 func (a *admission) revoke() {

@@ -65,6 +65,9 @@ type Config struct {
 	Server hbone.ServerConfig
 	// Client configures the pooled HBONE client.
 	Client hbone.ClientConfig
+	// AccessLog, if set, is the connection access log (and the table of
+	// open connections) the proxies share; nil logs and lists nothing.
+	AccessLog *AccessLog
 }
 
 // DefaultConfig returns the defaults.

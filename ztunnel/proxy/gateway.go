@@ -89,8 +89,32 @@ func (g *Gateway) Serve(ln net.Listener) error {
 // Close stops the gateway and waits for its connections; idempotent.
 func (g *Gateway) Close() error { return g.srv.Close() }
 
-// Connect implements hbone.Handler for outer CONNECTs.
+// Connect implements hbone.Handler for outer CONNECTs, and writes the
+// access log line of each one when it is refused or ends.
 func (g *Gateway) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstream, error) {
+	rec := g.cfg.AccessLog.Open(DirectionGateway)
+	rec.Source, rec.HBONE = addrString(req.Remote), addrString(req.Local)
+	srcCluster, srcNetwork := sourcePlace(g.deps.Store.Load(), req.Header)
+	rec.Labels = metrics.ConnLabels{Reporter: metrics.ReporterGateway, MutualTLS: true, SourcePrincipal: req.Peer.String(),
+		SourceNamespace: req.Peer.Namespace, SourceCluster: srcCluster, SourceNetwork: srcNetwork}
+	up, err := g.connect(ctx, req, rec)
+	if err != nil {
+		refused(rec, err)
+		return up, err
+	}
+	rec.Established()
+	up.Done = func(res hbone.StreamResult) {
+		reason := CloseOK
+		if res.Err != nil {
+			reason = CloseReset
+		}
+		rec.Close(reason, res.Sent, res.Received, res.Err)
+	}
+	return up, nil
+}
+
+// connect is Connect; it fills rec as soon as it knows the destination.
+func (g *Gateway) connect(ctx context.Context, req *hbone.Request, rec *ConnRecord) (hbone.Upstream, error) {
 	host, portStr, err := net.SplitHostPort(req.Authority)
 	port, perr := strconv.ParseUint(portStr, 10, 16)
 	if err != nil || perr != nil {
@@ -101,6 +125,7 @@ func (g *Gateway) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstre
 	if !ok {
 		return hbone.Upstream{}, hbone.Refuse(http.StatusNotFound, ReasonUnknownService, "service %s", host)
 	}
+	rec.Labels = withService(rec.Labels, svc)
 	if !svc.HasPort(uint16(port)) {
 		return hbone.Upstream{}, hbone.Refuse(http.StatusNotFound, ReasonUnknownPort, "service %s port %d", host, port)
 	}
@@ -132,19 +157,26 @@ func (g *Gateway) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstre
 		c.Close()
 		return hbone.Upstream{}, hbone.Refuse(http.StatusForbidden, ReasonNotVisible, "service %s is no longer visible from other clusters", host)
 	}
-	srcCluster, srcNetwork := sourcePlace(snap, req.Header)
+	labels := metrics.ConnLabels{
+		Reporter:             metrics.ReporterGateway,
+		SourcePrincipal:      req.Peer.String(),
+		DestinationPrincipal: w.Identity().String(),
+		SourceCluster:        rec.Labels.SourceCluster, // sourcePlace, in Connect
+		DestinationCluster:   w.Cluster,
+		SourceNetwork:        rec.Labels.SourceNetwork,
+		DestinationNetwork:   w.Network,
+	}
+	// The log has the service and the endpoint too (the gateway's metrics
+	// do not carry them).
+	rec.Labels = withService(labels, svc)
+	rec.Labels.SourceNamespace = req.Peer.Namespace
+	rec.Labels.DestinationWorkload, rec.Labels.DestinationNamespace = w.WorkloadName, w.Namespace
+	endpoint := netip.AddrPortFrom(w.Addresses[0], ep.TargetPort).String()
+	rec.Destination = endpoint
 	return hbone.Upstream{
 		Conn:   c,
-		Header: http.Header{HeaderEndpoint: {netip.AddrPortFrom(w.Addresses[0], ep.TargetPort).String()}},
-		Labels: metrics.ConnLabels{
-			Reporter:             metrics.ReporterGateway,
-			SourcePrincipal:      req.Peer.String(),
-			DestinationPrincipal: w.Identity().String(),
-			SourceCluster:        srcCluster,
-			DestinationCluster:   w.Cluster,
-			SourceNetwork:        srcNetwork,
-			DestinationNetwork:   w.Network,
-		},
+		Header: http.Header{HeaderEndpoint: {endpoint}},
+		Labels: labels,
 	}, nil
 }
 

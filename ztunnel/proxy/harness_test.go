@@ -198,6 +198,11 @@ type mesh struct {
 	// (no address); resolver answers it with gwAddr.
 	gwHostname string
 	resolver   *fakeResolver
+	// logs, if set (tweak), are the access logs of the proxies by node
+	// (node-a outbound, node-b and node-c inbound, node-g the gateway).
+	logs map[string]*AccessLog
+	// authzC, if set (tweak), admits node-c's inbound connections.
+	authzC Authorizer
 }
 
 // fakeResolver answers names from a map and counts lookups.
@@ -280,11 +285,12 @@ func newMesh(t testing.TB, tweak func(*mesh)) *mesh {
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	cfg := func(node string) Config {
-		return Config{Node: node, Server: m.serverConfig, Client: m.clientConfig, DialTimeout: m.dialTimeout, AttemptDelay: m.attemptDelay}
+		return Config{Node: node, Server: m.serverConfig, Client: m.clientConfig, DialTimeout: m.dialTimeout, AttemptDelay: m.attemptDelay,
+			AccessLog: m.logs[node]}
 	}
 	m.inB, err = NewInbound(cfg("node-b"), Deps{Store: m.n1, Certs: m.certs, Metrics: m.mB, Log: testLog(t)})
 	require.NoError(t, err)
-	m.inC, err = NewInbound(cfg("node-c"), Deps{Store: m.n2, Certs: m.certs, Metrics: m.mC, Log: testLog(t)})
+	m.inC, err = NewInbound(cfg("node-c"), Deps{Store: m.n2, Certs: m.certs, Metrics: m.mC, Log: testLog(t), Authorizer: m.authzC})
 	require.NoError(t, err)
 	for _, in := range []*Inbound{m.inB, m.inC} {
 		wg.Go(func() { _ = in.Run(ctx) })

@@ -14,6 +14,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/isthmus-mesh/isthmus/ztunnel/authz"
 	"github.com/isthmus-mesh/isthmus/ztunnel/hbone"
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
@@ -275,38 +276,79 @@ func (in *Inbound) certFor(ctx context.Context, local netip.Addr) (*tls.Certific
 	return in.deps.Certs.Certificate(ctx, w.Identity())
 }
 
-// Connect implements hbone.Handler for inbound CONNECTs.
+// Connect implements hbone.Handler for inbound CONNECTs, and writes the
+// access log line of each one when it is refused or ends.
 func (in *Inbound) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstream, error) {
+	rec := in.cfg.AccessLog.Open(DirectionInbound)
+	rec.Source, rec.HBONE, rec.Destination = addrString(req.Remote), addrString(req.Local), req.Authority
+	rec.Labels = metrics.ConnLabels{Reporter: metrics.ReporterDestination, MutualTLS: true, SourcePrincipal: req.Peer.String(), SourceNamespace: req.Peer.Namespace}
+	up, adm, err := in.connect(ctx, req, rec)
+	if err != nil {
+		refused(rec, err)
+		return up, err
+	}
+	rec.Established()
+	up.Done = func(res hbone.StreamResult) {
+		reason := CloseOK
+		switch {
+		case adm != nil && adm.wasRevoked():
+			reason = ClosePolicyRevoked
+		case res.Err != nil:
+			reason = CloseReset
+		}
+		rec.Close(reason, res.Sent, res.Received, res.Err)
+	}
+	return up, nil
+}
+
+// refused closes rec for a CONNECT refused with err.
+func refused(rec *ConnRecord, err error) {
+	var ref *hbone.Refusal
+	if errors.As(err, &ref) {
+		rec.Detail = ref.Reason
+	}
+	var d *authz.DeniedError
+	if errors.As(err, &d) {
+		rec.Policy, rec.PolicyReason = d.Decision.Policy(), d.Decision.Reason
+	}
+	rec.Close(closeReason(rec.Detail), 0, 0, err)
+}
+
+// connect is Connect; it fills rec's labels as soon as it knows them.
+func (in *Inbound) connect(ctx context.Context, req *hbone.Request, rec *ConnRecord) (hbone.Upstream, *admission, error) {
 	host, portStr, err := net.SplitHostPort(req.Authority)
 	target, aerr := netip.ParseAddr(host)
 	port, perr := strconv.ParseUint(portStr, 10, 16)
 	if err != nil || aerr != nil || perr != nil || port == 0 {
-		return hbone.Upstream{}, hbone.Refuse(http.StatusBadRequest, hbone.ReasonBadAuthority, "authority %q", req.Authority)
+		return hbone.Upstream{}, nil, hbone.Refuse(http.StatusBadRequest, hbone.ReasonBadAuthority, "authority %q", req.Authority)
 	}
 	target = target.Unmap()
 	tw, ok := in.localWorkload(target)
 	if !ok {
-		return hbone.Upstream{}, hbone.Refuse(http.StatusForbidden, ReasonDestinationNotLocal, "%s is not a workload of node %s", target, in.cfg.Node)
+		return hbone.Upstream{}, nil, hbone.Refuse(http.StatusForbidden, ReasonDestinationNotLocal, "%s is not a workload of node %s", target, in.cfg.Node)
 	}
+	snap := in.deps.Store.Load()
+	labels := metrics.ConnLabels{Reporter: metrics.ReporterDestination, MutualTLS: true}
+	labels = withService(withDestination(inboundSource(labels, snap, req), tw), serviceServing(snap, tw, uint16(port)))
+	rec.Labels = labels
 	if target != req.Local.Addr() {
-		return hbone.Upstream{}, hbone.Refuse(http.StatusMisdirectedRequest, ReasonDestinationMismatch, "connection for %s asked for %s", req.Local.Addr(), target)
+		return hbone.Upstream{}, nil, hbone.Refuse(http.StatusMisdirectedRequest, ReasonDestinationMismatch, "connection for %s asked for %s", req.Local.Addr(), target)
 	}
 	if err := in.deps.Self.Check(netip.AddrPortFrom(target, uint16(port))); err != nil {
 		// One of ztunnel's listeners (the pod's 15001, 15006, 15008 or
 		// 15053, a node address): dialling it would bring the connection
 		// back into ztunnel, again and again.
-		return hbone.Upstream{}, hbone.Refuse(http.StatusForbidden, ReasonSelfDestination, "%v", err)
+		return hbone.Upstream{}, nil, hbone.Refuse(http.StatusForbidden, ReasonSelfDestination, "%v", err)
 	}
 	if !tw.ServesPort(uint16(port)) {
-		return hbone.Upstream{}, hbone.Refuse(http.StatusForbidden, ReasonPortNotAllowed, "%s has no port %d", tw.Name, port)
+		return hbone.Upstream{}, nil, hbone.Refuse(http.StatusForbidden, ReasonPortNotAllowed, "%s has no port %d", tw.Name, port)
 	}
 	if in.pod != "" {
 		in.deps.Metrics.Captured(metrics.DirectionInboundHBONE)
 	}
-	snap := in.deps.Store.Load()
 	adm, err := in.authorize(ctx, snap, req, tw, target, uint16(port))
 	if err != nil {
-		return hbone.Upstream{}, err
+		return hbone.Upstream{}, nil, err
 	}
 	dctx, cancel := context.WithTimeout(ctx, in.cfg.DialTimeout)
 	defer cancel()
@@ -315,15 +357,13 @@ func (in *Inbound) Connect(ctx context.Context, req *hbone.Request) (hbone.Upstr
 		if adm != nil {
 			adm.release()
 		}
-		return hbone.Upstream{}, hbone.Refuse(http.StatusServiceUnavailable, ReasonUpstreamConnect, "dial %s: %v", req.Authority, err)
+		return hbone.Upstream{}, nil, hbone.Refuse(http.StatusServiceUnavailable, ReasonUpstreamConnect, "dial %s: %v", req.Authority, err)
 	}
 	if adm != nil {
 		var ok bool
 		if c, ok = adm.attach(c); !ok {
-			return hbone.Upstream{}, hbone.Refuse(http.StatusForbidden, ReasonAuthzPrefix+"revoked", "%s to %s: revoked by a policy change while connecting", req.Peer, tw.UID)
+			return hbone.Upstream{}, nil, hbone.Refuse(http.StatusForbidden, ReasonAuthzPrefix+"revoked", "%s to %s: revoked by a policy change while connecting", req.Peer, tw.UID)
 		}
 	}
-	labels := metrics.ConnLabels{Reporter: metrics.ReporterDestination, MutualTLS: true}
-	labels = withService(withDestination(inboundSource(labels, snap, req), tw), serviceServing(snap, tw, uint16(port)))
-	return hbone.Upstream{Conn: c, Labels: labels}, nil
+	return hbone.Upstream{Conn: c, Labels: labels}, adm, nil
 }

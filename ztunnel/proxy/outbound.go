@@ -209,9 +209,24 @@ func (o *Outbound) resolve(snap *state.Snapshot, src *state.Workload, t Target) 
 // network; through a gateway, one of the gateway's identities for the outer
 // tunnel and one of the remote endpoints' identities end to end.
 func (o *Outbound) Dial(ctx context.Context, src *state.Workload, t Target) (net.Conn, metrics.ConnLabels, error) {
+	c, d, err := o.dial(ctx, src, t)
+	return c, d.labels, err
+}
+
+// dialed is a connection Dial opened, with its facts: the metric labels,
+// and the HBONE address dialled when the destination was reached directly
+// over HBONE (through a gateway the pooled tunnel hides it).
+type dialed struct {
+	conn   net.Conn
+	labels metrics.ConnLabels
+	hbone  string
+}
+
+// dial is Dial with the facts of the connection.
+func (o *Outbound) dial(ctx context.Context, src *state.Workload, t Target) (net.Conn, dialed, error) {
 	r, err := o.resolve(o.deps.Store.Load(), src, t)
 	if err != nil {
-		return nil, metrics.ConnLabels{}, err
+		return nil, dialed{labels: withSource(metrics.ConnLabels{Reporter: metrics.ReporterSource}, src)}, err
 	}
 	if needsCertificate(r.cands) {
 		// Fetched (or found cached) before the race: AttemptDelay measures
@@ -221,14 +236,10 @@ func (o *Outbound) Dial(ctx context.Context, src *state.Workload, t Target) (net
 		// in the attempts.
 		_, _ = o.deps.Certs.Certificate(ctx, src.Identity())
 	}
-	type dialed struct {
-		conn   net.Conn
-		labels metrics.ConnLabels
-	}
 	i, d, err := race(ctx, len(r.cands), o.cfg.AttemptDelay, o.cfg.DialTimeout,
 		func(actx context.Context, i int) (dialed, error) {
 			c, labels, err := o.dialEndpoint(actx, src, t, r.svc, r.cands[i])
-			return dialed{c, labels}, err
+			return dialed{conn: c, labels: labels, hbone: o.hboneAddrOf(src, r.cands[i].Workload)}, err
 		},
 		func(d dialed) { d.conn.Close() },
 		func(i int, err error, last bool) {
@@ -248,12 +259,25 @@ func (o *Outbound) Dial(ctx context.Context, src *state.Workload, t Target) (net
 			o.deps.Log.Debug("endpoint failed, trying the next", "endpoint", ep.Workload.UID, "err", err)
 		})
 	if err != nil {
-		return nil, d.labels, err
+		if d.labels.Reporter == "" && len(r.cands) > 0 {
+			// No attempt returned labels: those of the first candidate.
+			d.labels = withService(withDestination(withSource(metrics.ConnLabels{Reporter: metrics.ReporterSource}, src), r.cands[0].Workload), r.svc)
+		}
+		return nil, d, err
 	}
 	if r.svc != nil {
 		o.ej.succeed(r.cands[i].Workload.UID)
 	}
-	return d.conn, d.labels, nil
+	return d.conn, d, nil
+}
+
+// hboneAddrOf is the HBONE address a connection from src to dst dials
+// directly, or "" (plain TCP, or through a gateway).
+func (o *Outbound) hboneAddrOf(src, dst *state.Workload) string {
+	if dst.Synthetic() || dst.Network != src.Network || dst.Protocol != state.TunnelHBONE || len(dst.Addresses) == 0 {
+		return ""
+	}
+	return netip.AddrPortFrom(dst.Addresses[0], o.cfg.HBONEPort).String()
 }
 
 // needsCertificate reports whether connecting to one of cands needs the
@@ -439,26 +463,40 @@ func (o *Outbound) gatewayAddr(ctx context.Context, gw *state.NetworkGateway) (n
 
 // handle proxies one captured client connection to t.
 func (o *Outbound) handle(ctx context.Context, c net.Conn, src *state.Workload, t Target, onConnected func(error) error) {
-	up, labels, err := o.Dial(ctx, src, t)
+	rec := o.cfg.AccessLog.Open(DirectionOutbound)
+	if ap, ok := hbone.AddrPortOf(c.RemoteAddr()); ok {
+		rec.Source = ap.String()
+	}
+	rec.Destination = t.String()
+	up, d, err := o.dial(ctx, src, t)
+	rec.Labels, rec.HBONE = d.labels, d.hbone
 	if err != nil {
 		// Counted before the client hears of it.
 		reason := dialReason(err)
 		o.deps.Metrics.Refused(metrics.ReporterSource, reason)
 		o.deps.Log.Debug("outbound dial failed", "src", src.UID, "dst", t.String(), "err", err)
+		rec.Detail = reason
+		rec.Close(closeReason(reason), 0, 0, err)
 		_ = onConnected(err)
 		return
 	}
 	if rerr := onConnected(nil); rerr != nil {
 		up.Close()
+		rec.Close(CloseReset, 0, 0, rerr)
 		return
 	}
 	defer up.Close()
-	mc := o.deps.Metrics.Open(labels)
+	rec.Established()
+	mc := o.deps.Metrics.Open(d.labels)
 	defer mc.Close()
-	_, _, err = hbone.Relay(c, up, mc.AddReceived, mc.AddSent)
+	// The relay's totals are the bytes the metrics counted.
+	toDst, fromDst, err := hbone.Relay(c, up, mc.AddReceived, mc.AddSent)
 	if err != nil {
 		o.deps.Log.Debug("outbound relay ended", "src", src.UID, "dst", t.String(), "err", err)
+		rec.Close(CloseReset, toDst, fromDst, err)
+		return
 	}
+	rec.Close(CloseOK, toDst, fromDst, nil)
 }
 
 // dialReason is the refusal reason of a failed Dial.

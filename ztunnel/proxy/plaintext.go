@@ -75,21 +75,33 @@ func (p *PlaintextInbound) Close() error {
 // Conns returns the number of connections being served.
 func (p *PlaintextInbound) Conns() int { return p.t.Len() }
 
+// refuse counts a refused connection and closes its record.
+func (p *PlaintextInbound) refuse(rec *ConnRecord, reason string, err error) {
+	p.deps.Metrics.Refused(metrics.ReporterDestination, reason)
+	rec.Detail = reason
+	rec.Close(closeReason(reason), 0, 0, err)
+}
+
 func (p *PlaintextInbound) handle(c net.Conn) {
 	p.deps.Metrics.Captured(metrics.DirectionInboundPlaintext)
+	rec := p.cfg.AccessLog.Open(DirectionInbound)
 	dst, _, err := netns.OriginalDst(c)
 	src, ok := hbone.AddrPortOf(c.RemoteAddr())
+	rec.Source, rec.Destination = addrString(src), addrString(dst)
+	rec.Labels = metrics.ConnLabels{Reporter: metrics.ReporterDestination, SourceCluster: metrics.Unknown, SourceNetwork: metrics.Unknown}
 	w, known := p.deps.Store.Load().Workload(p.pod)
 	if err != nil || !ok || !known || !slices.Contains(w.Addresses, dst.Addr()) {
-		p.deps.Metrics.Refused(metrics.ReporterDestination, ReasonUnknownDestination)
+		p.refuse(rec, ReasonUnknownDestination, err)
 		return
 	}
+	snap := p.deps.Store.Load()
+	rec.Labels = withService(withDestination(rec.Labels, w), serviceServing(snap, w, dst.Port()))
 	if err := p.deps.Self.Check(dst); err != nil {
 		// Sent to one of ztunnel's in-pod ports (arriving redirected, with
 		// that as its original destination): dialling it from inside the
 		// pod would bring the connection back into ztunnel, again and
 		// again.
-		p.deps.Metrics.Refused(metrics.ReporterDestination, ReasonSelfDestination)
+		p.refuse(rec, ReasonSelfDestination, err)
 		p.deps.Log.Debug("plaintext inbound to ztunnel itself refused", "pod", p.pod, "dst", dst)
 		return
 	}
@@ -113,14 +125,15 @@ func (p *PlaintextInbound) handle(c net.Conn) {
 			var d *authz.DeniedError
 			if errors.As(err, &d) {
 				reason = ReasonAuthzPrefix + d.Decision.Reason
+				rec.Policy, rec.PolicyReason = d.Decision.Policy(), d.Decision.Reason
 			}
-			p.deps.Metrics.Refused(metrics.ReporterDestination, reason)
+			p.refuse(rec, reason, err)
 			p.deps.Log.Debug("plaintext inbound refused", "pod", p.pod, "port", dst.Port(), "err", err)
 			return
 		}
 		defer release()
 	} else if p.policy == nil || !p.policy(w, src, dst) {
-		p.deps.Metrics.Refused(metrics.ReporterDestination, ReasonPlaintextRefused)
+		p.refuse(rec, ReasonPlaintextRefused, nil)
 		p.deps.Log.Debug("plaintext inbound refused", "pod", p.pod, "port", dst.Port())
 		return
 	}
@@ -128,16 +141,20 @@ func (p *PlaintextInbound) handle(c net.Conn) {
 	conn, err := p.deps.Dialer.DialContext(ctx, "tcp", dst.String())
 	cancel()
 	if err != nil {
-		p.deps.Metrics.Refused(metrics.ReporterDestination, ReasonUpstreamConnect)
+		p.refuse(rec, ReasonUpstreamConnect, err)
 		return
 	}
 	upMu.Lock()
 	up = conn
 	upMu.Unlock()
 	defer up.Close()
-	snap := p.deps.Store.Load()
-	labels := metrics.ConnLabels{Reporter: metrics.ReporterDestination, SourceCluster: metrics.Unknown, SourceNetwork: metrics.Unknown}
-	mc := p.deps.Metrics.Open(withService(withDestination(labels, w), serviceServing(snap, w, dst.Port())))
+	rec.Established()
+	mc := p.deps.Metrics.Open(rec.Labels)
 	defer mc.Close()
-	_, _, _ = hbone.Relay(c, up, mc.AddReceived, mc.AddSent)
+	fromSrc, toSrc, err := hbone.Relay(c, up, mc.AddReceived, mc.AddSent)
+	reason := CloseOK
+	if err != nil {
+		reason = CloseReset
+	}
+	rec.Close(reason, toSrc, fromSrc, err)
 }

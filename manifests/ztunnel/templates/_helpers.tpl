@@ -107,6 +107,9 @@ spec:
         - --dns-upstream={{ . }}
         {{- end }}
         {{- end }}
+        - --access-log={{ .Values.accessLog.enabled }}
+        - --access-log-rate={{ .Values.accessLog.rate }}
+        - --access-log-burst={{ .Values.accessLog.burst }}
         - --readiness-addr=:{{ .Values.ports.readiness }}
         - --metrics-addr=:{{ .Values.ports.metrics }}
         - --admin-addr={{ .Values.adminAddr }}
