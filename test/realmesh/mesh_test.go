@@ -117,6 +117,8 @@ rules:
 	require.NoError(t, err)
 	s.expectRefused(t, "intruder")
 	s.expectServed(t, "client")
+	t.Run("AccessLogPolicyDenied", s.checkDeniedLogged)
+	t.Run("ZtunnelConfig", s.checkZtunnelConfig)
 
 	s.operations(t)
 }

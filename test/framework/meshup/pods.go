@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"os"
 	"strings"
 	"sync"
 	"time"
@@ -11,6 +12,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/client-go/tools/remotecommand"
 )
 
@@ -123,4 +126,26 @@ func (l *lockedBuffer) String() string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.b.String()
+}
+
+// Kubeconfig renders the cluster's admin access as a kubeconfig (for
+// commands such as isthmusctl that take a file).
+func Kubeconfig(c Cluster) ([]byte, error) {
+	rc := c.Config
+	ca := rc.CAData
+	if len(ca) == 0 && rc.CAFile != "" {
+		var err error
+		if ca, err = os.ReadFile(rc.CAFile); err != nil {
+			return nil, err
+		}
+	}
+	cfg := clientcmdapi.NewConfig()
+	cfg.Clusters[c.Name] = &clientcmdapi.Cluster{Server: rc.Host, CertificateAuthorityData: ca, TLSServerName: rc.ServerName}
+	cfg.AuthInfos[c.Name] = &clientcmdapi.AuthInfo{
+		ClientCertificateData: rc.CertData, ClientKeyData: rc.KeyData, ClientCertificate: rc.CertFile, ClientKey: rc.KeyFile,
+		Token: rc.BearerToken, TokenFile: rc.BearerTokenFile,
+	}
+	cfg.Contexts[c.Name] = &clientcmdapi.Context{Cluster: c.Name, AuthInfo: c.Name}
+	cfg.CurrentContext = c.Name
+	return clientcmd.Write(*cfg)
 }
