@@ -341,6 +341,21 @@ func TestChartValues(t *testing.T) {
 		_, err = inst.Run(ch, map[string]any{"terminationGracePeriodSeconds": 30})
 		require.ErrorContains(t, err, "terminationGracePeriodSeconds 30 is shorter than the drain")
 	})
+	t.Run("east-west gateway drain: a surge rollout, flags, and the grace period derived from them", func(t *testing.T) {
+		vals := map[string]any{"clusterID": "c1", "network": "n1"}
+		dep := convert[appsv1.Deployment](t, find(t, render(t, "eastwest-gateway", namespace, vals), "Deployment", "isthmus-eastwestgateway"))
+		require.Subset(t, dep.Spec.Template.Spec.Containers[0].Args, []string{"--handoff-wait=5s", "--drain-grace=30s"})
+		require.Equal(t, int64(5+30+10), *dep.Spec.Template.Spec.TerminationGracePeriodSeconds)
+		require.Equal(t, intstr.FromInt32(0), *dep.Spec.Strategy.RollingUpdate.MaxUnavailable, "a new gateway is Ready before an old one stops")
+		require.Equal(t, intstr.FromInt32(1), *dep.Spec.Strategy.RollingUpdate.MaxSurge)
+
+		ch, err := loader.Load("eastwest-gateway")
+		require.NoError(t, err)
+		inst := action.NewInstall(&action.Configuration{Log: func(string, ...any) {}})
+		inst.DryRun, inst.ClientOnly, inst.ReleaseName, inst.Namespace = true, true, "e", namespace
+		_, err = inst.Run(ch, map[string]any{"clusterID": "c1", "network": "n1", "terminationGracePeriodSeconds": 20})
+		require.ErrorContains(t, err, "terminationGracePeriodSeconds 20 is shorter than the drain")
+	})
 	t.Run("ztunnel gateway mode", func(t *testing.T) {
 		objs := render(t, "ztunnel", namespace, map[string]any{"mode": "gateway", "gateway": map[string]any{"replicas": 3}})
 		dep := convert[appsv1.Deployment](t, find(t, objs, "Deployment", "ztunnel-gateway"))

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -93,6 +94,9 @@ func build(cfg Config, cluster model.ClusterID, gw *gwv1.Gateway, network string
 	dep := appsv1ac.Deployment(name, ns).WithLabels(l).WithAnnotations(a).WithOwnerReferences(owner).
 		WithSpec(appsv1ac.DeploymentSpec().
 			WithSelector(metav1ac.LabelSelector().WithMatchLabels(selector)).
+			// A new gateway is Ready before an old one stops and drains.
+			WithStrategy(appsv1ac.DeploymentStrategy().WithType(appsv1.RollingUpdateDeploymentStrategyType).
+				WithRollingUpdate(appsv1ac.RollingUpdateDeployment().WithMaxSurge(intstr.FromInt32(1)).WithMaxUnavailable(intstr.FromInt32(0)))).
 			WithTemplate(corev1ac.PodTemplateSpec().WithLabels(podLabels).WithAnnotations(podAnnotations).
 				WithSpec(podSpec(cfg, cluster, ns, name, network))))
 	return objects{name: name, serviceAccount: sa, deployment: dep, service: svc}
@@ -107,6 +111,12 @@ func serviceType(gw *gwv1.Gateway) corev1.ServiceType {
 	}
 	return corev1.ServiceTypeLoadBalancer
 }
+
+// A stopping gateway keeps accepting for drainWaitSeconds while it sends
+// its clients away, then lets their tunnels run for drainGraceSeconds (as
+// the eastwest-gateway chart's drain values); the pod's grace period
+// covers both and the rest of the stop.
+const drainWaitSeconds, drainGraceSeconds = 5, 30
 
 // podSpec runs ztunnel in gateway mode as ServiceAccount sa of ns: its
 // identity, which the Service names for clients to verify.
@@ -123,6 +133,7 @@ func podSpec(cfg Config, cluster model.ClusterID, ns, sa, network string) *corev
 		"--trust-bundle=/var/run/secrets/isthmus/" + trustBundleKey,
 		fmt.Sprintf("--hbone-port=%d", HBONEPort), fmt.Sprintf("--readiness-addr=:%d", readinessPort),
 		fmt.Sprintf("--metrics-addr=:%d", metricsPort), "--admin-addr=127.0.0.1:15000",
+		fmt.Sprintf("--handoff-wait=%ds", drainWaitSeconds), fmt.Sprintf("--drain-grace=%ds", drainGraceSeconds),
 	}
 	ctr := corev1ac.Container().WithName("gateway").WithImage(cfg.Image).WithArgs(args...).
 		WithEnv(env("NODE_NAME", "spec.nodeName"), env("POD_NAME", "metadata.name"), env("POD_NAMESPACE", "metadata.namespace"),
@@ -141,7 +152,8 @@ func podSpec(cfg Config, cluster model.ClusterID, ns, sa, network string) *corev
 		WithVolumeMounts(
 			corev1ac.VolumeMount().WithName("isthmus-token").WithMountPath("/var/run/secrets/tokens").WithReadOnly(true),
 			corev1ac.VolumeMount().WithName("isthmus-root-cert").WithMountPath("/var/run/secrets/isthmus").WithReadOnly(true))
-	return corev1ac.PodSpec().WithServiceAccountName(sa).WithContainers(ctr).WithVolumes(
+	return corev1ac.PodSpec().WithServiceAccountName(sa).WithContainers(ctr).
+		WithTerminationGracePeriodSeconds(drainWaitSeconds+drainGraceSeconds+10).WithVolumes(
 		corev1ac.Volume().WithName("isthmus-token").WithProjected(corev1ac.ProjectedVolumeSource().WithSources(
 			corev1ac.VolumeProjection().WithServiceAccountToken(corev1ac.ServiceAccountTokenProjection().
 				WithPath("isthmus-token").WithAudience(cfg.CAAudience).WithExpirationSeconds(43200)))),

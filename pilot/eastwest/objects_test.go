@@ -92,6 +92,8 @@ func TestDeploymentMirrorsChart(t *testing.T) {
 	require.Equal(t, want.ReadinessProbe, got.ReadinessProbe)
 	require.Equal(t, chartDep.Spec.Template.Spec.Volumes, dep.Spec.Template.Spec.Volumes)
 	require.Equal(t, chartDep.Spec.Template.Spec.ServiceAccountName, dep.Spec.Template.Spec.ServiceAccountName)
+	require.Equal(t, chartDep.Spec.Template.Spec.TerminationGracePeriodSeconds, dep.Spec.Template.Spec.TerminationGracePeriodSeconds, "the drain's grace period")
+	require.Equal(t, chartDep.Spec.Strategy, dep.Spec.Strategy, "a new gateway is Ready before an old one stops")
 	require.Equal(t, chartDep.Spec.Template.Annotations, dep.Spec.Template.Annotations)
 	require.Equal(t, chartSvc.Spec.Ports, svc.Spec.Ports)
 	require.Equal(t, chartSvc.Spec.Type, svc.Spec.Type)

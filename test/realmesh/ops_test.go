@@ -44,7 +44,7 @@ func (s *scenario) operations(t *testing.T) {
 	t.Run("RolloutRestartGateway", func(t *testing.T) {
 		p := s.startProbe(t)
 		s.rolloutRestart(t, both, "Deployment", gatewayDep)
-		p.end(t, "the gateway rollouts")
+		require.Zero(t, p.end(t, "the gateway rollouts"), "requests failed while the gateways rolled (surge, drain: not ready, GOAWAY, grace)")
 		s.check(t)
 	})
 	t.Run("RolloutRestartPilot", func(t *testing.T) {
@@ -64,7 +64,7 @@ func (s *scenario) operations(t *testing.T) {
 	t.Run("HelmUpgrade", func(t *testing.T) {
 		p := s.startProbe(t)
 		s.upgradeGatewayReplicas(t, 1)
-		p.end(t, "the gateway's helm upgrade to one replica")
+		require.Zero(t, p.end(t, "the gateway's helm upgrade to one replica"), "requests failed while a gateway was scaled away")
 		s.check(t)
 	})
 	t.Run("HelmUninstall", func(t *testing.T) {

@@ -140,7 +140,11 @@ type Config struct {
 	// the stop is immediate, as before); DefaultConfig (the command's
 	// flags) has 10s and 30s. The DaemonSet's
 	// terminationGracePeriodSeconds must exceed their sum plus
-	// ShutdownTimeout (the chart derives it). Gateways stop at once.
+	// ShutdownTimeout (the chart derives it). A gateway is not ready from
+	// the start of the stop; it keeps accepting for HandoffWait, sending
+	// every outer connection a GOAWAY each second so that clients move to
+	// the other replicas, then stops accepting and lets the open tunnels
+	// run for DrainGrace.
 	HandoffWait time.Duration
 	DrainGrace  time.Duration
 	// HTTPReadHeaderTimeout and HTTPIdleTimeout bound the admin, readiness

@@ -65,3 +65,39 @@ func (n *Node) drain(lns *listeners) {
 	n.m.Drain(metrics.DrainForced, forced)
 	wg.Wait()
 }
+
+// drainGateway is a requested stop of a gateway (a rollout, a scale-down,
+// a drained node). It is not ready from the start, so its pod leaves the
+// ready endpoints of the gateway's Service and kube-proxy sends new outer
+// connections to the other replicas. For HandoffWait it keeps accepting
+// (a client may still reach it while the endpoints move) and, every
+// second, tells each outer connection (an HTTP/2 GOAWAY) to open no new
+// tunnel on it: clients open their next tunnels on a new connection,
+// which lands on another replica, while the tunnels open run on. It then
+// stops accepting and waits up to DrainGrace for the open tunnels to end;
+// what is left is closed by the stop that follows.
+func (n *Node) drainGateway(lns *listeners) {
+	n.log.Info("gateway draining: not ready, sending clients away", "wait", n.cfg.HandoffWait, "grace", n.cfg.DrainGrace)
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	until := time.Now().Add(n.cfg.HandoffWait)
+	for {
+		n.gw.Drain()
+		if !time.Now().Before(until) {
+			break
+		}
+		select {
+		case <-tick.C:
+		case <-time.After(time.Until(until)):
+		}
+	}
+	if lns.gateway != nil {
+		n.self.Remove(lns.gateway.Addr())
+		lns.gateway.Close()
+	}
+	n.gw.Drain() // connections accepted since the last tick
+	open := n.gw.Conns()
+	forced := conntrack.WaitIdle(context.Background(), n.cfg.DrainGrace, n.gw.Conns)
+	n.m.Drain(metrics.DrainDrained, max(0, open-forced))
+	n.m.Drain(metrics.DrainForced, forced)
+}

@@ -116,6 +116,56 @@ func TestGatewayMode(t *testing.T) {
 	require.Equal(t, n.Identity(), xdsPeer[0], "xDS client certificate")
 }
 
+// TestGatewayDrain: a gateway stopped as SIGTERM stops it is not ready at
+// once, keeps accepting for its HandoffWait (clients reaching it while the
+// Service's endpoints move are served, and sent a GOAWAY), then stops
+// accepting; with no tunnel open it returns without waiting DrainGrace.
+func TestGatewayDrain(t *testing.T) {
+	pilotAddr := nextAddr()
+	ca := catest.Start(t, catest.Options{ConfigCluster: "c2", Listen: netip.AddrPortFrom(pilotAddr, 0).String()})
+	ca.AddNode(t, "token-gw", "c2", "node-gw")
+	xc := cache.NewLinearCache(workloadv1.TypeURL, cache.WithInitialResources(map[string]types.Resource{
+		echoKey: service("echo", netip.MustParseAddr("10.96.0.10")),
+	}))
+	xdsAddr := startXDS(t, xc, pilotAddr, nil, grpc.Creds(credentials.NewTLS(ca.CA.ServerTLSConfig())))
+	host := nextAddr()
+	at := func(port uint16) string { return netip.AddrPortFrom(host, port).String() }
+	const wait, grace = 2 * time.Second, time.Hour
+	n, err := node.New(node.Config{
+		NodeName: "node-gw", ClusterID: "c2", Network: "n2", Mode: node.ModeGateway,
+		XDSAddress: xdsAddr, CAAddress: ca.Addr, GatewayListen: at(15008),
+		AdminListen: node.Disabled, MetricsListen: node.Disabled, ReadinessListen: at(15021),
+		HandoffWait: wait, DrainGrace: grace,
+	}, node.Deps{Token: caclient.StaticToken("token-gw"), RootsPEM: ca.RootsPEM, Log: slog.New(slog.NewTextHandler(t.Output(), nil))})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- n.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		code, _ := httpGet(c, "http://"+at(15021)+"/healthz/ready")
+		require.Equal(c, http.StatusOK, code)
+	}, 15*time.Second, 20*time.Millisecond)
+
+	cancel()
+	require.Eventually(t, func() bool { return !n.Ready() }, 5*time.Second, 10*time.Millisecond, "not ready once stopping")
+	for range 2 { // at once, and half-way through the wait
+		conn, err := net.DialTimeout("tcp", at(15008), time.Second)
+		require.NoError(t, err, "still accepting within the handoff wait")
+		conn.Close()
+		time.Sleep(wait / 2)
+	}
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+		done <- nil // for the cleanup
+	case <-time.After(time.Minute):
+		t.Fatal("the gateway did not stop after its handoff wait with no tunnel open")
+	}
+	_, err = net.DialTimeout("tcp", at(15008), time.Second)
+	require.Error(t, err, "not accepting once stopped")
+}
+
 // TestLifecycle proves Close is idempotent and safe before Run (Run then
 // returns at once), that a second Run is refused, and that a listener that
 // cannot be bound fails Run with an error naming it.

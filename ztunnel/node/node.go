@@ -20,6 +20,7 @@ import (
 	"net"
 	"net/http"
 	"sync"
+	"sync/atomic"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -55,11 +56,13 @@ type Node struct {
 	roots *caclient.RootsFile // nil with Deps.RootsPEM
 	admin http.Handler
 
-	in    *proxy.Inbound  // node mode, without InPodSocket
-	out   *proxy.Outbound // node mode
-	gw    *proxy.Gateway  // gateway mode
-	authz *authz.Enforcer // node mode, unless Config.NoAuthorization
-	self  *proxy.Self     // the node namespace's listeners and addresses
+	in  *proxy.Inbound  // node mode, without InPodSocket
+	out *proxy.Outbound // node mode
+	gw  *proxy.Gateway  // gateway mode
+
+	draining atomic.Bool     // a requested stop is draining: not ready
+	authz    *authz.Enforcer // node mode, unless Config.NoAuthorization
+	self     *proxy.Self     // the node namespace's listeners and addresses
 	// access is the proxies' access log and table of open connections.
 	access *proxy.AccessLog
 
@@ -251,7 +254,7 @@ func (n *Node) Identity() identity.Identity { return n.id }
 // node mode, the inbound listeners match the state, or (in-pod) the CNI
 // agent's snapshot of enrolled pods is served.
 func (n *Node) Ready() bool {
-	if !n.xds.HasSynced() {
+	if n.draining.Load() || !n.xds.HasSynced() {
 		return false
 	}
 	if n.inpod != nil && !n.inpod.Synced() {
@@ -375,9 +378,14 @@ func (n *Node) Run(ctx context.Context) error {
 	n.log.Info("ztunnel started", "identity", n.id.String(), "xds", n.cfg.XDSAddress, "ca", n.cfg.CAAddress)
 	g.Go(func() error {
 		<-gctx.Done()
-		if ctx.Err() != nil && n.gw == nil && n.cfg.HandoffWait+n.cfg.DrainGrace > 0 {
+		if ctx.Err() != nil && n.cfg.HandoffWait+n.cfg.DrainGrace > 0 {
 			// A requested stop, not a failure: hand over, then drain.
-			n.drain(lns)
+			n.draining.Store(true)
+			if n.gw != nil {
+				n.drainGateway(lns)
+			} else {
+				n.drain(lns)
+			}
 		}
 		stopServing()
 		return n.stop(ctx, servers, lns)

@@ -86,6 +86,13 @@ func (g *Gateway) Serve(ln net.Listener) error {
 	return g.srv.Serve(ln)
 }
 
+// Drain tells every outer connection (with an HTTP/2 GOAWAY) to open no
+// new tunnel on it; the tunnels open run on (hbone.Server.Drain).
+func (g *Gateway) Drain() { g.srv.Drain() }
+
+// Conns is the number of outer connections being served.
+func (g *Gateway) Conns() int { return g.srv.Conns() }
+
 // Close stops the gateway and waits for its connections; idempotent.
 func (g *Gateway) Close() error { return g.srv.Close() }
 

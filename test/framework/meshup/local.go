@@ -63,17 +63,22 @@ func StartLocal(ctx context.Context, opts LocalOptions) (*Local, error) {
 		return nil, err
 	}
 	platform := "linux/" + runtime.GOARCH
+	buildCtx, cancelBuild := context.WithCancel(ctx)
+	defer cancelBuild()
 	var built *imagebuild.Result
 	var buildErr error
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		built, buildErr = imagebuild.Build(ctx, imagebuild.Config{
+		built, buildErr = imagebuild.Build(buildCtx, imagebuild.Config{
 			ModuleDir: opts.ModuleDir, Platforms: []string{platform}, Version: strings.TrimSpace(string(version)),
 			Commit: "test", Registry: READMERegistry, OutDir: outDir,
 		}, imagebuild.Deps{Log: opts.Log})
 	}()
 	set, err := realnode.Launch(ctx, realnode.SetOptions{Clusters: opts.Clusters, Images: opts.Images, ModuleDir: opts.ModuleDir, Log: opts.Log})
+	if err != nil {
+		cancelBuild() // a missing privilege or binary is said at once
+	}
 	<-done
 	if err == nil && buildErr != nil {
 		err = fmt.Errorf("build the images: %w", buildErr)
