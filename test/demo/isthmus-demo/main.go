@@ -93,6 +93,18 @@ func runRealNodes(opts options) int {
 		fmt.Fprintln(os.Stderr, "isthmus-demo: --real-nodes and --loopback exclude each other")
 		return 2
 	}
+	if os.Geteuid() != 0 {
+		fmt.Fprintln(os.Stderr, "isthmus-demo:", realnodes.ErrNotRoot)
+		return 1
+	}
+	// realnode finds the binaries there, but says so only once the images
+	// are built: say it at once, in one line.
+	for _, env := range []string{"ISTHMUS_NODEBIN", "KUBEBUILDER_ASSETS"} {
+		if os.Getenv(env) == "" {
+			fmt.Fprintf(os.Stderr, "isthmus-demo: --real-nodes needs %s (the node and Kubernetes binaries): run it as make demo DEMO_FLAGS=--real-nodes, which builds and sets both\n", env)
+			return 1
+		}
+	}
 	// The README's gateway Service uses externalIPs, about which every API
 	// server warns: the narration is no place for it.
 	rest.SetDefaultWarningHandler(rest.NoWarnings{})
