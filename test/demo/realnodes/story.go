@@ -144,8 +144,11 @@ func (d *Demo) runPod(ctx context.Context, c meshup.Cluster, name, appLabel stri
 func (d *Demo) Tell(ctx context.Context) (*Story, error) {
 	var last error
 	if err := wait.PollUntilContextTimeout(ctx, time.Second, 3*time.Minute, true, func(ctx context.Context) (bool, error) {
-		_, last = d.get(ctx)
-		return last == nil, nil
+		_, err := d.get(ctx)
+		if err != nil && ctx.Err() == nil {
+			last = err // not the attempt the deadline cut short
+		}
+		return err == nil, nil
 	}); err != nil {
 		return nil, fmt.Errorf("%s -> %s: no reply: %w (last: %v)\n%s", d.app.sleep.Name, echoURL, err, last, d.report(ctx))
 	}
