@@ -182,8 +182,10 @@ generate:
 
 ## demo: a two-cluster, two-network federation on this machine, each network its own set of
 ## network namespaces (root, or unprivileged user namespaces); runs until Ctrl-C.
-## DEMO_FLAGS=--loopback runs it on loopback addresses instead (no namespaces).
-demo: testbin build demo-bin
+## DEMO_FLAGS=--loopback runs it on loopback addresses instead (no namespaces);
+## DEMO_FLAGS=--real-nodes runs the same story on real nodes (kubelets, containerd, the
+## README's helm install; root, a few minutes; it also builds nodebin). --once exits after the reply.
+demo: testbin build demo-bin $(if $(findstring --real-nodes,$(DEMO_FLAGS)),nodebin)
 	bin/isthmus-demo --bin bin $(DEMO_FLAGS)
 
 ## demo-once: the same, exiting 0 once the cross-cluster request succeeded.

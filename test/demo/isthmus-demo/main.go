@@ -10,7 +10,10 @@
 // the command re-executes itself in namespaces of its own (a user namespace
 // too when not root, see demo.Isolate), and says in one line when the
 // machine allows neither. --loopback runs the loopback-only federation,
-// which needs nothing. Two hidden first arguments are for the command's own
+// which needs nothing. --real-nodes runs the same story on real nodes
+// (kubelets, containerd, the charts installed with the README's helm
+// lines: package realnodes), as root, in the caller's own namespaces and
+// from the module's checkout (the working directory or below). Two hidden first arguments are for the command's own
 // use: demo.InnerCommand (the re-executed runner) and
 // demo.NetnsExecCommand (the helper that starts a process inside a network
 // namespace).
@@ -26,7 +29,10 @@ import (
 	"syscall"
 	"time"
 
+	"k8s.io/client-go/rest"
+
 	"github.com/isthmus-mesh/isthmus/test/demo"
+	"github.com/isthmus-mesh/isthmus/test/demo/realnodes"
 )
 
 func main() {
@@ -52,7 +58,11 @@ func main() {
 	fs.BoolVar(&opts.once, "once", false, "exit 0 after the request succeeds")
 	fs.StringVar(&opts.work, "workdir", "", "folder for kubeconfigs and logs (default: temporary)")
 	fs.BoolVar(&opts.loopback, "loopback", false, "run every pod and proxy on a loopback address of the host (no namespaces, no privilege, SOCKS5 client)")
+	fs.BoolVar(&opts.realNodes, "real-nodes", false, "run the story on real nodes: kubelets, containerd, the charts installed as the README says (root; run from the checkout; a few minutes)")
 	_ = fs.Parse(args)
+	if opts.realNodes {
+		os.Exit(runRealNodes(opts))
+	}
 	if !opts.loopback && inner == nil {
 		os.Exit(demo.Isolate(args, os.Stdout, os.Stderr))
 	}
@@ -72,8 +82,39 @@ func main() {
 type innerArgs struct{ mode, fds string }
 
 type options struct {
-	bin, work      string
-	once, loopback bool
+	bin, work                 string
+	once, loopback, realNodes bool
+}
+
+// runRealNodes runs package realnodes until the request (--once) or a
+// signal, and returns the exit code.
+func runRealNodes(opts options) int {
+	if opts.loopback {
+		fmt.Fprintln(os.Stderr, "isthmus-demo: --real-nodes and --loopback exclude each other")
+		return 2
+	}
+	if os.Geteuid() != 0 {
+		fmt.Fprintln(os.Stderr, "isthmus-demo:", realnodes.ErrNotRoot)
+		return 1
+	}
+	// realnode finds the binaries there, but says so only once the images
+	// are built: say it at once, in one line.
+	for _, env := range []string{"ISTHMUS_NODEBIN", "KUBEBUILDER_ASSETS"} {
+		if os.Getenv(env) == "" {
+			fmt.Fprintf(os.Stderr, "isthmus-demo: --real-nodes needs %s (the node and Kubernetes binaries): run it as make demo DEMO_FLAGS=--real-nodes, which builds and sets both\n", env)
+			return 1
+		}
+	}
+	// The README's gateway Service uses externalIPs, about which every API
+	// server warns: the narration is no place for it.
+	rest.SetDefaultWarningHandler(rest.NoWarnings{})
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	if _, err := realnodes.Run(ctx, realnodes.Config{WorkDir: opts.work, Once: opts.once, Out: os.Stdout}); err != nil {
+		fmt.Fprintln(os.Stderr, "demo failed:", err)
+		return 1
+	}
+	return 0
 }
 
 func run(ctx context.Context, opts options, expose *demo.Exposed, out io.Writer) error {
