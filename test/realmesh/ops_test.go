@@ -53,6 +53,20 @@ func (s *scenario) operations(t *testing.T) {
 		require.Zero(t, p.end(t, "the pilot rollout"), "requests failed while pilot rolled (the data plane keeps its state)")
 		s.check(t)
 	})
+	t.Run("PilotAway", func(t *testing.T) {
+		s.pilotAway(t)
+		s.check(t)
+	})
+	t.Run("RolloutRestartCNIAgent", func(t *testing.T) {
+		p := s.startProbe(t)
+		s.rolloutRestart(t, both, "DaemonSet", cniDS)
+		require.Zero(t, p.end(t, "the CNI agent rollouts"), "requests failed while the CNI agent rolled (pods keep their rules)")
+		s.check(t)
+	})
+	t.Run("PodCreatedWhileCNIAgentDown", func(t *testing.T) {
+		s.podsWhileCNIDown(t)
+		s.check(t)
+	})
 	t.Run("NodePodsRecreated", func(t *testing.T) {
 		s.recreateNodePods(t)
 		s.check(t)
@@ -276,4 +290,96 @@ func (s *scenario) uninstallNodeMesh(t *testing.T) {
 		require.NoError(c, err)
 		require.Equal(c, "isthmus realnode server local-0\n", out)
 	}, time.Minute, time.Second, "the client, no longer captured, reaches a plain service by its name")
+}
+
+// podsWhileCNIDown takes cluster-1's CNI agent off its node (a nodeSelector
+// no node has) and creates a client pod in the enrolled namespace: the
+// chained plugin finds no agent and fails the pod's sandbox, so it never
+// runs uncaptured; once the agent is back the kubelet's retry enrols it,
+// and it reaches the server in cluster-2 (which only a captured pod can:
+// cluster-1's DNS has no such name).
+func (s *scenario) podsWhileCNIDown(t *testing.T) {
+	ctx := t.Context()
+	dss := s.c1.Client.AppsV1().DaemonSets(meshup.SystemNamespace)
+	setSelector := func(sel map[string]any) {
+		patch, err := json.Marshal(map[string]any{"spec": map[string]any{"template": map[string]any{"spec": map[string]any{"nodeSelector": sel}}}})
+		require.NoError(t, err)
+		_, err = dss.Patch(ctx, cniDS, types.StrategicMergePatchType, patch, metav1.PatchOptions{})
+		require.NoError(t, err)
+	}
+	const away = "isthmus.test/no-such-node"
+	setSelector(map[string]any{away: "true"})
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		pods, err := s.c1.Client.CoreV1().Pods(meshup.SystemNamespace).List(ctx, metav1.ListOptions{})
+		require.NoError(c, err)
+		for _, p := range pods.Items {
+			for _, o := range p.OwnerReferences {
+				require.False(c, o.Kind == "DaemonSet" && o.Name == cniDS, "agent pod %s still there", p.Name)
+			}
+		}
+	}, operationsTO, time.Second, "the CNI agent leaves the node")
+
+	const late = "client-late"
+	_, err := s.c1.Client.CoreV1().Pods(appNS).Create(ctx, &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: late, Namespace: appNS, Labels: map[string]string{"app": late}},
+		Spec: corev1.PodSpec{ServiceAccountName: "client", Containers: []corev1.Container{{Name: "app", Image: s.mesh.Env.ImageRef(serverImg)}}},
+	}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	// Long enough for the kubelet to try (and fail) the sandbox a few times.
+	deadline := time.Now().Add(20 * time.Second)
+	for time.Now().Before(deadline) {
+		p, err := s.c1.Client.CoreV1().Pods(appNS).Get(ctx, late, metav1.GetOptions{})
+		require.NoError(t, err)
+		for _, cs := range p.Status.ContainerStatuses {
+			require.Nil(t, cs.State.Running, "%s runs while no agent can capture it", late)
+			require.Nil(t, cs.State.Terminated, "%s ran while no agent could capture it", late)
+		}
+		time.Sleep(time.Second)
+	}
+	ev, err := s.c1.Client.CoreV1().Events(appNS).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=" + late})
+	require.NoError(t, err)
+	var sandboxFailed bool
+	for _, e := range ev.Items {
+		if e.Reason == "FailedCreatePodSandBox" {
+			sandboxFailed = true
+			t.Logf("%s while the agent was away: %s", late, e.Message)
+			break
+		}
+	}
+	require.True(t, sandboxFailed, "the kubelet's sandbox for %s failed (the plugin, finding no agent)", late)
+
+	setSelector(map[string]any{away: nil}) // the chart's own selector stays
+	s.waitRollout(t, s.c1, "DaemonSet", cniDS)
+	require.NoError(t, s.mesh.WaitPod(ctx, s.c1, appNS, late))
+	s.expectServed(t, late)
+}
+
+// pilotAway scales pilot to zero for a while: the ztunnels and gateways
+// keep serving from their last state (their certificates are valid for
+// hours), so no request fails; then pilot comes back.
+func (s *scenario) pilotAway(t *testing.T) {
+	ctx := t.Context()
+	scale := func(n int32) {
+		deps := s.c1.Client.AppsV1().Deployments(meshup.SystemNamespace)
+		sc, err := deps.GetScale(ctx, pilotDep, metav1.GetOptions{})
+		require.NoError(t, err)
+		sc.Spec.Replicas = n
+		_, err = deps.UpdateScale(ctx, pilotDep, sc, metav1.UpdateOptions{})
+		require.NoError(t, err)
+	}
+	p := s.startProbe(t)
+	scale(0)
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		pods, err := s.c1.Client.CoreV1().Pods(meshup.SystemNamespace).List(ctx, metav1.ListOptions{})
+		require.NoError(c, err)
+		for _, p := range pods.Items {
+			require.NotContains(c, p.Name, pilotDep+"-", "pilot pod %s still there", p.Name)
+		}
+	}, operationsTO, time.Second, "pilot gone")
+	// Long enough for every proxy to notice its xDS stream is gone and
+	// fail to reconnect a few times.
+	time.Sleep(15 * time.Second)
+	require.Zero(t, p.end(t, "pilot's absence"), "requests failed while no pilot ran (the proxies keep their last state)")
+	scale(1)
+	s.waitRollout(t, s.c1, "Deployment", pilotDep)
 }
