@@ -3,15 +3,21 @@ package dashboards_test
 import (
 	"context"
 	"net/netip"
+	"os"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"helm.sh/helm/v3/pkg/chart/loader"
+	"helm.sh/helm/v3/pkg/chartutil"
+	"helm.sh/helm/v3/pkg/engine"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
+	"sigs.k8s.io/yaml"
 
 	"github.com/isthmus-mesh/isthmus/internal/promread"
 	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
@@ -74,4 +80,24 @@ func federationProblems(t *testing.T, metrics prometheus.Gatherer, c1, c2 *frame
 			require.Positive(ct, v, "%s%v", w.metric, w.labels)
 		}
 	}, wait, 50*time.Millisecond)
+}
+
+// TestChartShipsIsthmusDashboard: with dashboards.enabled the pilot chart
+// ships isthmus-mesh.json unchanged, next to pilot.json, in the ConfigMap
+// Grafana's dashboard sidecar picks up.
+func TestChartShipsIsthmusDashboard(t *testing.T) {
+	ch, err := loader.Load("../../manifests/pilot")
+	require.NoError(t, err)
+	vals, err := chartutil.ToRenderValues(ch, map[string]any{"dashboards": map[string]any{"enabled": true}},
+		chartutil.ReleaseOptions{Name: "isthmus", Namespace: meshtest.Namespace}, nil)
+	require.NoError(t, err)
+	out, err := engine.Render(ch, vals)
+	require.NoError(t, err)
+	var cm corev1.ConfigMap
+	require.NoError(t, yaml.Unmarshal([]byte(out[ch.Name()+"/templates/dashboard.yaml"]), &cm))
+	require.Equal(t, "1", cm.Labels["grafana_dashboard"])
+	file, err := os.ReadFile(isthmusDashboard.File)
+	require.NoError(t, err)
+	require.Equal(t, strings.TrimRight(string(file), "\n"), cm.Data["isthmus-mesh.json"])
+	require.Contains(t, cm.Data, "isthmus-pilot.json")
 }

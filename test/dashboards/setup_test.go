@@ -1,12 +1,15 @@
 // Package dashboards_test runs the queries of Istio's published Grafana
-// dashboards (pilot, ztunnel) against what Isthmus exports: real API
-// servers, pilot and the node and gateway ztunnels of two networks
-// in-process on loopback addresses, traffic across the networks and a DNS
-// query, each /metrics scraped over HTTP twice, the samples loaded into
-// Prometheus's own storage and every panel query run by its PromQL
-// engine. A query must parse; it must return data unless it is listed in
-// docs/observability.md as one Isthmus does not feed, and then it must
-// not.
+// dashboards (pilot, ztunnel, and the TCP panels of mesh, service and
+// workload), of Kiali's TCP traffic graph, and of Isthmus's own dashboard
+// (manifests/pilot/dashboards/isthmus-mesh.json) against what Isthmus
+// exports: real API servers, pilot and the node and gateway ztunnels of
+// two networks in-process on loopback addresses, traffic across the
+// networks and within one and a DNS query, each /metrics scraped over HTTP
+// twice, the samples loaded into Prometheus's own storage and every query
+// run by its PromQL engine. A query must parse; it must return data unless
+// it is listed in docs/observability.md as one Isthmus does not feed, and
+// then it must not. Kiali's queries must also let Kiali draw each edge of
+// the traffic, unless docs list the edge and query.
 package dashboards_test
 
 import (
