@@ -16,7 +16,8 @@ import (
 // Kiali (github.com/kiali/kiali) is not a Go module the test can read from
 // the module cache, so the queries its traffic graph sends for TCP traffic
 // are written out here as templates, from these functions of Kiali's
-// source (as of 2026; facts about the queries, not Kiali's code):
+// source (facts about the queries, not Kiali's code; files as of commits
+// 754587789a8b, c6344d0f7c94 and 76fb7e1e07b7 of kiali/kiali):
 //
 //   - graph/telemetry/istio/istio.go, buildNamespaceTrafficMap, its "TCP
 //     Byte traffic" section: for each of istio_tcp_received_bytes_total and
@@ -32,20 +33,33 @@ import (
 //     traffic from the namespace OR'd with ztunnel source telemetry (its
 //     ambient handling), grouped by both ends, their principals and
 //     connection_security_policy.
-//   - graph/telemetry/istio/util/util.go: GetReporter (reporter="source"
-//     or "destination"; `reporter=~"waypoint|..."` only when the graph
-//     shows waypoint traffic), GetApp (no app matcher when the graph shows
-//     ztunnel traffic, the default "total"; `app!="ztunnel"` otherwise,
-//     which leaves Isthmus's graph empty), and PromQueryAppender, which
-//     wraps every query in round(..., 0.001).
+//   - graph/telemetry/istio/util/util.go: GetReporter
+//     (`reporter=~"waypoint|source"` or `..|destination"` for the graph's
+//     default ambient traffic "total", and for "waypoint"; a plain
+//     reporter="source" for "ztunnel" and "none"), GetApp (no app matcher
+//     for "total" and "ztunnel"; `app!="ztunnel"` for "waypoint" and
+//     "none", which leaves an Isthmus mesh's graph empty), and
+//     PromQueryAppender, which wraps every query in round(..., 0.001).
+//   - graph/options.go: the defaults, ambient traffic "total", duration
+//     10m, TCP rate "sent" (istio_tcp_received_bytes_total: Kiali reads
+//     L4 telemetry flipped); the test runs the "total" TCP rate, both
+//     byte counters.
 //
 // Kiali's graph reads no istio_tcp_connections_opened_total (its metrics
 // pages read the byte counters too): Istio's mesh, service and workload
-// dashboards, run above, cover the connection counters.
+// dashboards, which TestDashboards also runs, cover the connection
+// counters.
 
-// kialiDuration is the graph's duration (its [<n>s] range), the same one
-// minute as the Grafana dashboards' rate interval.
-const kialiDuration = "60s"
+// kialiDuration is the graph's duration (its [<n>s] range): Kiali's
+// default, 10m.
+const kialiDuration = "600s"
+
+// kialiSource and kialiDestination are GetReporter's matchers for the
+// default ambient traffic, "total".
+const (
+	kialiSource      = `reporter=~"waypoint|source"`
+	kialiDestination = `reporter=~"waypoint|destination"`
+)
 
 // kialiTCPGroup and kialiSecurityGroup are the by() lists of the graph's
 // TCP queries and of the securityPolicy appender.
@@ -83,9 +97,9 @@ func kialiQueries() []kialiQuery {
 		var spOut, spIn []string
 		for _, m := range kialiTCPMetrics {
 			graph := []struct{ panel, sel string }{
-				{"graph: unserviced incoming (source)", fmt.Sprintf(`reporter="source",source_workload_namespace!=%q,destination_workload_namespace="unknown",destination_workload="unknown",destination_service=~"^.+\\.%s\\..+$"`, ns, ns)},
-				{"graph: incoming (destination)", fmt.Sprintf(`reporter="destination",destination_workload_namespace=%q`, ns)},
-				{"graph: outgoing (source)", fmt.Sprintf(`reporter="source",source_workload_namespace=%q`, ns)},
+				{"graph: unserviced incoming (source)", fmt.Sprintf(`%s,source_workload_namespace!=%q,destination_workload_namespace="unknown",destination_workload="unknown",destination_service=~"^.+\\.%s\\..+$"`, kialiSource, ns, ns)},
+				{"graph: incoming (destination)", fmt.Sprintf(`%s,destination_workload_namespace=%q`, kialiDestination, ns)},
+				{"graph: outgoing (source)", fmt.Sprintf(`%s,source_workload_namespace=%q`, kialiSource, ns)},
 			}
 			for _, g := range graph {
 				out = append(out, kialiQuery{g.panel, ns, round(fmt.Sprintf(`sum(rate(%s{%s} [%s])) by (%s) > 0`, m, g.sel, kialiDuration, kialiTCPGroup))})
@@ -93,8 +107,8 @@ func kialiQueries() []kialiQuery {
 			sp := func(sel string) string {
 				return fmt.Sprintf(`(sum(rate(%s{%s}[%s])) by (%s) > 0)`, m, sel, kialiDuration, kialiSecurityGroup)
 			}
-			spOut = append(spOut, sp(fmt.Sprintf(`reporter="destination",source_workload_namespace!=%q,destination_service_namespace=%q`, ns, ns)))
-			spIn = append(spIn, sp(fmt.Sprintf(`reporter="destination",source_workload_namespace=%q`, ns)))
+			spOut = append(spOut, sp(fmt.Sprintf(`%s,source_workload_namespace!=%q,destination_service_namespace=%q`, kialiDestination, ns, ns)))
+			spIn = append(spIn, sp(fmt.Sprintf(`%s,source_workload_namespace=%q`, kialiDestination, ns)))
 		}
 		for _, m := range kialiTCPMetrics {
 			spIn = append(spIn, fmt.Sprintf(`(sum(rate(%s{app="ztunnel",reporter="source",source_workload_namespace=%q}[%s])) by (%s) > 0)`, m, ns, kialiDuration, kialiSecurityGroup))
