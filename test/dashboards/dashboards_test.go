@@ -95,8 +95,9 @@ type runner struct {
 	used   map[notFedKey]bool
 }
 
-// run checks every (kept) query of panels and counts the panels: fed when
-// one query is, else not applicable.
+// run checks every (kept) query of panels, logs each panel as fed (one
+// query is) or not applicable (every query is listed in the docs), and
+// counts them.
 func (r *runner) run(t *testing.T, d istioDashboard, panels []panel) (total, fed, na, queries int) {
 	for _, pn := range panels {
 		kept, panelFed := 0, false
@@ -136,6 +137,7 @@ func (r *runner) run(t *testing.T, d istioDashboard, panels []panel) (total, fed
 		} else {
 			na++
 		}
+		t.Logf("%s | %s | %s", d.Name, pn.Title, map[bool]string{true: "fed", false: "not applicable (docs/observability.md)"}[panelFed])
 	}
 	return total, fed, na, queries
 }
