@@ -2,6 +2,7 @@ package dashboards_test
 
 import (
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -41,13 +42,19 @@ var istioDashboards = []istioDashboard{
 	}},
 }
 
+// unfilled matches a Grafana variable ($name, ${name}); a "$" ending a
+// regular expression is not one.
+var unfilled = regexp.MustCompile(`\$\{?[A-Za-z_]`)
+
 // scrapeInterval separates the two scrapes (sample timestamps, not a wait).
 const scrapeInterval = 15 * time.Second
 
-// TestIstioDashboards runs every query of Istio's pilot and ztunnel
-// dashboards, and the istio_tcp_* queries of its mesh, service and
-// workload dashboards, against two scrapes of a running federation.
-func TestIstioDashboards(t *testing.T) {
+// TestDashboards runs, against two scrapes of a running federation, every
+// query of Istio's pilot and ztunnel dashboards and the istio_tcp_*
+// queries of its mesh, service and workload dashboards; the queries of
+// Kiali's TCP traffic graph (whose series must also name both ends of each
+// cross-network connection); and every query of Isthmus's own dashboard.
+func TestDashboards(t *testing.T) {
 	dir := istioDashboardsDir(t)
 	expect := notFed(t)
 	m := runMesh(t)
@@ -62,11 +69,17 @@ func TestIstioDashboards(t *testing.T) {
 	r := &runner{engine: promql.NewEngine(promql.EngineOpts{MaxSamples: 1e7, Timeout: time.Minute, LookbackDelta: 5 * time.Minute}),
 		db: db, at: t0.Add(scrapeInterval), expect: expect, used: map[notFedKey]bool{}}
 	names := map[string]bool{}
-	for _, d := range istioDashboards {
+	report := func(d istioDashboard, panels []panel) {
 		names[d.Name] = true
-		panels, fed, na, queries := r.run(t, d, dashboard(t, filepath.Join(dir, d.File)))
-		t.Logf("%s dashboard: %d panels, %d fed, %d not applicable; %d queries", d.Name, panels, fed, na, queries)
+		total, fed, na, queries := r.run(t, d, panels)
+		t.Logf("%s: %d panels, %d fed, %d not applicable; %d queries", d.Name, total, fed, na, queries)
 	}
+	for _, d := range istioDashboards {
+		report(d, dashboard(t, filepath.Join(dir, d.File)))
+	}
+	report(istioDashboard{Name: "kiali"}, kialiPanels())
+	checkKialiEdges(t, r)
+	report(isthmusDashboard, dashboard(t, isthmusDashboard.File))
 	for k := range expect {
 		assert.True(t, names[k.Dashboard], "docs list %v, of a dashboard the test does not run", k)
 		assert.True(t, r.used[k], "docs list %v, which no query of the dashboards matches", k)
@@ -82,8 +95,9 @@ type runner struct {
 	used   map[notFedKey]bool
 }
 
-// run checks every (kept) query of panels and counts the panels: fed when
-// one query is, else not applicable.
+// run checks every (kept) query of panels, logs each panel as fed (one
+// query is) or not applicable (every query is listed in the docs), and
+// counts them.
 func (r *runner) run(t *testing.T, d istioDashboard, panels []panel) (total, fed, na, queries int) {
 	for _, pn := range panels {
 		kept, panelFed := 0, false
@@ -93,7 +107,7 @@ func (r *runner) run(t *testing.T, d istioDashboard, panels []panel) (total, fed
 			}
 			kept++
 			expr := fill(tg.Expr, d.Vars)
-			require.NotContains(t, expr, "$", "%s %q: a variable the test does not fill: %s", d.Name, pn.Title, expr)
+			require.NotRegexp(t, unfilled, expr, "%s %q: a variable the test does not fill: %s", d.Name, pn.Title, expr)
 			parsed, err := promqlParser.ParseExpr(expr)
 			if !assert.NoError(t, err, "%s %q: %s", d.Name, pn.Title, expr) {
 				continue
@@ -123,6 +137,7 @@ func (r *runner) run(t *testing.T, d istioDashboard, panels []panel) (total, fed
 		} else {
 			na++
 		}
+		t.Logf("%s | %s | %s", d.Name, pn.Title, map[bool]string{true: "fed", false: "not applicable (docs/observability.md)"}[panelFed])
 	}
 	return total, fed, na, queries
 }

@@ -115,37 +115,50 @@ func (k notFedKey) matches(dashboard, panel string, vs *parser.VectorSelector) b
 // metric | reason |, every reason given.
 func notFed(t *testing.T) map[notFedKey]string {
 	t.Helper()
+	out := map[notFedKey]string{}
+	for _, cells := range docTable(t, notFedHeading, 4) {
+		k := notFedKey{cells[0], cells[1], cells[2]}
+		require.NotContains(t, out, k, "duplicate row %v", cells)
+		_, err := promqlParser.ParseMetricSelector(k.Selector)
+		require.NoError(t, err, "selector of row %v", cells)
+		out[k] = cells[3]
+	}
+	return out
+}
+
+// docTable reads the table under heading in docs/observability.md: its
+// rows but the header, each of n cells (backquotes trimmed), the last (the
+// reason) never empty; at least one row.
+func docTable(t *testing.T, heading string, n int) [][]string {
+	t.Helper()
 	f, err := os.Open(notFedDoc)
 	require.NoError(t, err)
 	defer f.Close()
-	out := map[notFedKey]string{}
-	in := false
+	var out [][]string
+	in, header := false, false
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
 		line := strings.TrimSpace(sc.Text())
 		switch {
 		case strings.HasPrefix(line, "## "):
-			in = line == notFedHeading
+			in, header = line == heading, false
 			continue
 		case !in || !strings.HasPrefix(line, "|"):
 			continue
 		}
 		cells := strings.Split(strings.Trim(line, "|"), "|")
-		require.Len(t, cells, 4, "row %q of %s", line, notFedDoc)
+		require.Len(t, cells, n, "row %q of %s", line, notFedDoc)
 		for i := range cells {
 			cells[i] = strings.Trim(strings.TrimSpace(cells[i]), "`")
 		}
-		if cells[0] == "Dashboard" || strings.HasPrefix(cells[0], "---") {
+		if !header || strings.HasPrefix(cells[0], "---") {
+			header = true
 			continue
 		}
-		k := notFedKey{cells[0], cells[1], cells[2]}
-		require.NotContains(t, out, k, "duplicate row %q", line)
-		_, err := promqlParser.ParseMetricSelector(k.Selector)
-		require.NoError(t, err, "selector of row %q", line)
-		require.NotEmpty(t, cells[3], "row %q gives no reason", line)
-		out[k] = cells[3]
+		require.NotEmpty(t, cells[n-1], "row %q gives no reason", line)
+		out = append(out, cells)
 	}
 	require.NoError(t, sc.Err())
-	require.NotEmpty(t, out, "no table under %q in %s", notFedHeading, notFedDoc)
+	require.NotEmpty(t, out, "no table under %q in %s", heading, notFedDoc)
 	return out
 }

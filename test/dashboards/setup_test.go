@@ -1,12 +1,15 @@
 // Package dashboards_test runs the queries of Istio's published Grafana
-// dashboards (pilot, ztunnel) against what Isthmus exports: real API
-// servers, pilot and the node and gateway ztunnels of two networks
-// in-process on loopback addresses, traffic across the networks and a DNS
-// query, each /metrics scraped over HTTP twice, the samples loaded into
-// Prometheus's own storage and every panel query run by its PromQL
-// engine. A query must parse; it must return data unless it is listed in
-// docs/observability.md as one Isthmus does not feed, and then it must
-// not.
+// dashboards (pilot, ztunnel, and the TCP panels of mesh, service and
+// workload), of Kiali's TCP traffic graph, and of Isthmus's own dashboard
+// (manifests/pilot/dashboards/isthmus-mesh.json) against what Isthmus
+// exports: real API servers, pilot and the node and gateway ztunnels of
+// two networks in-process on loopback addresses, traffic across the
+// networks and within one and a DNS query, each /metrics scraped over HTTP
+// twice, the samples loaded into Prometheus's own storage and every query
+// run by its PromQL engine. A query must parse; it must return data unless
+// it is listed in docs/observability.md as one Isthmus does not feed, and
+// then it must not. Kiali's queries must also let Kiali draw each edge of
+// the traffic, unless docs list the edge and query.
 package dashboards_test
 
 import (
@@ -58,14 +61,15 @@ const (
 // mesh is a running federation and the targets to scrape.
 type mesh struct {
 	targets []target
-	// traffic sends one round of requests across the networks and one DNS
-	// query.
+	// traffic sends one round of requests across the networks and within
+	// network-1, and one DNS query.
 	traffic func(t *testing.T)
 }
 
 // runMesh starts the federation: pilot on cluster-1 (network-1), cluster-2
 // on network-2, a node ztunnel and an east-west gateway in each network,
-// cart in cluster-1, web in cluster-2, and a policy in the config cluster.
+// cart in cluster-1, web in cluster-2, a policy in the config cluster, and
+// the federation problems of federationProblems.
 func runMesh(t *testing.T) *mesh {
 	ctx := context.Background()
 	c1, c2 := clusters.Cluster("cluster-1"), clusters.Cluster("cluster-2")
@@ -102,6 +106,7 @@ func runMesh(t *testing.T) *mesh {
 	meshtest.EchoApp(t, webApp, "web-0")
 
 	denyAllPolicy(t, c1)
+	federationProblems(t, p.Metrics, c1, c2, a.Next(), a.Next())
 
 	m := &mesh{targets: []target{{
 		URL:    "http://" + p.MonitoringAddr() + "/metrics",
@@ -128,6 +133,7 @@ func runMesh(t *testing.T) *mesh {
 	}
 	m.traffic = func(t *testing.T) {
 		reaches(t, z1, buyerIP, webHost, "web-0")         // network-1 to network-2
+		reaches(t, z1, buyerIP, cartHost, "cart-0")       // within network-1
 		reaches(t, z2, webApp.Addr(), cartHost, "cart-0") // network-2 to network-1
 		dnsQuery(t, buyerIP, netip.AddrPortFrom(node1, 15053), "web.front.svc.cluster.local.")
 	}
