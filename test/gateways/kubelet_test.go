@@ -86,6 +86,12 @@ func (k *kubelet) start(dep *appsv1.Deployment) *pod {
 	cmd := cli.NewCommand(t.Output(), cli.RunNode)
 	cmd.SetArgs(args)
 	go func() { done <- cmd.ExecuteContext(runCtx) }()
+	// As a kubelet does, the stop waits the pod's grace period (the
+	// gateway drains within it) and a little more.
+	grace := 30 * time.Second
+	if g := obj.Spec.TerminationGracePeriodSeconds; g != nil {
+		grace = time.Duration(*g) * time.Second
+	}
 	var once sync.Once
 	stop := func() {
 		once.Do(func() {
@@ -93,8 +99,8 @@ func (k *kubelet) start(dep *appsv1.Deployment) *pod {
 			select {
 			case err := <-done:
 				require.NoError(t, err)
-			case <-time.After(30 * time.Second):
-				t.Error("gateway did not stop")
+			case <-time.After(grace + 10*time.Second):
+				t.Errorf("gateway did not stop within its grace period (%v)", grace)
 			}
 		})
 	}
