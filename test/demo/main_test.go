@@ -12,6 +12,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
+
+	"github.com/isthmus-mesh/isthmus/test/framework/meshup"
 )
 
 func TestMain(m *testing.M) {
@@ -23,7 +25,7 @@ func TestMain(m *testing.M) {
 		os.RemoveAll(bins.dir)
 	}
 	if code == 0 {
-		if err := goleak.Find(goleak.IgnoreTopFunction("k8s.io/klog/v2.(*flushDaemon).run.func1")); err != nil {
+		if err := goleak.Find(meshup.LeakOptions()...); err != nil {
 			fmt.Fprintln(os.Stderr, "goleak:", err)
 			code = 1
 		}

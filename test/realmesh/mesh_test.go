@@ -35,7 +35,7 @@ var envFlags *meshup.Flags
 func TestMain(m *testing.M) {
 	envFlags = meshup.AddFlags(flag.CommandLine)
 	code := m.Run()
-	ignore := []goleak.Option{goleak.IgnoreTopFunction("k8s.io/klog/v2.(*flushDaemon).run.func1")}
+	ignore := meshup.LeakOptions()
 	if envFlags.External() {
 		// The clusters outlive the test: client-go's shared transports
 		// keep HTTP/2 connections to them that nothing of the test owns.

@@ -322,7 +322,7 @@ func (s *scenario) podsWhileCNIDown(t *testing.T) {
 	const late = "client-late"
 	_, err := s.c1.Client.CoreV1().Pods(appNS).Create(ctx, &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: late, Namespace: appNS, Labels: map[string]string{"app": late}},
-		Spec: corev1.PodSpec{ServiceAccountName: "client", Containers: []corev1.Container{{Name: "app", Image: s.mesh.Env.ImageRef(serverImg)}}},
+		Spec:       corev1.PodSpec{ServiceAccountName: "client", Containers: []corev1.Container{{Name: "app", Image: s.mesh.Env.ImageRef(serverImg)}}},
 	}, metav1.CreateOptions{})
 	require.NoError(t, err)
 	// Long enough for the kubelet to try (and fail) the sandbox a few times.

@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"go.uber.org/goleak"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/scheme"
@@ -148,4 +149,15 @@ func Kubeconfig(c Cluster) ([]byte, error) {
 	cfg.Contexts[c.Name] = &clientcmdapi.Context{Cluster: c.Name, AuthInfo: c.Name}
 	cfg.CurrentContext = c.Name
 	return clientcmd.Write(*cfg)
+}
+
+// LeakOptions are the goroutines a package using the mesh may leave that
+// are not its own: klog's flush daemon, and client-go's SPDY stream
+// creation, which outlives an Exec whose context ended (it waits out its
+// own 30 s stream timeout).
+func LeakOptions() []goleak.Option {
+	return []goleak.Option{
+		goleak.IgnoreTopFunction("k8s.io/klog/v2.(*flushDaemon).run.func1"),
+		goleak.IgnoreTopFunction("github.com/moby/spdystream.(*Stream).WaitTimeout"),
+	}
 }
