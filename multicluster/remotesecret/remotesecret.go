@@ -136,27 +136,7 @@ func GatewayRoleName(namespace string) string { return "isthmus-gateways-" + nam
 // Secret (so that deleting it revokes the token either way).
 func EnsureReader(ctx context.Context, c kubernetes.Interface, opts ReaderOptions) (string, error) {
 	opts = opts.withDefaults()
-	name := opts.ServiceAccount
-	if err := ensure(ctx, c.CoreV1().Namespaces(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: opts.Namespace}}); err != nil {
-		return "", fmt.Errorf("namespace %s: %w", opts.Namespace, err)
-	}
-	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: opts.Namespace}}
-	if err := ensure(ctx, c.CoreV1().ServiceAccounts(opts.Namespace), sa); err != nil {
-		return "", fmt.Errorf("service account %s/%s: %w", opts.Namespace, name, err)
-	}
-	role := &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: "isthmus-reader-" + opts.Namespace}, Rules: ReaderRules()}
-	if err := ensureUpdate(ctx, c.RbacV1().ClusterRoles(), role, func(cur *rbacv1.ClusterRole) { cur.Rules = ReaderRules() }); err != nil {
-		return "", fmt.Errorf("cluster role: %w", err)
-	}
-	binding := &rbacv1.ClusterRoleBinding{
-		ObjectMeta: metav1.ObjectMeta{Name: role.Name},
-		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: role.Name},
-		Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Name: name, Namespace: opts.Namespace}},
-	}
-	if err := ensure(ctx, c.RbacV1().ClusterRoleBindings(), binding); err != nil {
-		return "", fmt.Errorf("cluster role binding: %w", err)
-	}
-	if err := ensureGatewayRoles(ctx, c, opts); err != nil {
+	if err := EnsureReaderIdentity(ctx, c, opts); err != nil {
 		return "", err
 	}
 	tok, err := anchoredToken(ctx, c, opts, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: opts.ServiceAccount + "-token"}})
@@ -164,6 +144,33 @@ func EnsureReader(ctx context.Context, c kubernetes.Interface, opts ReaderOption
 		return "", err
 	}
 	return tok.Value, nil
+}
+
+// EnsureReaderIdentity creates (or updates) the reader ServiceAccount, its
+// ClusterRole and binding, and the gateway Roles, without issuing a token.
+func EnsureReaderIdentity(ctx context.Context, c kubernetes.Interface, opts ReaderOptions) error {
+	opts = opts.withDefaults()
+	name := opts.ServiceAccount
+	if err := ensure(ctx, c.CoreV1().Namespaces(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: opts.Namespace}}); err != nil {
+		return fmt.Errorf("namespace %s: %w", opts.Namespace, err)
+	}
+	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: opts.Namespace}}
+	if err := ensure(ctx, c.CoreV1().ServiceAccounts(opts.Namespace), sa); err != nil {
+		return fmt.Errorf("service account %s/%s: %w", opts.Namespace, name, err)
+	}
+	role := &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: "isthmus-reader-" + opts.Namespace}, Rules: ReaderRules()}
+	if err := ensureUpdate(ctx, c.RbacV1().ClusterRoles(), role, func(cur *rbacv1.ClusterRole) { cur.Rules = ReaderRules() }); err != nil {
+		return fmt.Errorf("cluster role: %w", err)
+	}
+	binding := &rbacv1.ClusterRoleBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: role.Name},
+		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: role.Name},
+		Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Name: name, Namespace: opts.Namespace}},
+	}
+	if err := ensure(ctx, c.RbacV1().ClusterRoleBindings(), binding); err != nil {
+		return fmt.Errorf("cluster role binding: %w", err)
+	}
+	return ensureGatewayRoles(ctx, c, opts)
 }
 
 // ensureGatewayRoles grants GatewayRules to the reader in each gateway
@@ -314,10 +321,4 @@ func Secret(clusterID, namespace string, kubeconfig []byte) *corev1.Secret {
 		},
 		Data: map[string][]byte{clusterID: kubeconfig},
 	}
-}
-
-// newTokenSecret is the Secret of a new token: a generated name after the
-// ServiceAccount's.
-func newTokenSecret(opts ReaderOptions) *corev1.Secret {
-	return &corev1.Secret{ObjectMeta: metav1.ObjectMeta{GenerateName: opts.ServiceAccount + "-token-"}}
 }

@@ -7,6 +7,7 @@ import (
 
 	jose "github.com/go-jose/go-jose/v4"
 	"github.com/go-jose/go-jose/v4/jwt"
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -79,19 +80,28 @@ func TokenSecret(token string) (string, error) {
 	return "", ErrUnboundToken
 }
 
-// KubeconfigToken returns the bearer token of the kubeconfig's current
-// context's user ("" when it has none).
-func KubeconfigToken(kubeconfig []byte) (string, error) {
+// KubeconfigCredentials returns the server and the bearer token of the
+// kubeconfig's current context ("" for what it lacks).
+func KubeconfigCredentials(kubeconfig []byte) (server, token string, err error) {
 	cfg, err := clientcmd.Load(kubeconfig)
 	if err != nil {
-		return "", fmt.Errorf("kubeconfig: %w", err)
+		return "", "", fmt.Errorf("kubeconfig: %w", err)
 	}
-	ctx := cfg.Contexts[cfg.CurrentContext]
-	if ctx == nil {
-		return "", fmt.Errorf("kubeconfig: no current context")
+	cur := cfg.Contexts[cfg.CurrentContext]
+	if cur == nil {
+		return "", "", errors.New("kubeconfig: no current context")
 	}
-	if u := cfg.AuthInfos[ctx.AuthInfo]; u != nil {
-		return u.Token, nil
+	if cl := cfg.Clusters[cur.Cluster]; cl != nil {
+		server = cl.Server
 	}
-	return "", nil
+	if u := cfg.AuthInfos[cur.AuthInfo]; u != nil {
+		token = u.Token
+	}
+	return server, token, nil
+}
+
+// newTokenSecret is the Secret of a new token: a generated name after the
+// ServiceAccount's.
+func newTokenSecret(opts ReaderOptions) *corev1.Secret {
+	return &corev1.Secret{ObjectMeta: metav1.ObjectMeta{GenerateName: opts.ServiceAccount + "-token-"}}
 }
