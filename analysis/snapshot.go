@@ -33,6 +33,9 @@ type Mesh struct {
 	// GatewayNamespaceSelector also trusts namespaces whose labels match
 	// (--gateway-namespace-selector; nil: none).
 	GatewayNamespaceSelector labels.Selector
+	// ServiceScope is pilot's service scope configuration (--service-scope,
+	// --service-scope-rules; zero: every service global unless labelled).
+	ServiceScope controller.ServiceScope
 }
 
 // TrustedGatewayNamespaces returns GatewayNamespaces, or the control-plane

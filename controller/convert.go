@@ -120,6 +120,8 @@ type svcInfo struct {
 	cs       *model.ClusterService
 	selector labels.Selector // nil: selector-less
 	gateway  *model.NetworkGateway
+	// labels are the Service labels its scope reads (Scoper.ServiceLabels).
+	labels map[string]string
 }
 
 func convertService(cluster model.ClusterID, svc *corev1.Service) *svcInfo {
@@ -229,7 +231,7 @@ func serviceEqual(a, b *svcInfo) bool {
 	x, y := a.cs, b.cs
 	return x.Name == y.Name && x.Namespace == y.Namespace && slices.Equal(x.VIPs, y.VIPs) && slices.Equal(x.Ports, y.Ports) &&
 		x.Headless == y.Headless && maps.Equal(x.Selector, y.Selector) && (x.Selector == nil) == (y.Selector == nil) &&
-		x.Exported == y.Exported && x.ExportCreated.Equal(y.ExportCreated) && x.Network == y.Network && x.Created.Equal(y.Created) && gatewayEqual(a.gateway, b.gateway)
+		x.Exported == y.Exported && x.ExportCreated.Equal(y.ExportCreated) && x.ScopeLocal == y.ScopeLocal && x.Network == y.Network && x.Created.Equal(y.Created) && gatewayEqual(a.gateway, b.gateway)
 }
 
 func gatewayEqual(a, b *model.NetworkGateway) bool {

@@ -27,6 +27,7 @@ package controller
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"sync"
 	"time"
@@ -37,7 +38,6 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -68,6 +68,9 @@ type Config struct {
 	// labels it matches (namespace labels are the cluster administrator's,
 	// unlike Service labels). It is watched on the API server.
 	GatewayNamespaceSelector labels.Selector
+	// ServiceScope decides, per cluster, which services share their
+	// endpoints with the other clusters (zero: all, unless cluster-local).
+	ServiceScope ServiceScope
 	// Logger (default: discards).
 	Logger *slog.Logger
 }
@@ -153,11 +156,15 @@ func idleWatch(d time.Duration, initialEvents bool) watch.Interface {
 // view per cluster generation, feeding sink.
 func NewBuilder(cfg Config, sink Sink) multicluster.ComponentBuilder {
 	cfg = cfg.withDefaults()
+	scoper, scopeErr := cfg.ServiceScope.Compile()
 	return func(ctx context.Context, c *multicluster.Cluster) (multicluster.Component, error) {
 		if sink == nil {
 			return nil, errors.New("controller: nil sink")
 		}
-		return start(ctx, cfg, c, sink), nil
+		if scopeErr != nil {
+			return nil, fmt.Errorf("controller: %w", scopeErr)
+		}
+		return start(ctx, cfg, scoper, c, sink), nil
 	}
 }
 
@@ -173,9 +180,10 @@ type Discovery struct {
 	scope *scope
 }
 
-func start(parent context.Context, cfg Config, c *multicluster.Cluster, sink Sink) *Discovery {
+func start(parent context.Context, cfg Config, scoper *Scoper, c *multicluster.Cluster, sink Sink) *Discovery {
 	ctx, cancel := context.WithCancel(parent)
 	d := &Discovery{v: newView(c.ID, c.Generation, cfg.Domain, c.Network, sink), cancel: cancel}
+	d.v.scoper = scoper
 	kube := c.Client.Kube
 	log := cfg.Logger.With("cluster", c.ID, "generation", c.Generation)
 	v := d.v
@@ -216,7 +224,12 @@ func (d *Discovery) watchWorkloads(ctx context.Context, c *multicluster.Cluster,
 		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
 			return kube.CoreV1().Services("").Watch(ctx, o)
 		}),
-		func(obj any) { v.putService(convertService(c.ID, obj.(*corev1.Service))) }, v.removeService)
+		func(obj any) {
+			svc := obj.(*corev1.Service)
+			s := convertService(c.ID, svc)
+			s.labels = internMap(v.scoper.ServiceLabels(svc.Labels))
+			v.putService(s)
+		}, v.removeService)
 	d.watchNamespaced(ctx, "endpointslices", &discoveryv1.EndpointSlice{}, lw(
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 			return kube.DiscoveryV1().EndpointSlices("").List(ctx, o)
@@ -252,18 +265,30 @@ func (d *Discovery) watchClusterScoped(ctx context.Context, cfg Config, kube kub
 		}),
 		func(obj any) { n := obj.(*corev1.Node); v.putNode(n.Name, convertNode(n)) },
 		func(key string) { v.removeNode(key) })
-	nsSel := fields.OneTermEqualSelector("metadata.name", cfg.ControlPlaneNamespace).String()
+	// Every namespace: the control-plane namespace's network label, and
+	// each namespace's labels for service scope (a relabel re-scopes its
+	// services at once).
+	cpNS := cfg.ControlPlaneNamespace
 	d.watch(ctx, "namespaces", &corev1.Namespace{}, lw(
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-			o.FieldSelector = nsSel
 			return kube.CoreV1().Namespaces().List(ctx, o)
 		},
 		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-			o.FieldSelector = nsSel
 			return kube.CoreV1().Namespaces().Watch(ctx, o)
 		}),
-		func(obj any) { v.setNamespaceNetwork(model.Network(obj.(*corev1.Namespace).Labels[NetworkLabel])) },
-		func(string) { v.setNamespaceNetwork("") })
+		func(obj any) {
+			ns := obj.(*corev1.Namespace)
+			if ns.Name == cpNS {
+				v.setNamespaceNetwork(model.Network(ns.Labels[NetworkLabel]))
+			}
+			v.setNamespaceLabels(ns.Name, internMap(ns.Labels))
+		},
+		func(key string) {
+			if key == cpNS {
+				v.setNamespaceNetwork("")
+			}
+			v.setNamespaceLabels(key, nil)
+		})
 	if sel := cfg.GatewayNamespaceSelector; sel != nil && !sel.Empty() {
 		d.watch(ctx, "gateway-namespaces", &corev1.Namespace{}, lw(
 			func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {

@@ -43,6 +43,10 @@ type view struct {
 	slicesBy  map[model.ServiceKey]map[string]*sliceInfo // service -> slice name
 	podRefs   map[string]map[string][]sliceRef           // ns -> pod name -> slice addresses naming it
 	exported  map[model.ServiceKey]time.Time             // ServiceExport creation times
+	// scoper decides each service's scope from its labels and its
+	// namespace's (nsLabels, every namespace's; servicescope.go).
+	scoper   *Scoper
+	nsLabels map[string]map[string]string
 	// gatewayNS are the namespaces whose Services may be east-west
 	// gateways; selectedNS those that the operator's namespace selector
 	// matches (maintained by a watch). A candidate elsewhere is ignored.
@@ -79,7 +83,7 @@ func newView(cluster model.ClusterID, gen uint64, domain string, network model.N
 		services: map[model.ServiceKey]*svcInfo{}, svcsByNS: map[string]map[string]*svcInfo{},
 		nodes: map[string]model.Locality{}, slices: map[string]*sliceInfo{}, slicesBy: map[model.ServiceKey]map[string]*sliceInfo{},
 		podRefs:  map[string]map[string][]sliceRef{},
-		exported: map[model.ServiceKey]time.Time{}, gatewayNS: map[string]bool{}, selectedNS: map[string]bool{},
+		exported: map[model.ServiceKey]time.Time{}, nsLabels: map[string]map[string]string{}, gatewayNS: map[string]bool{}, selectedNS: map[string]bool{},
 		workloads: map[string]*model.Workload{}, shards: map[model.ServiceKey]*shard{},
 		interned: newInterned(),
 	}
@@ -314,8 +318,10 @@ func (v *view) putService(s *svcInfo) {
 		s.cs.Exported, s.cs.ExportCreated = true, at
 	}
 	s.cs.Network = v.nsNetworkOr()
+	s.cs.ScopeLocal = v.scoper.Local(s.labels, v.nsLabels[k.Namespace])
 	old := v.services[k]
 	if serviceEqual(old, s) {
+		old.labels = s.labels // what the next scope decision reads
 		return
 	}
 	v.services[k] = s
@@ -427,7 +433,7 @@ func (v *view) setNamespaceNetwork(n model.Network) {
 		if s.cs.Network != v.nsNetworkOr() {
 			cs := *s.cs
 			cs.Network = v.nsNetworkOr()
-			v.services[k] = &svcInfo{cs: &cs, selector: s.selector, gateway: s.gateway}
+			v.services[k] = &svcInfo{cs: &cs, selector: s.selector, gateway: s.gateway, labels: s.labels}
 			v.setServiceDelta(k, &cs)
 		}
 	}
@@ -438,6 +444,35 @@ func (v *view) setNamespaceNetwork(n model.Network) {
 	}
 	for k := range v.slicesBy {
 		v.refreshSlices(k)
+	}
+}
+
+// setNamespaceLabels records namespace ns's labels (nil: gone or none) and
+// re-scopes its services: a namespace relabelled istio.io/global, or into
+// or out of a scope rule's selector, takes effect at once.
+func (v *view) setNamespaceLabels(ns string, l map[string]string) {
+	if old, ok := v.nsLabels[ns]; ok == (l != nil) && maps.Equal(old, l) {
+		return
+	}
+	if l == nil {
+		delete(v.nsLabels, ns)
+	} else {
+		v.nsLabels[ns] = l
+	}
+	for name := range v.svcsByNS[ns] {
+		k := model.ServiceKey{Namespace: ns, Name: name}
+		s := v.services[k] // the current value (the index may hold an older one)
+		if s == nil {
+			continue
+		}
+		local := v.scoper.Local(s.labels, l)
+		if local == s.cs.ScopeLocal {
+			continue
+		}
+		cs := *s.cs
+		cs.ScopeLocal = local
+		v.services[k] = &svcInfo{cs: &cs, selector: s.selector, gateway: s.gateway, labels: s.labels}
+		v.setServiceDelta(k, &cs)
 	}
 }
 
@@ -455,7 +490,7 @@ func (v *view) setExported(k model.ServiceKey, exported bool, at time.Time) {
 	if s := v.services[k]; s != nil {
 		cs := *s.cs
 		cs.Exported, cs.ExportCreated = exported, at
-		v.services[k] = &svcInfo{cs: &cs, selector: s.selector, gateway: s.gateway}
+		v.services[k] = &svcInfo{cs: &cs, selector: s.selector, gateway: s.gateway, labels: s.labels}
 		v.setServiceDelta(k, &cs)
 	}
 }

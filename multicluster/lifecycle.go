@@ -190,6 +190,9 @@ func (c *Controller) startLocked(ctx context.Context, e *entry, kubeconfig []byt
 		syncedCh: make(chan struct{}), done: make(chan struct{}),
 		status: Status{ID: e.id, Secret: e.secret, State: StatePending, Reason: "Starting", Generation: c.nextGen, LastTransitionTime: time.Now()},
 	}
+	if e.ref != nil {
+		inst.status.SecretResourceVersion = e.ref.ResourceVersion
+	}
 	if e.active == nil {
 		e.active = inst
 	} else {

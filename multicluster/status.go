@@ -63,6 +63,12 @@ type Status struct {
 	LastTransitionTime time.Time `json:"lastTransitionTime"`
 	// Generation counts client rebuilds (kubeconfig changes) of the cluster.
 	Generation uint64 `json:"generation"`
+	// SecretResourceVersion is the resourceVersion of the remote Secret
+	// whose kubeconfig this generation runs with: a writer of the Secret
+	// (isthmusctl create-remote-secret --rotate) knows that its credential
+	// serves once the serving status shows the version its write returned,
+	// synced, with nothing pending. Empty for the config cluster.
+	SecretResourceVersion string `json:"secretResourceVersion,omitempty"`
 	// LastSynced is when the serving generation last reached synced.
 	LastSynced time.Time `json:"lastSynced,omitzero"`
 	// SyncDuration is how long the serving generation took to sync.

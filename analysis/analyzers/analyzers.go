@@ -27,6 +27,7 @@ func All() []analysis.Analyzer {
 		ServiceIdentities{},
 		AmbientEnrollment{},
 		ServiceExports{},
+		ServiceScopes{},
 		RootCertificates{},
 		Principals{},
 		RootPeerAuthentications{},

@@ -1,6 +1,7 @@
 package analyzers_test
 
 import (
+	"maps"
 	"testing"
 	"time"
 
@@ -15,6 +16,7 @@ import (
 	"github.com/isthmus-mesh/isthmus/analysis"
 	"github.com/isthmus-mesh/isthmus/analysis/analyzers"
 	"github.com/isthmus-mesh/isthmus/analysis/msg"
+	"github.com/isthmus-mesh/isthmus/controller"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 )
 
@@ -205,4 +207,52 @@ func TestRootPeerAuthentications(t *testing.T) {
 	require.Equal(t, "PeerAuthentication in the root namespace with selector {app=legacy, tier=old} (mode PERMISSIVE) applies to no workload: "+
 		"Istio ignores a root-namespace PeerAuthentication with a selector; it is not mesh-wide and does not apply to the workloads it selects", msgs[0].Text())
 	require.Contains(t, analyzers.All(), analysis.Analyzer(analyzers.RootPeerAuthentications{}))
+}
+
+// TestServiceScopes: a service global in one cluster and local in another
+// is reported with the local clusters as its resource, by the mesh's own
+// rule (Service label over Namespace label over rules over default);
+// agreeing clusters and single-cluster services are not.
+func TestServiceScopes(t *testing.T) {
+	labelled := func(s *corev1.Service, l map[string]string) *corev1.Service { s.Labels = l; return s }
+	ns := func(name string, l map[string]string) *corev1.Namespace {
+		return &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: l}}
+	}
+	snap := &analysis.Snapshot{Mesh: mesh(), Clusters: []*analysis.Cluster{
+		{ID: "a", Namespaces: []*corev1.Namespace{ns("x", nil), ns("y", map[string]string{"istio.io/global": "false"})}, Services: []*corev1.Service{
+			service("x", "web", t0), service("x", "same", t0), service("y", "db", t0), service("x", "only-a", t0),
+		}},
+		{ID: "b", Namespaces: []*corev1.Namespace{ns("x", nil), ns("y", nil)}, Services: []*corev1.Service{
+			labelled(service("x", "web", t0), map[string]string{"istio.io/global": "false"}), service("x", "same", t0), service("y", "db", t0),
+		}},
+		{ID: "c", Namespaces: []*corev1.Namespace{ns("y", map[string]string{"istio.io/global": "false"})}, Services: []*corev1.Service{
+			labelled(service("y", "db", t0), map[string]string{"istio.io/global": "true"}),
+		}},
+		{ID: "d", Unread: map[string]string{analysis.KindNamespaces: "Forbidden"}, Services: []*corev1.Service{service("x", "web", t0)}},
+	}}
+	msgs := analyzers.ServiceScopes{}.Analyze(snap)
+	require.Equal(t, []string{"ISM0018 Service/x/web b", "ISM0018 Service/y/db a"}, codes(msgs))
+	require.Equal(t, "service is global in cluster(s) a and local in cluster(s) b: only the global clusters' endpoints are shared (b: Service label istio.io/global=false)", msgs[0].Text())
+	require.Equal(t, "service is global in cluster(s) b,c and local in cluster(s) a: only the global clusters' endpoints are shared (a: Namespace label istio.io/global=false)", msgs[1].Text())
+
+	// In a local-default mesh with a rule making namespace x global, web is
+	// still split (b's label wins), db is local in a and b, global in c.
+	snap.Mesh.ServiceScope = controller.ServiceScope{Default: controller.ScopeLocal, Rules: []controller.ServiceScopeRule{
+		{NamespaceSelector: &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/metadata.name": "x"}}, Scope: controller.ScopeGlobal},
+	}}
+	for _, c := range snap.Clusters {
+		for _, n := range c.Namespaces {
+			n.Labels = mergeLabels(n.Labels, map[string]string{"kubernetes.io/metadata.name": n.Name})
+		}
+	}
+	msgs = analyzers.ServiceScopes{}.Analyze(snap)
+	require.Equal(t, []string{"ISM0018 Service/x/web b", "ISM0018 Service/y/db a,b"}, codes(msgs))
+	require.Contains(t, msgs[1].Text(), "b: service scope rules or the mesh default")
+}
+
+func mergeLabels(a, b map[string]string) map[string]string {
+	out := map[string]string{}
+	maps.Copy(out, a)
+	maps.Copy(out, b)
+	return out
 }

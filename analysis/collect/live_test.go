@@ -23,6 +23,7 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/isthmus-mesh/isthmus/analysis"
+	"github.com/isthmus-mesh/isthmus/controller"
 	"github.com/isthmus-mesh/isthmus/test/framework"
 )
 
@@ -355,4 +356,30 @@ func TestClusterDataIncomplete(t *testing.T) {
 	require.Equal(t, "cluster cluster-6: services could not be read (Forbidden); checks that use them saw only the other clusters", msgs[1].Text())
 	require.Equal(t, map[string]string{"services": "Forbidden", "serviceexports": "Forbidden", "serviceaccounts": "Forbidden", "authorizationpolicies": "Forbidden", "peerauthentications": "Forbidden"},
 		snap.Cluster("cluster-6").Unread)
+}
+
+// TestServiceScopeConflict (ISM0018): service scoped is labelled
+// istio.io/global=false in cluster-2 only; in a mesh whose default is
+// local, it is local in both clusters and nothing is reported.
+func TestServiceScopeConflict(t *testing.T) {
+	primary, c2 := topology(t)
+	ctx := context.Background()
+	for _, c := range []*framework.Cluster{primary, c2} {
+		svc, err := c.CreateService(ctx, demoNS, "scoped", map[string]string{"app": "scoped"}, framework.ServicePort{Name: "http", Port: 80, TargetPort: 8080})
+		require.NoError(t, err)
+		if c == c2 {
+			svc.Labels = map[string]string{"istio.io/global": "false"}
+			_, err = c.Client.CoreV1().Services(demoNS).Update(ctx, svc, metav1.UpdateOptions{})
+			require.NoError(t, err)
+		}
+		cleanup(t, func(ctx context.Context) error {
+			return c.Client.CoreV1().Services(demoNS).Delete(ctx, "scoped", metav1.DeleteOptions{})
+		})
+	}
+	_, msgs := analyzeLive(t, analysis.Mesh{})
+	requireOnly(t, msgs, "ISM0018 Service/demo/scoped cluster-2")
+	require.Equal(t, "service is global in cluster(s) primary and local in cluster(s) cluster-2: only the global clusters' endpoints are shared (cluster-2: Service label istio.io/global=false)", msgs[0].Text())
+
+	_, msgs = analyzeLive(t, analysis.Mesh{ServiceScope: controller.ServiceScope{Default: controller.ScopeLocal}})
+	requireOnly(t, msgs)
 }

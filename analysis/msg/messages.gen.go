@@ -221,6 +221,22 @@ var (
 		Args:        []string{"selector", "mode"},
 		Description: "A PeerAuthentication (security.istio.io) in the root namespace (the control-plane namespace) has a workload selector. Istio applies such a policy to no workload: it is not mesh-wide, and not workload-specific either, in any namespace, the root one included (Istio's ComposePeerAuthentication and its ambient conversion keep workload-level policies only outside the root namespace). Pilot does the same and counts it in isthmus_policy_problems{kind=\"PeerAuthentication\",reason=\"ignored_field\"}. To set the mode of the selected workloads, put a PeerAuthentication with that selector in each of their namespaces; for a mesh-wide mode, remove the selector.",
 	}
+	// ServiceScopeConflict (ISM0018, Warning): A federated service (same namespace
+	// and name in several clusters) is global in some clusters and local in
+	// others, by its istio.io/global label, its namespace's, pilot's service scope
+	// rules or the mesh default, each read in that cluster. Only the endpoints of
+	// the clusters where it is global cross clusters: clients in a cluster where
+	// it is local still reach the global clusters' endpoints, and the local
+	// clusters' endpoints are reached from nowhere else. Usually a label set in
+	// one cluster only.
+	ServiceScopeConflict = &Type{
+		Code:        "ISM0018",
+		Name:        "ServiceScopeConflict",
+		Level:       Warning,
+		Template:    "service is global in cluster(s) %s and local in cluster(s) %s: only the global clusters' endpoints are shared (%s)",
+		Args:        []string{"globalClusters", "localClusters", "detail"},
+		Description: "A federated service (same namespace and name in several clusters) is global in some clusters and local in others, by its istio.io/global label, its namespace's, pilot's service scope rules or the mesh default, each read in that cluster. Only the endpoints of the clusters where it is global cross clusters: clients in a cluster where it is local still reach the global clusters' endpoints, and the local clusters' endpoints are reached from nowhere else. Usually a label set in one cluster only.",
+	}
 )
 
 // All returns every message type of the catalogue, in code order.
@@ -243,6 +259,7 @@ func All() []*Type {
 		UnknownPrincipal,
 		ClusterDataIncomplete,
 		RootPeerAuthenticationSelector,
+		ServiceScopeConflict,
 	}
 }
 
@@ -329,4 +346,9 @@ func NewClusterDataIncomplete(r Resource, cluster string, kind string, reason st
 // NewRootPeerAuthenticationSelector returns a RootPeerAuthenticationSelector (ISM0017) message about r.
 func NewRootPeerAuthenticationSelector(r Resource, selector string, mode string) Message {
 	return Message{Type: RootPeerAuthenticationSelector, Resource: r, Args: []any{selector, mode}}
+}
+
+// NewServiceScopeConflict returns a ServiceScopeConflict (ISM0018) message about r.
+func NewServiceScopeConflict(r Resource, globalClusters string, localClusters string, detail string) Message {
+	return Message{Type: ServiceScopeConflict, Resource: r, Args: []any{globalClusters, localClusters, detail}}
 }

@@ -58,6 +58,15 @@ type createRemoteSecretConfig struct {
 	TokenWait time.Duration
 	// Timeout bounds the whole command.
 	Timeout time.Duration
+	// Rotate replaces the token of an existing remote Secret: a new token,
+	// the Secret updated, pilot synced with it, then the old token revoked
+	// (remotesecret_rotate.go). Needs Apply.
+	Rotate bool
+	// Pilot is the base URL of pilot's debug server, and PilotTimeout
+	// bounds each request to it (the root command's --pilot and
+	// --request-timeout).
+	Pilot        string
+	PilotTimeout time.Duration
 }
 
 func newCreateRemoteSecretCommand(logger func() *slog.Logger) *cobra.Command {
@@ -70,9 +79,21 @@ the remote cluster (or adopts those of the remote chart), issues a token for
 it, and renders the remote Secret: label istio/multiCluster=true, key = the
 cluster ID, value = a kubeconfig with the remote's server, its CA inline and
 the token. The Secret is printed as YAML on stdout, or with --apply created
-or updated in the primary cluster. The token appears nowhere else.`,
+or updated in the primary cluster. The token appears nowhere else.
+
+With --rotate (and --apply) the existing remote Secret gets a new token:
+a new token Secret is made for the reader in the remote cluster, the remote
+Secret is updated, the command waits until pilot (--pilot) serves the
+cluster with it (make-before-break: the old credential serves until then),
+and only then revokes the old token by deleting its token Secret.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if f := cmd.Flag("pilot"); f != nil {
+				cfg.Pilot = f.Value.String()
+			}
+			if f := cmd.Flag("request-timeout"); f != nil {
+				cfg.PilotTimeout, _ = time.ParseDuration(f.Value.String())
+			}
 			return createRemoteSecret(cmd.Context(), *cfg, cmd.OutOrStdout(), logger())
 		},
 	}
@@ -91,6 +112,8 @@ or updated in the primary cluster. The token appears nowhere else.`,
 	f.StringVar(&cfg.PrimaryContext, "primary-context", "", "context of the primary cluster, with --apply")
 	f.DurationVar(&cfg.TokenWait, "token-wait", 5*time.Second, "how long to wait for the token controller before using the TokenRequest API")
 	f.DurationVar(&cfg.Timeout, "timeout", time.Minute, "timeout of the whole command")
+	f.BoolVar(&cfg.Rotate, "rotate", false,
+		"replace the token of the existing remote Secret: new token, Secret updated, wait until pilot (--pilot) has synced the cluster with it, then revoke the old token; needs --apply")
 	_ = cmd.MarkFlagRequired("name")
 	return cmd
 }
@@ -106,7 +129,13 @@ func createRemoteSecret(ctx context.Context, cfg createRemoteSecretConfig, out i
 		defer cancel()
 	}
 
-	remote, secret, err := readerSecret(ctx, cfg, log)
+	if cfg.Rotate {
+		return rotateRemoteSecret(ctx, cfg, out, log)
+	}
+	remote, secret, _, err := readerSecret(ctx, cfg, log, func(ctx context.Context, c kubernetes.Interface, opts remotesecret.ReaderOptions) (remotesecret.Token, error) {
+		tok, err := remotesecret.EnsureReader(ctx, c, opts)
+		return remotesecret.Token{Value: tok}, err
+	})
 	if err != nil {
 		return err
 	}
@@ -119,23 +148,33 @@ func createRemoteSecret(ctx context.Context, cfg createRemoteSecretConfig, out i
 		_, err = out.Write(b)
 		return err
 	}
-	primary, err := cmdutil.RestConfig(cfg.PrimaryKubeconfig, cfg.PrimaryContext)
+	primary, pc, err := primaryClient(cfg, remote)
 	if err != nil {
-		return fmt.Errorf("primary cluster: %w", err)
+		return err
 	}
-	if primary.Host == remote.Host {
-		return fmt.Errorf("the primary and the remote are the same API server (%s): a cluster is not its own remote", primary.Host)
-	}
-	pc, err := kubernetes.NewForConfig(primary)
-	if err != nil {
-		return fmt.Errorf("primary cluster client: %w", err)
-	}
-	verb, err := applySecret(ctx, pc, secret)
+	verb, _, err := applySecret(ctx, pc, secret)
 	if err != nil {
 		return fmt.Errorf("write Secret %s/%s to the primary cluster: %w", secret.Namespace, secret.Name, err)
 	}
 	_, err = fmt.Fprintf(out, "secret/%s %s in namespace %s of the primary cluster (%s)\n", secret.Name, verb, secret.Namespace, primary.Host)
 	return err
+}
+
+// primaryClient returns the primary cluster's configuration and client,
+// refusing the remote's own API server.
+func primaryClient(cfg createRemoteSecretConfig, remote *rest.Config) (*rest.Config, kubernetes.Interface, error) {
+	primary, err := cmdutil.RestConfig(cfg.PrimaryKubeconfig, cfg.PrimaryContext)
+	if err != nil {
+		return nil, nil, fmt.Errorf("primary cluster: %w", err)
+	}
+	if primary.Host == remote.Host {
+		return nil, nil, fmt.Errorf("the primary and the remote are the same API server (%s): a cluster is not its own remote", primary.Host)
+	}
+	pc, err := kubernetes.NewForConfig(primary)
+	if err != nil {
+		return nil, nil, fmt.Errorf("primary cluster client: %w", err)
+	}
+	return primary, pc, nil
 }
 
 // validate checks the flags before anything is read or written.
@@ -151,29 +190,37 @@ func (cfg createRemoteSecretConfig) validate() error {
 	if !cfg.Apply && (cfg.PrimaryKubeconfig != "" || cfg.PrimaryContext != "") {
 		return errors.New("--primary-kubeconfig and --primary-context need --apply")
 	}
+	if cfg.Rotate && !cfg.Apply {
+		return errors.New("--rotate needs --apply: it updates the remote Secret in the primary and revokes the old token")
+	}
 	if cfg.Apply && cfg.PrimaryKubeconfig == "" && cfg.PrimaryContext == "" {
 		return errors.New("--apply needs --primary-kubeconfig or --primary-context: name the primary cluster explicitly")
 	}
 	return nil
 }
 
-// readerSecret makes the reader identity in the remote cluster and returns
-// the remote's client configuration and the Secret that registers it.
-func readerSecret(ctx context.Context, cfg createRemoteSecretConfig, log *slog.Logger) (*rest.Config, *corev1.Secret, error) {
+// mintFunc makes the reader identity in the remote cluster and issues a
+// token for it.
+type mintFunc func(ctx context.Context, c kubernetes.Interface, opts remotesecret.ReaderOptions) (remotesecret.Token, error)
+
+// readerSecret makes the reader identity in the remote cluster with mint
+// and returns the remote's client configuration, the Secret that registers
+// it, and a client of the remote.
+func readerSecret(ctx context.Context, cfg createRemoteSecretConfig, log *slog.Logger, mint mintFunc) (*rest.Config, *corev1.Secret, kubernetes.Interface, error) {
 	remote, err := cmdutil.RestConfig(cfg.Kubeconfig, cfg.Context)
 	if err != nil {
-		return nil, nil, fmt.Errorf("remote cluster: %w", err)
+		return nil, nil, nil, fmt.Errorf("remote cluster: %w", err)
 	}
 	server := cfg.Server
 	if server == "" {
 		server = remote.Host
 	}
 	if _, err := url.Parse(server); err != nil || server == "" {
-		return nil, nil, fmt.Errorf("remote API server URL %q: invalid", server)
+		return nil, nil, nil, fmt.Errorf("remote API server URL %q: invalid", server)
 	}
 	ca, err := caData(remote)
 	if err != nil {
-		return nil, nil, fmt.Errorf("remote cluster: %w", err)
+		return nil, nil, nil, fmt.Errorf("remote cluster: %w", err)
 	}
 	if len(ca) == 0 && strings.HasPrefix(server, "https://") {
 		log.Warn("the remote kubeconfig has no CA; pilot will verify the API server with its system roots", "server", server)
@@ -181,16 +228,16 @@ func readerSecret(ctx context.Context, cfg createRemoteSecretConfig, log *slog.L
 
 	client, err := kubernetes.NewForConfig(remote)
 	if err != nil {
-		return nil, nil, fmt.Errorf("remote cluster client: %w", err)
+		return nil, nil, nil, fmt.Errorf("remote cluster client: %w", err)
 	}
 	log.Debug("creating the reader identity", "server", remote.Host, "namespace", cfg.Namespace)
-	token, err := remotesecret.EnsureReader(ctx, client, remotesecret.ReaderOptions{Namespace: cfg.Namespace, TokenWait: cfg.TokenWait, GatewayNamespaces: cfg.GatewayNamespaces})
+	token, err := mint(ctx, client, remotesecret.ReaderOptions{Namespace: cfg.Namespace, TokenWait: cfg.TokenWait, GatewayNamespaces: cfg.GatewayNamespaces})
 	if err != nil {
-		return nil, nil, fmt.Errorf("reader identity in the remote cluster: %w", err)
+		return nil, nil, nil, fmt.Errorf("reader identity in the remote cluster: %w", err)
 	}
-	kubeconfig, err := remotesecret.Kubeconfig(cfg.Name, server, ca, token)
+	kubeconfig, err := remotesecret.Kubeconfig(cfg.Name, server, ca, token.Value)
 	if err != nil {
-		return nil, nil, fmt.Errorf("render kubeconfig: %w", err)
+		return nil, nil, nil, fmt.Errorf("render kubeconfig: %w", err)
 	}
 	secret := remotesecret.Secret(cfg.Name, cfg.Namespace, kubeconfig)
 	if cfg.Network != "" {
@@ -199,7 +246,7 @@ func readerSecret(ctx context.Context, cfg createRemoteSecretConfig, log *slog.L
 	if cfg.TrustDomain != "" {
 		secret.Annotations[remotesecret.TrustDomainAnnotation] = cfg.TrustDomain
 	}
-	return remote, secret, nil
+	return remote, secret, client, nil
 }
 
 // caData returns the PEM CA of cfg's server, inline or read from its file.
@@ -240,22 +287,22 @@ func secretYAML(s *corev1.Secret) ([]byte, error) {
 
 // applySecret creates s, or updates the existing Secret's data, labels and
 // annotations (keeping others). It returns "created", "updated" or
-// "unchanged".
-func applySecret(ctx context.Context, c kubernetes.Interface, s *corev1.Secret) (string, error) {
+// "unchanged", and the resourceVersion of the Secret as written.
+func applySecret(ctx context.Context, c kubernetes.Interface, s *corev1.Secret) (string, string, error) {
 	secrets := c.CoreV1().Secrets(s.Namespace)
-	_, err := secrets.Create(ctx, s, metav1.CreateOptions{FieldManager: "isthmusctl"})
+	created, err := secrets.Create(ctx, s, metav1.CreateOptions{FieldManager: "isthmusctl"})
 	if err == nil {
-		return "created", nil
+		return "created", created.ResourceVersion, nil
 	}
 	if apierrors.IsNotFound(err) {
-		return "", fmt.Errorf("namespace %s does not exist in the primary (install the base chart): %w", s.Namespace, err)
+		return "", "", fmt.Errorf("namespace %s does not exist in the primary (install the base chart): %w", s.Namespace, err)
 	}
 	if !apierrors.IsAlreadyExists(err) {
-		return "", err
+		return "", "", err
 	}
 	cur, err := secrets.Get(ctx, s.Name, metav1.GetOptions{})
 	if err != nil {
-		return "", err
+		return "", "", err
 	}
 	changed := false
 	set := func(m *map[string]string, k, v string) {
@@ -282,11 +329,12 @@ func applySecret(ctx context.Context, c kubernetes.Interface, s *corev1.Secret) 
 		changed = true
 	}
 	if !changed {
-		return "unchanged", nil
+		return "unchanged", cur.ResourceVersion, nil
 	}
 	cur.Data = s.Data
-	if _, err := secrets.Update(ctx, cur, metav1.UpdateOptions{FieldManager: "isthmusctl"}); err != nil {
-		return "", err
+	updated, err := secrets.Update(ctx, cur, metav1.UpdateOptions{FieldManager: "isthmusctl"})
+	if err != nil {
+		return "", "", err
 	}
-	return "updated", nil
+	return "updated", updated.ResourceVersion, nil
 }

@@ -141,6 +141,7 @@ func TestCreateRemoteSecretRefuses(t *testing.T) {
 		{"bad trust domain", []string{"--kubeconfig", remoteKC, "--name", "c", "--trust-domain", "Not/A.Domain"}, `--trust-domain:`},
 		{"primary without apply", []string{"--kubeconfig", remoteKC, "--name", "c", "--primary-kubeconfig", primaryKC}, "need --apply"},
 		{"apply without primary", []string{"--kubeconfig", remoteKC, "--name", "c", "--apply"}, "--apply needs --primary-kubeconfig"},
+		{"rotate without apply", []string{"--kubeconfig", remoteKC, "--name", "c", "--rotate"}, "--rotate needs --apply"},
 		{"missing kubeconfig", []string{"--kubeconfig", "/nonexistent/kubeconfig", "--name", "c"}, "remote cluster: kubeconfig /nonexistent/kubeconfig"},
 		{"unknown context", []string{"--kubeconfig", remoteKC, "--context", "nope", "--name", "c"}, `context "nope"`},
 		{"primary is the remote", []string{"--kubeconfig", remoteKC, "--name", "c", "--token-wait", "1ms", "--apply", "--primary-kubeconfig", remoteKC},

@@ -18,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 
+	"github.com/isthmus-mesh/isthmus/controller"
 	"github.com/isthmus-mesh/isthmus/internal/cmdutil"
 	"github.com/isthmus-mesh/isthmus/internal/defaults"
 	"github.com/isthmus-mesh/isthmus/internal/version"
@@ -33,6 +34,8 @@ type options struct {
 	network                 string
 	gatewaySelector         string
 	discoverySelectors      string
+	serviceScope            string
+	serviceScopeRules       string
 	execAllowlistFile       string
 	execAllow               []string
 	cfg                     server.Config
@@ -87,6 +90,10 @@ func newCommand() *cobra.Command {
 		"label selector of further namespaces whose Services may be east-west gateways (e.g. isthmus.io/gateways=trusted)")
 	f.StringVar(&o.discoverySelectors, "discovery-selectors", "",
 		"namespaces discovered in every cluster: a YAML or JSON list of label selectors, OR-ed, as Istio's MeshConfig discoverySelectors (e.g. '[{matchLabels: {isthmus.io/discovery: enabled}}]'); empty: all. A remote Secret's isthmus.io/discovery-selectors annotation replaces it for its clusters")
+	f.StringVar(&o.serviceScope, "service-scope", "global",
+		"scope of a service that neither its istio.io/global label, its namespace's, nor a --service-scope-rules entry decides: global (every cluster's endpoints are shared) or local (Istio's default: seen only in their own cluster)")
+	f.StringVar(&o.serviceScopeRules, "service-scope-rules", "",
+		"Istio's MeshConfig serviceScopeConfigs, a YAML or JSON list: '[{namespaceSelector: {matchLabels: {team: a}}, servicesSelector: {matchExpressions: [{key: istio.io/global, operator: Exists}]}, scope: GLOBAL}]'; a GLOBAL entry that selects a service wins over a LOCAL one")
 	f.BoolVar(&o.cfg.NoGatewayClass, "no-gateway-class", false,
 		"do not write the GatewayClass isthmus-east-west nor deploy east-west gateways from Gateways of that class")
 	f.StringVar(&o.cfg.Gateways.Image, "gateway-image", "", "image of the east-west gateways deployed from Gateways (default docker.io/isthmus/ztunnel:<pilot's version>)")
@@ -133,6 +140,14 @@ func (o *options) run(ctx context.Context) error {
 	if o.discoverySelectors != "" {
 		if o.cfg.Multicluster.DiscoverySelectors, err = multicluster.ParseDiscoverySelectors(o.discoverySelectors); err != nil {
 			return fmt.Errorf("--discovery-selectors: %w", err)
+		}
+	}
+	if o.cfg.Discovery.ServiceScope.Default, err = controller.ParseScope(o.serviceScope); err != nil {
+		return fmt.Errorf("--service-scope: %w", err)
+	}
+	if o.serviceScopeRules != "" {
+		if o.cfg.Discovery.ServiceScope.Rules, err = controller.ParseServiceScopeRules(o.serviceScopeRules); err != nil {
+			return fmt.Errorf("--service-scope-rules: %w", err)
 		}
 	}
 	o.cfg.Logger = logger

@@ -131,21 +131,36 @@ func GatewayRoleName(namespace string) string { return "isthmus-gateways-" + nam
 
 // EnsureReader creates (or updates) the reader ServiceAccount, its
 // ClusterRole and binding, and returns a bearer token for it: the token
-// controller's Secret when it is filled within TokenWait, else a token from
-// the TokenRequest API.
+// controller's token in the Secret <ServiceAccount>-token when it is filled
+// within TokenWait, else a token from the TokenRequest API bound to that
+// Secret (so that deleting it revokes the token either way).
 func EnsureReader(ctx context.Context, c kubernetes.Interface, opts ReaderOptions) (string, error) {
+	opts = opts.withDefaults()
+	if err := EnsureReaderIdentity(ctx, c, opts); err != nil {
+		return "", err
+	}
+	tok, err := anchoredToken(ctx, c, opts, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: opts.ServiceAccount + "-token"}})
+	if err != nil {
+		return "", err
+	}
+	return tok.Value, nil
+}
+
+// EnsureReaderIdentity creates (or updates) the reader ServiceAccount, its
+// ClusterRole and binding, and the gateway Roles, without issuing a token.
+func EnsureReaderIdentity(ctx context.Context, c kubernetes.Interface, opts ReaderOptions) error {
 	opts = opts.withDefaults()
 	name := opts.ServiceAccount
 	if err := ensure(ctx, c.CoreV1().Namespaces(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: opts.Namespace}}); err != nil {
-		return "", fmt.Errorf("namespace %s: %w", opts.Namespace, err)
+		return fmt.Errorf("namespace %s: %w", opts.Namespace, err)
 	}
 	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: opts.Namespace}}
 	if err := ensure(ctx, c.CoreV1().ServiceAccounts(opts.Namespace), sa); err != nil {
-		return "", fmt.Errorf("service account %s/%s: %w", opts.Namespace, name, err)
+		return fmt.Errorf("service account %s/%s: %w", opts.Namespace, name, err)
 	}
 	role := &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: "isthmus-reader-" + opts.Namespace}, Rules: ReaderRules()}
 	if err := ensureUpdate(ctx, c.RbacV1().ClusterRoles(), role, func(cur *rbacv1.ClusterRole) { cur.Rules = ReaderRules() }); err != nil {
-		return "", fmt.Errorf("cluster role: %w", err)
+		return fmt.Errorf("cluster role: %w", err)
 	}
 	binding := &rbacv1.ClusterRoleBinding{
 		ObjectMeta: metav1.ObjectMeta{Name: role.Name},
@@ -153,21 +168,9 @@ func EnsureReader(ctx context.Context, c kubernetes.Interface, opts ReaderOption
 		Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Name: name, Namespace: opts.Namespace}},
 	}
 	if err := ensure(ctx, c.RbacV1().ClusterRoleBindings(), binding); err != nil {
-		return "", fmt.Errorf("cluster role binding: %w", err)
+		return fmt.Errorf("cluster role binding: %w", err)
 	}
-	if err := ensureGatewayRoles(ctx, c, opts); err != nil {
-		return "", err
-	}
-	if tok, err := secretToken(ctx, c, opts); err == nil && tok != "" {
-		return tok, nil
-	}
-	ttl := int64(opts.TokenTTL / time.Second)
-	tr, err := c.CoreV1().ServiceAccounts(opts.Namespace).CreateToken(ctx, name,
-		&authenticationv1.TokenRequest{Spec: authenticationv1.TokenRequestSpec{ExpirationSeconds: &ttl}}, metav1.CreateOptions{})
-	if err != nil {
-		return "", fmt.Errorf("token request for %s/%s: %w", opts.Namespace, name, err)
-	}
-	return tr.Status.Token, nil
+	return ensureGatewayRoles(ctx, c, opts)
 }
 
 // ensureGatewayRoles grants GatewayRules to the reader in each gateway
@@ -194,28 +197,47 @@ func ensureGatewayRoles(ctx context.Context, c kubernetes.Interface, opts Reader
 	return nil
 }
 
-// secretToken creates the ServiceAccount token Secret and waits up to
-// TokenWait for the token controller to fill it.
-func secretToken(ctx context.Context, c kubernetes.Interface, opts ReaderOptions) (string, error) {
-	name := opts.ServiceAccount + "-token"
-	sec := &corev1.Secret{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: opts.Namespace,
-			Annotations: map[string]string{corev1.ServiceAccountNameKey: opts.ServiceAccount}},
-		Type: corev1.SecretTypeServiceAccountToken,
+// anchoredToken creates the ServiceAccount token Secret sec (by its name,
+// or a name generated from its GenerateName; an existing one of that name
+// is reused) and returns a token whose life is tied to it: the token
+// controller's, when it fills the Secret within TokenWait, else one from
+// the TokenRequest API bound to the Secret. Deleting the Secret revokes
+// either.
+func anchoredToken(ctx context.Context, c kubernetes.Interface, opts ReaderOptions, sec *corev1.Secret) (Token, error) {
+	sec.Namespace = opts.Namespace
+	sec.Annotations = map[string]string{corev1.ServiceAccountNameKey: opts.ServiceAccount}
+	sec.Type = corev1.SecretTypeServiceAccountToken
+	secrets := c.CoreV1().Secrets(opts.Namespace)
+	created, err := secrets.Create(ctx, sec, metav1.CreateOptions{})
+	if apierrors.IsAlreadyExists(err) && sec.Name != "" {
+		created, err = secrets.Get(ctx, sec.Name, metav1.GetOptions{})
 	}
-	if err := ensure(ctx, c.CoreV1().Secrets(opts.Namespace), sec); err != nil {
-		return "", err
+	if err != nil {
+		return Token{}, fmt.Errorf("token secret for %s/%s: %w", opts.Namespace, opts.ServiceAccount, err)
 	}
+	name := created.Name
 	var token string
-	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, opts.TokenWait, true, func(ctx context.Context) (bool, error) {
-		s, err := c.CoreV1().Secrets(opts.Namespace).Get(ctx, name, metav1.GetOptions{})
+	_ = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, opts.TokenWait, true, func(ctx context.Context) (bool, error) {
+		s, err := secrets.Get(ctx, name, metav1.GetOptions{})
 		if err != nil {
 			return false, err
 		}
 		token = string(s.Data[corev1.ServiceAccountTokenKey])
 		return token != "", nil
 	})
-	return token, err
+	if token != "" {
+		return Token{Value: token, Secret: name}, nil
+	}
+	ttl := int64(opts.TokenTTL / time.Second)
+	tr, err := c.CoreV1().ServiceAccounts(opts.Namespace).CreateToken(ctx, opts.ServiceAccount,
+		&authenticationv1.TokenRequest{Spec: authenticationv1.TokenRequestSpec{
+			ExpirationSeconds: &ttl,
+			BoundObjectRef:    &authenticationv1.BoundObjectReference{Kind: "Secret", APIVersion: "v1", Name: name, UID: created.UID},
+		}}, metav1.CreateOptions{})
+	if err != nil {
+		return Token{}, fmt.Errorf("token request for %s/%s: %w", opts.Namespace, opts.ServiceAccount, err)
+	}
+	return Token{Value: tr.Status.Token, Secret: name}, nil
 }
 
 type creator[T any] interface {

@@ -26,6 +26,10 @@ type ClusterService struct {
 	// wins MCS conflicts).
 	Exported      bool
 	ExportCreated time.Time
+	// ScopeLocal is set when the service's scope in this cluster is local
+	// (its istio.io/global label, its namespace's, or pilot's service scope
+	// rules): this cluster's endpoints are then seen only by clients in it.
+	ScopeLocal bool
 	// Created is the object's creation time (oldest wins port conflicts).
 	Created time.Time
 }
@@ -52,8 +56,9 @@ type Service struct {
 	// change and never mutated after publication.
 	Shards map[ClusterID][]Endpoint
 	// LocalClusters names clusters whose shard is visible only to clients in
-	// that same cluster (in MCS export mode: clusters that do not export the
-	// service). With Scope ScopeClusterLocal every shard is local.
+	// that same cluster: those where the service's scope is local
+	// (ClusterService.ScopeLocal) and, in MCS export mode, those that do not
+	// export it. With Scope ScopeClusterLocal every shard is local.
 	LocalClusters map[ClusterID]bool
 	// PortConflicts describes ports whose definitions differ between
 	// clusters (ignored definitions), empty when there is none.

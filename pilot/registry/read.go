@@ -46,8 +46,14 @@ func (r *Registry) Service(hostname string) *model.Service {
 	return nil
 }
 
+// exportedAnywhere reports whether a cluster where s is global exports it.
 func exportedAnywhere(s *model.Service) bool {
-	return len(s.LocalClusters) < len(s.Clusters)
+	for _, d := range s.Definitions {
+		if d.Exported && !s.LocalClusters[d.Cluster] {
+			return true
+		}
+	}
+	return false
 }
 
 // Workloads returns every workload (immutable values).
@@ -143,7 +149,7 @@ func (r *Registry) Subscribe(fn func(model.ChangeSet)) (cancel func()) {
 func clusterServiceEqual(a, b *model.ClusterService) bool {
 	return a.Name == b.Name && a.Namespace == b.Namespace && a.Cluster == b.Cluster && slices.Equal(a.VIPs, b.VIPs) &&
 		slices.Equal(a.Ports, b.Ports) && a.Headless == b.Headless && maps.Equal(a.Selector, b.Selector) &&
-		a.Exported == b.Exported && a.Network == b.Network && a.Created.Equal(b.Created)
+		a.Exported == b.Exported && a.ScopeLocal == b.ScopeLocal && a.Network == b.Network && a.Created.Equal(b.Created)
 }
 
 func shardEqual(a, b []model.Endpoint) bool {

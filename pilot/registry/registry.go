@@ -6,7 +6,9 @@
 // endpoints are the union of per-cluster shards and whose VIPs are kept per
 // cluster; ports are merged by name, the oldest definition winning a
 // conflict (the MCS rule), and conflicts are reported. Cluster-local hosts
-// never leave their cluster; in MCS export mode only exported services do.
+// never leave their cluster; a cluster's endpoints of a service whose scope
+// is local there (model.ClusterService.ScopeLocal) stay in that cluster; in
+// MCS export mode only exported services leave theirs.
 //
 // Clusters feed it through the controller.Sink contract (Activate, Update,
 // Deactivate per cluster generation), so a kubeconfig rotation swaps a
@@ -523,7 +525,9 @@ func (r *Registry) rebuildService(changes []model.Change, k model.ServiceKey) []
 		if sh := r.book.withoutDropped(k, r.clusters[d.Cluster].shards[k]); len(sh) > 0 {
 			svc.Shards[d.Cluster] = sh
 		}
-		if r.cfg.ExportMode && !d.Exported {
+		// A cluster's endpoints are shared only where the service is global
+		// in that cluster (and, in export mode, exported there).
+		if d.ScopeLocal || (r.cfg.ExportMode && !d.Exported) {
 			if svc.LocalClusters == nil {
 				svc.LocalClusters = map[model.ClusterID]bool{}
 			}

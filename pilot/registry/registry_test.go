@@ -317,3 +317,46 @@ func TestWorkloadsFromSlicesLiveInShards(t *testing.T) {
 	require.Eventually(t, func() bool { return rec.count() > before }, time.Second, time.Millisecond)
 	assert.Contains(t, rec.all()[before].Changes, model.Change{Kind: model.WorkloadChange, Op: model.Removed, Key: b2.Workload.UID})
 }
+
+// TestServiceScopeConflict: echo is global in c1 and local in c2. A client
+// in c2 sees both shards (its own, and c1's global one); clients in c1 and
+// in c3 (which does not define echo) see only c1's. A Service relabelled
+// local in its last global cluster leaves every shard local; and in export
+// mode a shard crosses clusters only if global and exported.
+func TestServiceScopeConflict(t *testing.T) {
+	reg, _ := run(t, Config{})
+	global := svc("c1", "demo", "echo", t0, httpPort)
+	local := svc("c2", "demo", "echo", t0, httpPort)
+	local.ScopeLocal = true
+	reg.Activate("c1", 1, state([]*model.ClusterService{global}, map[model.ServiceKey][]model.Endpoint{echo: {ep("c1", "n1", "10.0.0.1")}}))
+	reg.Activate("c2", 1, state([]*model.ClusterService{local}, map[model.ServiceKey][]model.Endpoint{echo: {ep("c2", "n2", "10.0.1.1")}}))
+	s := reg.Service("echo.demo.svc.cluster.local")
+	require.Equal(t, map[model.ClusterID]bool{"c2": true}, s.LocalClusters)
+	for _, tc := range []struct {
+		shard, client model.ClusterID
+		want          bool
+	}{
+		{"c1", "c2", true}, {"c2", "c2", true}, {"c1", "c1", true}, {"c2", "c1", false}, {"c1", "c3", true}, {"c2", "c3", false},
+	} {
+		require.Equal(t, tc.want, s.ShardVisible(tc.shard, tc.client), "shard %s to a client in %s", tc.shard, tc.client)
+	}
+
+	relabelled := *global
+	relabelled.ScopeLocal = true
+	reg.Update("c1", 1, &model.ClusterDelta{Services: map[model.ServiceKey]*model.ClusterService{echo: &relabelled}})
+	s = reg.Service("echo.demo.svc.cluster.local")
+	require.Equal(t, map[model.ClusterID]bool{"c1": true, "c2": true}, s.LocalClusters)
+	require.False(t, s.ShardVisible("c1", "c2"))
+
+	mcs, _ := run(t, Config{ExportMode: true})
+	exportedLocal := svc("c1", "demo", "echo", t0, httpPort)
+	exportedLocal.Exported, exportedLocal.ScopeLocal = true, true
+	exportedGlobal := svc("c2", "demo", "echo", t0, httpPort)
+	exportedGlobal.Exported = true
+	mcs.Activate("c1", 1, state([]*model.ClusterService{exportedLocal}, nil))
+	require.Nil(t, mcs.Service("echo.demo.svc.clusterset.local"), "exported but local: not in the clusterset")
+	mcs.Activate("c2", 1, state([]*model.ClusterService{exportedGlobal}, nil))
+	s = mcs.Service("echo.demo.svc.clusterset.local")
+	require.NotNil(t, s)
+	require.Equal(t, map[model.ClusterID]bool{"c1": true}, s.LocalClusters)
+}

@@ -188,9 +188,17 @@ func leftToLeader(t *testing.T, p *server.Server) float64 {
 // plaintext address until ctx ends, and returns its store.
 func watchReplica(t *testing.T, ctx context.Context, addr string) *state.Store {
 	t.Helper()
+	return watchXDS(t, ctx, addr, "ztunnel~node-2.ha-system", "primary", "network-1")
+}
+
+// watchXDS runs the xDS client of a ztunnel (node-2, with nodeID) of
+// cluster on network against pilot's plaintext address until ctx ends, and
+// returns its store.
+func watchXDS(t *testing.T, ctx context.Context, addr, nodeID, cluster, network string) *state.Store {
+	t.Helper()
 	store := state.NewStore()
-	xc, err := xdsclient.New(xdsclient.Config{Address: addr, NodeID: "ztunnel~node-2.ha-system", NodeName: "node-2",
-		ClusterID: "primary", Network: "network-1", InitialBackoff: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond},
+	xc, err := xdsclient.New(xdsclient.Config{Address: addr, NodeID: nodeID, NodeName: "node-2",
+		ClusterID: cluster, Network: network, InitialBackoff: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond},
 		xdsclient.Deps{Store: store, Credentials: insecure.NewCredentials()})
 	require.NoError(t, err)
 	cctx, cancel := context.WithCancel(ctx)

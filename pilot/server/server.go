@@ -175,6 +175,9 @@ func (c Config) validate() error {
 			return fmt.Errorf("pilot: %s %q: a listener is disabled by %q", name, addr, defaults.Disabled)
 		}
 	}
+	if err := c.Discovery.ServiceScope.Validate(); err != nil {
+		return fmt.Errorf("pilot: %w", err)
+	}
 	return nil
 }
 
