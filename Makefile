@@ -8,6 +8,12 @@ ETCD_VERSION ?= 3.6.16
 TESTBIN   ?= $(shell $(GO) env GOPATH)/isthmus-testbin/k8s-$(K8S_VERSION)
 # NODEBIN: a real node's binaries (kubelet, containerd, runc, CNI plugins, ...) for test/realnode.
 NODEBIN   ?= $(shell $(GO) env GOPATH)/isthmus-testbin/node-$(K8S_VERSION)
+# PREVIOUS_COMMIT: the previous release, whose pilot, ztunnel and CNI agent the version-skew
+# test runs against today's (N-1 both ways). No release is tagged yet: it is the last commit
+# of the round before this one (2026-12-02), before the security and real-node rounds; move
+# it to the last release's commit when one is cut.
+PREVIOUS_COMMIT ?= 39ff0a17a40e7c8ff4a1f088eb6daaf2ee889ca9
+PREVIOUSBIN ?= $(shell $(GO) env GOPATH)/isthmus-testbin/previous-$(PREVIOUS_COMMIT)
 GOTEST_FLAGS ?= -race -count=1 -timeout 60m
 BENCH     ?= .
 BENCHTIME ?= 1x
@@ -29,10 +35,11 @@ PLATFORMS ?= linux/amd64,linux/arm64
 IMAGES_FLAGS ?=
 export KUBEBUILDER_ASSETS := $(TESTBIN)
 export ISTHMUS_NODEBIN := $(NODEBIN)
+export ISTHMUS_PREVIOUSBIN := $(PREVIOUSBIN)
 
 FUZZTIME  ?= 30s
 FUZZ_FLAGS ?=
-.PHONY: help help-check all build demo-bin images images-check push test e2e e2e-local bench soak fuzz fuzz-targets lint testbin nodebin istio-dashboards generate demo demo-once clean
+.PHONY: help help-check all build demo-bin images images-check push test e2e e2e-local bench soak fuzz fuzz-targets lint testbin nodebin istio-dashboards previous generate demo demo-once clean
 
 ## help: every target with what it does (the "## target:" comments of this file).
 help:
@@ -86,6 +93,11 @@ testbin:
 nodebin: testbin
 	K8S_VERSION=$(K8S_VERSION) hack/build-nodebin.sh $(NODEBIN)
 
+## previous: build pilot, ztunnel and isthmus-cni of PREVIOUS_COMMIT (the previous release)
+## from this repository's history, once per machine, for the version-skew test.
+previous:
+	hack/build-previous.sh $(PREVIOUS_COMMIT) $(PREVIOUSBIN)
+
 ## istio-dashboards: fetch the istio.io/istio module whose Grafana dashboards
 ## test/dashboards runs (IstioModule there; not a dependency of Isthmus) into the
 ## module cache, so that the test finds it without network.
@@ -102,7 +114,7 @@ lint: help-check
 ## test: lint, then every test (unit and integration on real apiservers) with -race;
 ## it also builds bin/ (go build leaves an up-to-date binary alone), so that a
 ## `make demo` afterwards links nothing and prints its reply within seconds.
-test: testbin nodebin istio-dashboards lint build demo-bin
+test: testbin nodebin istio-dashboards previous lint build demo-bin
 	$(GO) test $(GOTEST_FLAGS) ./...
 
 ## bench: the benchmarks behind BENCHMARKS.md, one package at a time (-p 1:

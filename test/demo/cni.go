@@ -74,11 +74,15 @@ func (n *isolated) startAgent(ctx context.Context, s *site) error {
 		return err
 	}
 	name := "cni-agent-" + s.node
-	if err := d.procs.spawn(d, name, n.get(s.node), "isthmus-cni", "agent", "--node", s.node, "--kubeconfig", kc,
+	args := []string{"agent", "--node", s.node, "--kubeconfig", kc,
 		"--system-namespace", ns, "--cni-bin-dir", bin, "--cni-conf-dir", conf, "--plugin-source", d.bin("isthmus-cni"),
 		"--plugin-socket", n.nodeDir(s, "plugin.sock"), "--ztunnel-socket", n.nodeDir(s, "ztunnel.sock"),
-		"--netns-dir", nsDir, "--proc-dir", "none", "--state-dir", n.nodeDir(s, "cni-state"), "--node-addresses", s.nodeIP.String()+","+s.bridge().Addr().String(),
-		"--redirect-dns", "--monitoring-addr", "127.0.0.1:15014", "--log-format", "text"); err != nil {
+		"--netns-dir", nsDir, "--proc-dir", "none", "--state-dir", n.nodeDir(s, "cni-state"), "--node-addresses", s.nodeIP.String() + "," + s.bridge().Addr().String(),
+		"--redirect-dns", "--monitoring-addr", "127.0.0.1:15014", "--log-format", "text"}
+	if d.cfg.AgentArgs != nil {
+		args = d.cfg.AgentArgs(args)
+	}
+	if err := d.procs.spawn(d, name, n.get(s.node), "isthmus-cni", args...); err != nil {
 		return err
 	}
 	if err := waitHTTP(ctx, n.httpIn(s.node), "http://127.0.0.1:15014/readyz", time.Minute); err != nil {

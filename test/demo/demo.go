@@ -61,6 +61,10 @@ type Config struct {
 	// elsewhere (the host's namespace, when the demo runs in a user
 	// namespace of its own).
 	Expose *Exposed
+	// AgentArgs, when set, rewrites each CNI agent's arguments before it
+	// starts: the version-skew test runs an agent of the previous release
+	// with the flags that release knew.
+	AgentArgs func(args []string) []string
 }
 
 // Exposed are listeners, opened in another network namespace, that the demo

@@ -15,6 +15,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"os"
@@ -159,8 +160,9 @@ func (c *Client) Synced() bool { return c.synced.Load() }
 // when ctx ends. The handler's pods are left as they are.
 func (c *Client) Run(ctx context.Context) error {
 	retry := backoff.New(c.cfg.InitialBackoff, c.cfg.MaxBackoff)
+	version := zds.Version
 	for {
-		gotSnapshot, err := c.session(ctx)
+		gotSnapshot, heard, err := c.session(ctx, version)
 		c.synced.Store(false)
 		if ctx.Err() != nil {
 			return nil
@@ -168,6 +170,16 @@ func (c *Client) Run(ctx context.Context) error {
 		if gotSnapshot {
 			retry.Reset()
 		}
+		// An agent of the previous release closes the connection on a
+		// hello of a version it does not know, before sending anything:
+		// say the previous version at once. The next connection starts
+		// from the newest again (the agent may have been upgraded).
+		if !heard && errors.Is(err, io.EOF) && c.cfg.Protocol != ProtocolIstio && version > zds.MinVersion {
+			version--
+			c.deps.Log.Info("agent closed the connection after the hello: an older agent? saying an older version", "version", version)
+			continue
+		}
+		version = zds.Version
 		delay := retry.Next()
 		c.deps.Log.Warn("agent connection ended; reconnecting", "error", err, "in", delay)
 		if !backoff.Sleep(ctx, delay) {
@@ -187,28 +199,31 @@ func (c *Client) cgroupID() uint64 {
 	return id
 }
 
-// session runs one connection; it reports whether a snapshot arrived.
-func (c *Client) session(ctx context.Context) (bool, error) {
+// session runs one connection whose hello says version (of the JSON
+// protocol); it reports whether a snapshot arrived and whether the agent
+// sent anything at all.
+func (c *Client) session(ctx context.Context, version int) (gotSnapshot, heard bool, err error) {
 	var d net.Dialer
 	nc, err := d.DialContext(ctx, "unixpacket", c.cfg.SocketPath)
 	if err != nil {
-		return false, err
+		return false, false, err
 	}
 	uc := nc.(*net.UnixConn)
 	defer uc.Close()
 	stop := context.AfterFunc(ctx, func() { uc.Close() })
 	defer stop()
-	w := c.wire()
+	w := c.wire(version)
 	if err := w.hello(uc); err != nil {
-		return false, err
+		return false, false, err
 	}
 	var snapshot []string
 	inSnapshot := true
 	for {
 		req, netns, err := w.read(uc)
 		if err != nil {
-			return !inSnapshot, err
+			return !inSnapshot, heard, err
 		}
+		heard = true
 		var herr error
 		switch {
 		case req.Keep != "" && inSnapshot:
@@ -237,7 +252,7 @@ func (c *Client) session(ctx context.Context) (bool, error) {
 			c.deps.Log.Warn("pod message refused", "error", herr)
 		}
 		if err := w.ack(uc, msg); err != nil {
-			return !inSnapshot, err
+			return !inSnapshot, heard, err
 		}
 	}
 }
@@ -250,13 +265,13 @@ type wire struct {
 	ack  func(uc *net.UnixConn, errMsg string) error
 }
 
-func (c *Client) wire() wire {
+func (c *Client) wire(version int) wire {
 	if c.cfg.Protocol == ProtocolIstio {
 		return wire{hello: istiozds.WriteHello, read: istiozds.ReadRequest, ack: istiozds.WriteAck}
 	}
 	return wire{
 		hello: func(uc *net.UnixConn) error {
-			return zds.Write(uc, zds.Hello{Version: zds.Version, CgroupID: c.cgroupID()}, nil)
+			return zds.Write(uc, zds.Hello{Version: version, CgroupID: c.cgroupID()}, nil)
 		},
 		read: func(uc *net.UnixConn) (istiozds.Request, *os.File, error) {
 			var req zds.Request

@@ -5,6 +5,7 @@ package inpod_test
 import (
 	"bufio"
 	"context"
+	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -209,4 +210,57 @@ func TestHandedOffWhenASuccessorHasEveryPod(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, want, got, "both serve the pod")
 	}
+}
+
+// TestOlderAgent: an agent of the previous release knows only version 1 of
+// the protocol and closes the connection on any other hello. The ztunnel
+// says version 1 on its next attempt, takes the agent's snapshot, and
+// starts from the newest version again when that connection ends.
+func TestOlderAgent(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "ztunnel.sock")
+	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
+	require.NoError(t, err)
+	t.Cleanup(func() { ln.Close() })
+	versions := make(chan int, 16)
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		for synced := 0; synced < 2; {
+			c, err := ln.AcceptUnix()
+			if err != nil {
+				return
+			}
+			var hello zds.Hello
+			if _, err := zds.Read(c, &hello); err != nil {
+				c.Close()
+				return
+			}
+			versions <- hello.Version
+			if hello.Version == 1 {
+				// As the previous agent: an empty snapshot, its ack, then
+				// the connection ends (the agent restarts).
+				var ack zds.Ack
+				if zds.Write(c, zds.Request{SnapshotSent: &zds.SnapshotSent{}}, nil) == nil {
+					_, _ = zds.Read(c, &ack)
+				}
+				synced++
+			}
+			c.Close()
+		}
+	}()
+	h := inpodtest.New(t)
+	_, stop := ztunnel(t, path, h)
+	select {
+	case <-served:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the ztunnel never said a version the older agent knows")
+	}
+	stop()
+	close(versions)
+	var got []int
+	for v := range versions {
+		got = append(got, v)
+	}
+	require.Equal(t, []int{zds.Version, 1, zds.Version, 1}, got, "newest first, then the older agent's, on each connection")
+	require.Contains(t, h.Calls(), "snapshot []", "the older agent's snapshot reached the handler")
 }
