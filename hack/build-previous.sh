@@ -24,6 +24,10 @@ complete() {
 }
 if complete; then echo "$OUT"; exit 0; fi
 
+if ! git -C "$ROOT" cat-file -e "$COMMIT^{commit}" 2>/dev/null && [[ $(git -C "$ROOT" rev-parse --is-shallow-repository) == true ]]; then
+  log "a shallow clone: fetching the history down to $COMMIT"
+  git -C "$ROOT" fetch --quiet --unshallow || true
+fi
 if ! git -C "$ROOT" cat-file -e "$COMMIT^{commit}" 2>/dev/null; then
   echo "build-previous: commit $COMMIT is not in this clone's history (a shallow clone?): run git fetch --unshallow" >&2
   exit 1
