@@ -1,7 +1,11 @@
 package main
 
 import (
+	"bytes"
+	"context"
 	"encoding/json"
+	"fmt"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -12,11 +16,14 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/client-go/rest"
 	"sigs.k8s.io/yaml"
 
 	"github.com/isthmus-mesh/isthmus/multicluster"
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 	"github.com/isthmus-mesh/isthmus/pilot/registry"
+	"github.com/isthmus-mesh/isthmus/test/framework"
 )
 
 var t0 = time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC)
@@ -267,4 +274,81 @@ func TestPilotErrors(t *testing.T) {
 	defer srv.Close()
 	_, _, err = runCtl(t, "--pilot", srv.URL, "registry", "services")
 	require.ErrorContains(t, err, "503 Service Unavailable: registry not ready")
+}
+
+// mapDialer reaches each pod at its own address (pod name -> host:port), in
+// place of the port-forward; a pod it has no address for is refused.
+type mapDialer map[string]string
+
+func (m mapDialer) open(ctx context.Context, pod *corev1.Pod, port uint16) (func(context.Context) (net.Conn, error), func(), error) {
+	addr, ok := m[pod.Name]
+	if !ok {
+		return nil, nil, fmt.Errorf("port-forward to pod %s/%s port %d: refused", pod.Namespace, pod.Name, port)
+	}
+	return directDialer{addr}.open(ctx, pod, port)
+}
+
+// TestProxyStatusPilotPods: with --kubeconfig, proxy-status finds the
+// pilot pods through a real API server, reads each one's /debug/syncz and
+// says which replica each client streams from; a replica it cannot reach
+// is named in the error while the others are still printed.
+func TestProxyStatusPilotPods(t *testing.T) {
+	const ns = "ps-pods"
+	ctx := t.Context()
+	c := clusters.Cluster("primary")
+	require.NoError(t, c.EnsureNamespace(ctx, ns, nil))
+	for _, name := range []string{"isthmusd-a", "isthmusd-b", "isthmusd-c"} {
+		_, err := c.CreatePod(ctx, framework.PodOptions{Namespace: ns, Name: name, Labels: map[string]string{"app": "isthmusd"},
+			Node: "node-1", IP: netip.MustParseAddr("127.30.0.2"), Ready: true})
+		require.NoError(t, err)
+	}
+	serve := func(doc string) string {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path != "/debug/syncz" {
+				http.NotFound(w, r)
+				return
+			}
+			_, _ = w.Write([]byte(doc))
+		}))
+		t.Cleanup(srv.Close)
+		return strings.TrimPrefix(srv.URL, "http://")
+	}
+	a := serve(`[{"streamId": 4, "nodeId": "ztunnel~node-a", "cluster": "primary", "network": "net-1", "protocol": "delta",
+	  "types": {"type.googleapis.com/istio.workload.Address": {"sentVersion": "v9", "ackedVersion": "v9"}}}]`)
+	b := serve(`[{"streamId": 1, "nodeId": "ztunnel~node-b", "cluster": "remote", "network": "net-2", "protocol": "delta", "types": {}}]`)
+	kc := writeKubeconfig(t, "primary", c.Config)
+	run := func(d mapDialer, args ...string) (string, error) {
+		var out, errOut bytes.Buffer
+		cmd := newProxyStatusCommand(func() *pilotClient { return newPilotClient("http://127.0.0.1:1", time.Second) },
+			func() *slog.Logger { return slog.New(slog.NewTextHandler(&errOut, nil)) },
+			func(*rest.Config) podDialer { return d }, func() time.Duration { return 5 * time.Second })
+		cmd.SetOut(&out)
+		cmd.SetErr(&errOut)
+		cmd.SilenceUsage, cmd.SilenceErrors = true, true
+		cmd.SetArgs(append(args, "--kubeconfig", kc, "-n", ns))
+		err := cmd.ExecuteContext(ctx)
+		return out.String(), err
+	}
+
+	out, err := run(mapDialer{"isthmusd-a": a, "isthmusd-b": b, "isthmusd-c": b})
+	require.NoError(t, err)
+	header, rows := parseTable(t, out)
+	require.Equal(t, []string{"NODE ID", "PILOT", "CLUSTER", "NETWORK", "PROTOCOL", "TYPE", "SENT", "ACKED", "STATUS"}, header)
+	require.Equal(t, [][]string{
+		{"ztunnel~node-a", "isthmusd-a", "primary", "net-1", "delta", "Address", "v9", "v9", "SYNCED"},
+		{"ztunnel~node-b", "isthmusd-b", "remote", "net-2", "delta", "-", "-", "-", "CONNECTED"},
+		{"ztunnel~node-b", "isthmusd-c", "remote", "net-2", "delta", "-", "-", "-", "CONNECTED"},
+	}, rows)
+
+	out, err = run(mapDialer{"isthmusd-a": a, "isthmusd-b": b}, "-o", "json")
+	require.ErrorContains(t, err, "pilot pod "+ns+"/isthmusd-c: port-forward to pod "+ns+"/isthmusd-c port 8080: refused")
+	var got []map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &got), "the readable replicas are printed")
+	require.Len(t, got, 2)
+	require.Equal(t, "isthmusd-a", got[0]["pilot"])
+	require.Equal(t, "ztunnel~node-a", got[0]["nodeId"])
+	require.Equal(t, "isthmusd-b", got[1]["pilot"])
+
+	_, err = run(mapDialer{}, "-l", "app=nothing")
+	require.ErrorContains(t, err, "no running pilot pod (app=nothing) in namespace "+ns)
 }

@@ -121,7 +121,7 @@ func newRootCommand(stdout, stderr io.Writer) *cobra.Command {
 		newManifestCommand(),
 		newRemoteClustersCommand(pilot),
 		newRegistryCommand(pilot),
-		newProxyStatusCommand(pilot),
+		newProxyStatusCommand(pilot, logger, nil, func() time.Duration { return g.Timeout }),
 		newAuthzCommand(pilot),
 		newVersionCommand(pilot),
 		newZtunnelConfigCommand(logger, nil),
