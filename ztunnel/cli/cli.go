@@ -104,6 +104,8 @@ func NewCommand(stderr io.Writer, run RunFunc) *cobra.Command {
 	f.StringVar(&cfg.MetricsListen, "metrics-addr", d.MetricsListen, `metrics listen address ("none" disables)`)
 	f.StringVar(&cfg.GatewayListen, "gateway-addr", "", "gateway mode: HBONE listen address (default 0.0.0.0:<hbone-port>)")
 	f.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", d.ShutdownTimeout, "time allowed for a graceful stop")
+	f.DurationVar(&cfg.InPodSyncWait, "inpod-sync-wait", d.InPodSyncWait,
+		"in-pod mode: how long to wait for pilot's state before taking the pods from the CNI agent (a ztunnel that replaces another takes them only once it knows the mesh)")
 	f.DurationVar(&cfg.HandoffWait, "handoff-wait", d.HandoffWait,
 		"on SIGTERM, how long to keep serving until a newer ztunnel has taken every enrolled pod (the CNI agent says when) before draining anyway")
 	f.DurationVar(&cfg.DrainGrace, "drain-grace", d.DrainGrace,

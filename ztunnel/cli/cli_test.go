@@ -44,7 +44,7 @@ func TestFlagsToConfig(t *testing.T) {
 		"--outbound-addr=:15001", "--socks5-addr=:15080", "--inpod-socket=/var/run/isthmus/cni/ztunnel.sock", "--inpod-protocol=istio",
 		"--dns-addr=10.0.0.1:53", "--dns-upstream=10.96.0.10", "--pod-dns=false",
 		"--readiness-addr=:15021", "--metrics-addr=:15020", "--admin-addr=127.0.0.1:15000",
-		"--cert-ttl=1h", "--log-level=debug", "--log-format=text", "--handoff-wait=3s", "--drain-grace=45s",
+		"--cert-ttl=1h", "--log-level=debug", "--log-format=text", "--handoff-wait=3s", "--drain-grace=45s", "--inpod-sync-wait=4s",
 		"--access-log=false", "--access-log-rate=50", "--access-log-burst=10",
 	)
 	require.NoError(t, err)
@@ -56,7 +56,7 @@ func TestFlagsToConfig(t *testing.T) {
 		TokenFile: "/tok", RootCertFile: "/root.pem", TrustBundleFile: "/bundle.json", RootsReloadInterval: 30 * time.Second, CertTTL: time.Hour, HBONEPort: 15009,
 		OutboundListen: ":15001", SOCKS5Listen: ":15080", AdminListen: "127.0.0.1:15000",
 		ReadinessListen: ":15021", MetricsListen: ":15020", ShutdownTimeout: node.DefaultConfig().ShutdownTimeout,
-		HandoffWait: 3 * time.Second, DrainGrace: 45 * time.Second,
+		HandoffWait: 3 * time.Second, DrainGrace: 45 * time.Second, InPodSyncWait: 4 * time.Second,
 		InPodSocket: "/var/run/isthmus/cni/ztunnel.sock", InPodProtocol: "istio", DNSListen: "10.0.0.1:53", DNSUpstreams: []string{"10.96.0.10"}, DisablePodDNS: true,
 		NoAccessLog: true, AccessLogRate: 50, AccessLogBurst: 10,
 	}, cfg)

@@ -111,6 +111,15 @@ type Config struct {
 	// (the default, the Isthmus agent's) or inpod.ProtocolIstio (Istio's
 	// ZDS, from istio-cni).
 	InPodProtocol string
+	// InPodSyncWait is how long, in in-pod mode, ztunnel waits for pilot's
+	// state (its first xDS sync) before it takes the pods from the CNI
+	// agent. A ztunnel that took them before it knew the mesh would answer
+	// their DNS from the cluster's resolver alone (a service of another
+	// cluster: no such host) and route with no state, while the ztunnel it
+	// replaces could still serve them. After the wait it takes them anyway
+	// (logged): a node whose pilot is away still serves its pods. Default
+	// 10s.
+	InPodSyncWait time.Duration
 	// DNSListen serves the DNS proxy on a node address (UDP and TCP), for
 	// clients identified by their address: the node's pods only, nobody
 	// else gets an answer; Disabled turns it off (the default). In-pod DNS
@@ -192,6 +201,7 @@ func DefaultConfig() Config {
 		ShutdownTimeout:       5 * time.Second,
 		HandoffWait:           10 * time.Second,
 		DrainGrace:            30 * time.Second,
+		InPodSyncWait:         10 * time.Second,
 		HTTPReadHeaderTimeout: 10 * time.Second,
 		HTTPIdleTimeout:       60 * time.Second,
 		AccessLogRate:         proxy.DefaultAccessLogRate,
@@ -236,6 +246,9 @@ func (c Config) withDefaults() Config {
 		c.ShutdownTimeout = d.ShutdownTimeout
 	}
 	c.HandoffWait, c.DrainGrace = max(0, c.HandoffWait), max(0, c.DrainGrace)
+	if c.InPodSyncWait <= 0 {
+		c.InPodSyncWait = d.InPodSyncWait
+	}
 	if c.HTTPReadHeaderTimeout <= 0 {
 		c.HTTPReadHeaderTimeout = d.HTTPReadHeaderTimeout
 	}

@@ -2,6 +2,7 @@ package node_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
+	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -188,5 +190,54 @@ func TestInPodStopWaitsForTheSuccessor(t *testing.T) {
 		require.NoError(t, err)
 	case <-time.After(30 * time.Second):
 		t.Fatal("the old ztunnel did not drain once its successor had the pods")
+	}
+}
+
+// TestInPodTakesPodsOnceSynced: in in-pod mode a ztunnel connects to the
+// CNI agent (and so takes the pods, maybe from the ztunnel it replaces)
+// only once it holds pilot's state; with pilot away it takes them after
+// InPodSyncWait anyway.
+func TestInPodTakesPodsOnceSynced(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		wait   time.Duration
+		pilots bool // pilot answers once the node has tried twice
+	}{
+		{"after the first sync", time.Hour, true},
+		{"after the wait, pilot away", 300 * time.Millisecond, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			sock := filepath.Join(t.TempDir(), "ztunnel.sock")
+			agent, err := zds.New(zds.Config{SocketPath: sock}, zds.Deps{})
+			require.NoError(t, err)
+			ctx, cancel := context.WithCancel(context.Background())
+			agentDone := make(chan error, 1)
+			go func() { agentDone <- agent.Run(ctx) }()
+			defer func() { cancel(); require.NoError(t, <-agentDone) }()
+
+			ca := catest.Start(t, catest.Options{ConfigCluster: "c1", Listen: netip.AddrPortFrom(nextAddr(), 0).String()})
+			ca.AddNode(t, "token-b", "c1", "node-b")
+			var attempts atomic.Int32
+			var open atomic.Bool
+			cb := serverv3.CallbackFuncs{DeltaStreamOpenFunc: func(context.Context, int64, string) error {
+				attempts.Add(1)
+				if !open.Load() {
+					return errors.New("pilot is not serving yet")
+				}
+				return nil
+			}}
+			xdsAddr := startXDS(t, cache.NewLinearCache(workloadv1.TypeURL), nextAddr(), cb)
+			startNode(t, "node-b", "c1", "token-b", xdsAddr, ca, func(c *node.Config) {
+				c.InPodSocket, c.InPodSyncWait = sock, tc.wait
+				c.SOCKS5Listen = node.Disabled
+			})
+			require.EventuallyWithT(t, func(c *assert.CollectT) { assert.GreaterOrEqual(c, attempts.Load(), int32(2)) },
+				15*time.Second, 10*time.Millisecond, "the node tries pilot")
+			if tc.pilots {
+				require.Zero(t, agent.Connected(), "connected to the CNI agent before pilot's state came")
+				open.Store(true)
+			}
+			require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Equal(c, 1, agent.Connected()) }, 30*time.Second, 10*time.Millisecond)
+		})
 	}
 }

@@ -21,6 +21,7 @@ import (
 	"net/http"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -460,7 +461,10 @@ func (n *Node) startParts(ctx context.Context, g *errgroup.Group, lns *listeners
 		g.Go(func() error { return n.in.Run(ctx) })
 	}
 	if n.inpod != nil {
-		g.Go(func() error { return n.inpod.Run(ctx) })
+		g.Go(func() error {
+			n.awaitState(ctx)
+			return n.inpod.Run(ctx)
+		})
 	}
 	if n.authz != nil {
 		g.Go(func() error { return n.authz.Run(ctx) })
@@ -471,6 +475,19 @@ func (n *Node) startParts(ctx context.Context, g *errgroup.Group, lns *listeners
 		return n.serveNodeDNS(ctx, g, lns)
 	}
 	return nil
+}
+
+// awaitState waits, for at most InPodSyncWait, until the xDS client holds
+// pilot's state: the pods are taken from the CNI agent only then.
+func (n *Node) awaitState(ctx context.Context) {
+	t := time.NewTimer(n.cfg.InPodSyncWait)
+	defer t.Stop()
+	select {
+	case <-n.xds.Synced():
+	case <-ctx.Done():
+	case <-t.C:
+		n.log.Warn("no state from pilot yet: taking the pods from the CNI agent anyway (their DNS is forwarded, mesh names unknown, until it comes)", "waited", n.cfg.InPodSyncWait)
+	}
 }
 
 // stop drains the HTTP servers within ShutdownTimeout and closes the
