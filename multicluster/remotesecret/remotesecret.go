@@ -91,7 +91,7 @@ func (o ReaderOptions) withDefaults() ReaderOptions {
 // ReaderRules returns the permissions pilot needs in a remote cluster, in
 // every namespace: read what discovery watches, review tokens for the CA,
 // publish the root certificate, write ServiceExport status, keep
-// ServiceImports, and run the east-west gateways declared as Gateway API
+// ServiceImports and their imported EndpointSlices, and run the east-west gateways declared as Gateway API
 // Gateways (pilot/eastwest: the GatewayClass, Gateway status, and the
 // Deployments and root ConfigMaps it watches). What it deploys for each
 // Gateway is written with GatewayRules, granted only in the gateway
@@ -104,6 +104,7 @@ func ReaderRules() []rbacv1.PolicyRule {
 		{APIGroups: []string{"multicluster.x-k8s.io"}, Resources: []string{"serviceexports/status"}, Verbs: []string{"get", "update", "patch"}},
 		{APIGroups: []string{"multicluster.x-k8s.io"}, Resources: []string{"serviceimports"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch", "delete"}},
 		{APIGroups: []string{"multicluster.x-k8s.io"}, Resources: []string{"serviceimports/status"}, Verbs: []string{"get", "update", "patch"}},
+		{APIGroups: []string{"discovery.k8s.io"}, Resources: []string{"endpointslices"}, Verbs: []string{"create", "update", "patch", "delete"}},
 		{APIGroups: []string{"authentication.k8s.io"}, Resources: []string{"tokenreviews"}, Verbs: []string{"create"}},
 		{APIGroups: []string{""}, Resources: []string{"configmaps"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch", "delete"}},
 		{APIGroups: []string{"gateway.networking.k8s.io"}, Resources: []string{"gatewayclasses"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch"}},
