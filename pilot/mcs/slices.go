@@ -135,12 +135,18 @@ func sliceObject(imp Import, cluster, key string, chunk int, fam discoveryv1.Add
 	return es
 }
 
+// firstOfFamily returns the first address of addrs in fam that an
+// EndpointSlice may hold: the API server refuses unspecified, loopback and
+// link-local addresses (no other cluster could reach them anyway), and one
+// refused address would fail its whole slice.
 func firstOfFamily(addrs []netip.Addr, fam discoveryv1.AddressType) (netip.Addr, bool) {
 	for _, a := range addrs {
 		a = a.Unmap()
-		if (fam == discoveryv1.AddressTypeIPv4) == a.Is4() && a.IsValid() {
-			return a, true
+		if !a.IsValid() || (fam == discoveryv1.AddressTypeIPv4) != a.Is4() || a.IsUnspecified() || a.IsLoopback() ||
+			a.IsLinkLocalUnicast() || a.IsLinkLocalMulticast() {
+			continue
 		}
+		return a, true
 	}
 	return netip.Addr{}, false
 }

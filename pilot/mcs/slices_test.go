@@ -52,6 +52,7 @@ func conds(ready, serving, terminating bool) discoveryv1.EndpointConditions {
 // conditions and target ports, owned by the ServiceImport; none for an
 // exporting cluster on another network; the slices follow endpoint
 // changes, are not rewritten when nothing changed, and go with the import;
+// loopback and link-local addresses, which the API refuses, are left out;
 // a slice Isthmus does not manage is left alone.
 func TestImportedEndpointSlices(t *testing.T) {
 	e := newEnv(t)
@@ -73,6 +74,7 @@ func TestImportedEndpointSlices(t *testing.T) {
 	echo := mcs.Service{Namespace: e.ns, Name: "echo", IPs: []netip.Addr{vip4}, Exports: []mcs.ClusterExport{
 		{Cluster: "cluster-1", Created: created, Ports: []mcs.Port{{Name: "http", Port: 80}}, Endpoints: []mcs.Endpoint{
 			ep("network-1", true, false, "10.1.0.1", "fd00:1::1"), ep("network-1", true, true, "10.1.0.2"),
+			ep("network-1", true, false, "127.0.0.9", "fe80::9"), // refused by the API: left out
 		}},
 		{Cluster: "cluster-2", Created: created, Ports: []mcs.Port{{Name: "http", Port: 80}}, Endpoints: []mcs.Endpoint{
 			ep("network-2", true, false, "10.2.0.1"),

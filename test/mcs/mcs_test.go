@@ -19,10 +19,12 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
+	mcsv1beta1 "sigs.k8s.io/mcs-api/pkg/apis/v1beta1"
 
 	"github.com/isthmus-mesh/isthmus/pilot/mcs"
 	"github.com/isthmus-mesh/isthmus/test/framework"
@@ -99,29 +101,30 @@ func dynamicOf(t *testing.T, c *framework.Cluster) dynamic.Interface {
 	return d
 }
 
-// export creates the ServiceExport of shop/cart in c.
-func export(t *testing.T, c *framework.Cluster) {
+// exportService creates the ServiceExport of shop/<name> in c.
+func exportService(t *testing.T, c *framework.Cluster, name string) {
 	t.Helper()
 	exp := &unstructured.Unstructured{}
 	exp.SetGroupVersionKind(schema.GroupVersionKind{Group: "multicluster.x-k8s.io", Version: "v1beta1", Kind: "ServiceExport"})
 	exp.SetNamespace("shop")
-	exp.SetName("cart")
+	exp.SetName(name)
 	_, err := dynamicOf(t, c).Resource(exportGVR).Namespace("shop").Create(t.Context(), exp, metav1.CreateOptions{})
 	require.NoError(t, err)
 }
 
-// importIP waits for the ServiceImport of shop/cart in c and returns its IP.
-func importIP(t *testing.T, c *framework.Cluster) netip.Addr {
+// importIP waits for the ServiceImport of shop/<name> in c and returns its
+// IP.
+func importIP(t *testing.T, c *framework.Cluster, name string) netip.Addr {
 	t.Helper()
 	var ip netip.Addr
 	require.EventuallyWithT(t, func(ct *assert.CollectT) {
-		si, err := dynamicOf(t, c).Resource(mcs.ServiceImportGVR).Namespace("shop").Get(t.Context(), "cart", metav1.GetOptions{})
+		si, err := dynamicOf(t, c).Resource(mcs.ServiceImportGVR).Namespace("shop").Get(t.Context(), name, metav1.GetOptions{})
 		require.NoError(ct, err)
 		ips, _, _ := unstructured.NestedStringSlice(si.Object, "spec", "ips")
 		require.Len(ct, ips, 1)
 		ip, err = netip.ParseAddr(ips[0])
 		require.NoError(ct, err)
-	}, wait, poll, "ServiceImport shop/cart in %s", c.Name)
+	}, wait, poll, "ServiceImport shop/%s in %s", name, c.Name)
 	return ip
 }
 
@@ -157,18 +160,24 @@ func (m *mesh) request(ctx context.Context, dst netip.AddrPort, msg string) (str
 	return meshtest.Exchange(c, msg)
 }
 
-// TestServiceImportIP: cart, exported by cluster-2, gets a ServiceImport
+// TestMCS runs one federation for both acceptance checks of MCS imports.
+func TestMCS(t *testing.T) {
+	m := startMesh(t)
+	t.Run("ServiceImport IP dialled and resolved", func(t *testing.T) { serviceImportIP(t, m) })
+	t.Run("imported EndpointSlices", func(t *testing.T) { importedEndpointSlices(t, m) })
+}
+
+// serviceImportIP: cart, exported by cluster-2, gets a ServiceImport
 // in cluster-1 whose IP web-0 (cluster-1, network-1, where cart has a
 // local ClusterIP and a local instance) resolves under clusterset.local
 // and dials: answered by an instance; with the local instance unready,
 // answered by cluster-2's through network-2's gateway. cluster.local keeps
 // answering the local ClusterIP.
-func TestServiceImportIP(t *testing.T) {
+func serviceImportIP(t *testing.T, m *mesh) {
 	ctx := t.Context()
-	m := startMesh(t)
-	export(t, m.c2)
-	ip := importIP(t, m.c1)
-	require.Equal(t, ip, importIP(t, m.c2), "one allocation for the clusterset")
+	exportService(t, m.c2, "cart")
+	ip := importIP(t, m.c1, "cart")
+	require.Equal(t, ip, importIP(t, m.c2, "cart"), "one allocation for the clusterset")
 	require.NotEqual(t, m.clusterIP, ip)
 
 	require.EventuallyWithT(t, func(ct *assert.CollectT) {
@@ -194,4 +203,57 @@ func TestServiceImportIP(t *testing.T) {
 		require.NoError(ct, err)
 		require.Equal(ct, "cart-2 got again", got)
 	}, wait, poll, "the ServiceImport IP reaches cluster-2's instance through network-2's gateway")
+
+}
+
+// importedEndpointSlices: ledger, exported by cluster-2, gets an
+// imported EndpointSlice in cluster-2, written by pilot with its reader
+// identity there, listing ledger-0 (none in cluster-1: network-1 does not
+// reach network-2's pod addresses); it follows ledger-0's readiness and
+// goes with the export. ledger-0 has a TEST-NET-1 address, which the API
+// accepts in a slice (the data-path test's loopback addresses it refuses);
+// nothing dials it.
+func importedEndpointSlices(t *testing.T, m *mesh) {
+	ctx := t.Context()
+	ledgerIP := netip.MustParseAddr("192.0.2.10")
+	_, err := m.c2.CreateService(ctx, "shop", "ledger", map[string]string{"app": "ledger"}, framework.ServicePort{Name: "tcp", Port: 80, TargetPort: 9000})
+	require.NoError(t, err)
+	ledger, err := m.c2.CreatePod(ctx, framework.PodOptions{Namespace: "shop", Name: "ledger-0", Labels: map[string]string{"app": "ledger"},
+		ServiceAccount: "ledger", Node: "node-2a", IP: ledgerIP, Ready: true})
+	require.NoError(t, err)
+	exportService(t, m.c2, "ledger")
+	importIP(t, m.c1, "ledger")
+
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		es := importedSlices(ct, t, m.c2, "ledger")
+		require.Len(ct, es, 1)
+		require.Equal(ct, "cluster-2", es[0].Labels[mcsv1beta1.LabelSourceCluster])
+		require.Equal(ct, mcs.SliceManagedBy, es[0].Labels[discoveryv1.LabelManagedBy])
+		require.Len(ct, es[0].Endpoints, 1)
+		require.Equal(ct, []string{ledgerIP.String()}, es[0].Endpoints[0].Addresses)
+		require.True(ct, *es[0].Endpoints[0].Conditions.Ready)
+		require.Equal(ct, int32(9000), *es[0].Ports[0].Port)
+	}, wait, poll, "ledger-0's imported EndpointSlice in cluster-2")
+	require.Empty(t, importedSlices(t, t, m.c1, "ledger"), "ledger-0 is not reachable from network-1 by its address")
+
+	_, err = m.c2.SetPodStatus(ctx, ledger, ledgerIP, false)
+	require.NoError(t, err)
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		es := importedSlices(ct, t, m.c2, "ledger")
+		require.Len(ct, es, 1)
+		require.Len(ct, es[0].Endpoints, 1)
+		require.False(ct, *es[0].Endpoints[0].Conditions.Ready)
+	}, wait, poll, "the imported slice follows ledger-0's readiness")
+
+	require.NoError(t, dynamicOf(t, m.c2).Resource(exportGVR).Namespace("shop").Delete(ctx, "ledger", metav1.DeleteOptions{}))
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		require.Empty(ct, importedSlices(ct, t, m.c2, "ledger"))
+	}, wait, poll, "the imported slices go with the import")
+}
+
+// importedSlices lists the imported EndpointSlices of shop/<name> in c.
+func importedSlices(ct require.TestingT, t *testing.T, c *framework.Cluster, name string) []discoveryv1.EndpointSlice {
+	list, err := c.Client.DiscoveryV1().EndpointSlices("shop").List(t.Context(), metav1.ListOptions{LabelSelector: mcsv1beta1.LabelServiceName + "=" + name})
+	require.NoError(ct, err)
+	return list.Items
 }
