@@ -5,7 +5,9 @@
 // more. Conflicting exports are settled by the KEP's rules (the oldest
 // export wins; ports are the union by name) and reported as a Conflict
 // condition on the ServiceImport and through Writer.Conflicts for the
-// ServiceExports.
+// ServiceExports. Beside each ServiceImport it keeps the imported
+// EndpointSlices of the exporting clusters (slices.go says which
+// endpoints).
 package mcs
 
 import (
