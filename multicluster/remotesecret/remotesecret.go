@@ -148,7 +148,8 @@ func EnsureReader(ctx context.Context, c kubernetes.Interface, opts ReaderOption
 }
 
 // EnsureReaderIdentity creates (or updates) the reader ServiceAccount, its
-// ClusterRole and binding, and the gateway Roles, without issuing a token.
+// ClusterRole and binding, the SlicePolicy confining its EndpointSlice
+// writes, and the gateway Roles, without issuing a token.
 func EnsureReaderIdentity(ctx context.Context, c kubernetes.Interface, opts ReaderOptions) error {
 	opts = opts.withDefaults()
 	name := opts.ServiceAccount
@@ -158,6 +159,11 @@ func EnsureReaderIdentity(ctx context.Context, c kubernetes.Interface, opts Read
 	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: opts.Namespace}}
 	if err := ensure(ctx, c.CoreV1().ServiceAccounts(opts.Namespace), sa); err != nil {
 		return fmt.Errorf("service account %s/%s: %w", opts.Namespace, name, err)
+	}
+	// The policy confining its EndpointSlice writes comes before the
+	// ClusterRole that grants them.
+	if err := ensureSlicePolicy(ctx, c, opts); err != nil {
+		return err
 	}
 	role := &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: "isthmus-reader-" + opts.Namespace}, Rules: ReaderRules()}
 	if err := ensureUpdate(ctx, c.RbacV1().ClusterRoles(), role, func(cur *rbacv1.ClusterRole) { cur.Rules = ReaderRules() }); err != nil {

@@ -22,6 +22,8 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/dynamic"
 	mcsv1beta1 "sigs.k8s.io/mcs-api/pkg/apis/v1beta1"
+
+	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
 )
 
 // Imported EndpointSlices (KEP-1645): beside each ServiceImport, in its
@@ -47,8 +49,9 @@ var EndpointSliceGVR = schema.GroupVersionResource{Group: "discovery.k8s.io", Ve
 
 // SliceManagedBy is the endpointslice.kubernetes.io/managed-by value of
 // the imported EndpointSlices: the writer changes and deletes only slices
-// carrying it.
-const SliceManagedBy = "mcs-controller.isthmus.io"
+// carrying it, and the admission policy of pilot's identity in each
+// cluster (remotesecret.SlicePolicy) lets it write no other slice.
+const SliceManagedBy = remotesecret.ImportedSliceManagedBy
 
 // maxSliceEndpoints is the most endpoints per slice (the EndpointSlice
 // controller's default).
