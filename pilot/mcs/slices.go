@@ -108,7 +108,8 @@ func desiredSlices(imp Import, network string, uid types.UID) []*discoveryv1.End
 }
 
 func sliceObject(imp Import, cluster, key string, chunk int, fam discoveryv1.AddressType, ports []Port, eps []discoveryv1.Endpoint, uid types.UID) *discoveryv1.EndpointSlice {
-	sum := sha256.Sum256(fmt.Appendf(nil, "%s\x00%s\x00%d", cluster, key, chunk))
+	// The full name is hashed too: two names may share the kept prefix.
+	sum := sha256.Sum256(fmt.Appendf(nil, "%s\x00%s\x00%s\x00%d", imp.Name, cluster, key, chunk))
 	name := imp.Name
 	if len(name) > 52 {
 		name = strings.TrimRight(name[:52], "-.")

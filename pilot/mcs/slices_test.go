@@ -150,3 +150,37 @@ func keys[V any](m map[string]V) []string {
 	}
 	return out
 }
+
+// TestImportedEndpointSlicesChunked: more than 100 endpoints are split
+// into slices of at most 100, all listed, under a service name of the
+// longest length (63), shortened in the slice names.
+func TestImportedEndpointSlicesChunked(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	require.NoError(t, clusters.Cluster("cluster-1").EnsureNamespace(ctx, e.ns, nil))
+	w, err := mcs.New(mcs.Config{}, e.deps())
+	require.NoError(t, err)
+	name := "a-service-with-the-longest-name-a-service-may-have-63-character"
+	var eps []mcs.Endpoint
+	for i := range 150 {
+		eps = append(eps, mcs.Endpoint{Network: "network-1", Ready: true, Serving: true, Ports: []mcs.Port{{Name: "http", Port: 8080}},
+			Addresses: []netip.Addr{netip.AddrFrom4([4]byte{10, 3, byte(i / 250), byte(1 + i%250)})}})
+	}
+	e.set(mcs.Service{Namespace: e.ns, Name: name, IPs: []netip.Addr{vip4}, Exports: []mcs.ClusterExport{
+		{Cluster: "cluster-2", Created: created, Ports: []mcs.Port{{Name: "http", Port: 80}}, Endpoints: eps}}})
+	require.NoError(t, w.Reconcile(ctx))
+	list, err := e.dyn["cluster-1"].Resource(mcs.EndpointSliceGVR).Namespace(e.ns).List(ctx,
+		metav1.ListOptions{LabelSelector: mcsv1beta1.LabelServiceName + "=" + name})
+	require.NoError(t, err)
+	require.Len(t, list.Items, 2)
+	seen := map[string]bool{}
+	for _, u := range list.Items {
+		var es discoveryv1.EndpointSlice
+		require.NoError(t, runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, &es))
+		require.LessOrEqual(t, len(es.Endpoints), 100)
+		for _, ep := range es.Endpoints {
+			seen[ep.Addresses[0]] = true
+		}
+	}
+	require.Len(t, seen, 150)
+}
