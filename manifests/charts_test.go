@@ -3,6 +3,7 @@ package manifests_test
 import (
 	"context"
 	"fmt"
+	"maps"
 	"os"
 	"slices"
 	"sort"
@@ -16,9 +17,11 @@ import (
 	"helm.sh/helm/v3/pkg/chart/loader"
 	"helm.sh/helm/v3/pkg/chartutil"
 	"helm.sh/helm/v3/pkg/releaseutil"
+	admissionv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	authorizationv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
@@ -36,6 +39,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/isthmus-mesh/isthmus/multicluster/remotesecret"
+	"github.com/isthmus-mesh/isthmus/pilot/mcs"
 	"github.com/isthmus-mesh/isthmus/test/framework"
 )
 
@@ -195,24 +199,24 @@ func TestChartsApplyToAPIServer(t *testing.T) {
 		{name: "pilot", chart: "pilot", want: []string{
 			"ClusterRole/isthmusd-isthmus-system", "ClusterRoleBinding/isthmusd-isthmus-system", "Deployment/isthmusd",
 			"Role/isthmus-gateways-isthmus-system", "Role/isthmusd", "RoleBinding/isthmus-gateways-isthmus-system", "RoleBinding/isthmusd",
-			"Service/isthmusd", "ServiceAccount/isthmusd"}},
+			"Service/isthmusd", "ServiceAccount/isthmusd", "ValidatingAdmissionPolicy/isthmus-imported-endpointslices-isthmus-system", "ValidatingAdmissionPolicyBinding/isthmus-imported-endpointslices-isthmus-system"}},
 		{name: "pilot with PDB, network and dashboard", chart: "pilot",
 			values: map[string]any{"network": "net-a", "podDisruptionBudget": map[string]any{"enabled": true},
 				"dashboards": map[string]any{"enabled": true}},
 			want: []string{
 				"ClusterRole/isthmusd-isthmus-system", "ClusterRoleBinding/isthmusd-isthmus-system", "ConfigMap/isthmus-pilot-dashboard",
 				"Deployment/isthmusd", "PodDisruptionBudget/isthmusd", "Role/isthmus-gateways-isthmus-system", "Role/isthmusd",
-				"RoleBinding/isthmus-gateways-isthmus-system", "RoleBinding/isthmusd", "Service/isthmusd", "ServiceAccount/isthmusd"}},
+				"RoleBinding/isthmus-gateways-isthmus-system", "RoleBinding/isthmusd", "Service/isthmusd", "ServiceAccount/isthmusd", "ValidatingAdmissionPolicy/isthmus-imported-endpointslices-isthmus-system", "ValidatingAdmissionPolicyBinding/isthmus-imported-endpointslices-isthmus-system"}},
 		{name: "pilot with exec allowlist and gateway namespaces", chart: "pilot",
 			values: map[string]any{"execAllowlist": []any{map[string]any{"command": "/usr/local/bin/token-plugin", "args": []any{"get-token"}}},
 				"gatewayNamespaces": []any{"isthmus-system", "edge"}, "gatewayNamespaceSelector": "isthmus.io/gateways=trusted"},
 			want: []string{
 				"ClusterRole/isthmusd-isthmus-system", "ClusterRoleBinding/isthmusd-isthmus-system", "ConfigMap/isthmusd-exec-allowlist", "Deployment/isthmusd",
-				"Role/isthmusd", "RoleBinding/isthmusd", "Service/isthmusd", "ServiceAccount/isthmusd"}},
+				"Role/isthmusd", "RoleBinding/isthmusd", "Service/isthmusd", "ServiceAccount/isthmusd", "ValidatingAdmissionPolicy/isthmus-imported-endpointslices-isthmus-system", "ValidatingAdmissionPolicyBinding/isthmus-imported-endpointslices-isthmus-system"}},
 		{name: "remote", chart: "remote", want: []string{
 			"ClusterRole/isthmus-reader-isthmus-system", "ClusterRoleBinding/isthmus-reader-isthmus-system",
 			"Role/isthmus-gateways-isthmus-system", "RoleBinding/isthmus-gateways-isthmus-system",
-			"ServiceAccount/isthmus-reader-service-account"}},
+			"ServiceAccount/isthmus-reader-service-account", "ValidatingAdmissionPolicy/isthmus-imported-endpointslices-isthmus-system", "ValidatingAdmissionPolicyBinding/isthmus-imported-endpointslices-isthmus-system"}},
 		{name: "ztunnel", chart: "ztunnel", want: []string{"DaemonSet/ztunnel", "ServiceAccount/ztunnel"}},
 		{name: "ztunnel gateway mode", chart: "ztunnel", values: map[string]any{"mode": "gateway", "network": "net-a"},
 			want: []string{"Deployment/ztunnel-gateway", "ServiceAccount/ztunnel"}},
@@ -519,6 +523,49 @@ func TestRemoteChartThenCreateRemoteSecret(t *testing.T) {
 	require.NoError(t, err, "the reader deploys gateways in the gateway namespace")
 	_, err = reader.AppsV1().Deployments("default").Create(ctx, dep("default"), dryRun)
 	require.True(t, apierrors.IsForbidden(err), "the reader deploys nothing elsewhere: %v", err)
+
+	// EndpointSlices: only imported ones (the chart's admission policy).
+	slice := func(labels map[string]string) *discoveryv1.EndpointSlice {
+		return &discoveryv1.EndpointSlice{ObjectMeta: metav1.ObjectMeta{Name: "x", Namespace: "default", Labels: labels},
+			AddressType: discoveryv1.AddressTypeIPv4, Endpoints: []discoveryv1.Endpoint{{Addresses: []string{"10.9.0.1"}}}}
+	}
+	imported := map[string]string{discoveryv1.LabelManagedBy: mcs.SliceManagedBy, "multicluster.kubernetes.io/service-name": "x"}
+	require.EventuallyWithT(t, func(ct *assert.CollectT) {
+		_, err := reader.DiscoveryV1().EndpointSlices("default").Create(ctx, slice(map[string]string{discoveryv1.LabelServiceName: "kubernetes"}), dryRun)
+		require.True(ct, apierrors.IsForbidden(err), "a Service's slice is refused: %v", err)
+	}, 30*time.Second, 50*time.Millisecond, "the admission policy is in force")
+	hijack := maps.Clone(imported)
+	hijack[discoveryv1.LabelServiceName] = "kubernetes"
+	_, err = reader.DiscoveryV1().EndpointSlices("default").Create(ctx, slice(hijack), dryRun)
+	require.True(t, apierrors.IsForbidden(err), "an imported slice that names a Service is refused: %v", err)
+	_, err = reader.DiscoveryV1().EndpointSlices("default").Create(ctx, slice(nil), dryRun)
+	require.True(t, apierrors.IsForbidden(err), "a slice without labels is refused: %v", err)
+	_, err = reader.DiscoveryV1().EndpointSlices("default").Create(ctx, slice(imported), dryRun)
+	require.NoError(t, err, "an imported slice is allowed")
+	foreign, err := c.Client.DiscoveryV1().EndpointSlices("default").Create(ctx, slice(map[string]string{discoveryv1.LabelManagedBy: "someone-else"}), metav1.CreateOptions{})
+	require.NoError(t, err)
+	defer func() {
+		_ = c.Client.DiscoveryV1().EndpointSlices("default").Delete(context.Background(), foreign.Name, metav1.DeleteOptions{})
+	}()
+	err = reader.DiscoveryV1().EndpointSlices("default").Delete(ctx, foreign.Name, metav1.DeleteOptions{DryRun: []string{metav1.DryRunAll}})
+	require.True(t, apierrors.IsForbidden(err), "another controller's slice cannot be deleted: %v", err)
+	foreign.Labels = imported
+	_, err = reader.DiscoveryV1().EndpointSlices("default").Update(ctx, foreign, metav1.UpdateOptions{DryRun: []string{metav1.DryRunAll}})
+	require.True(t, apierrors.IsForbidden(err), "nor taken over: %v", err)
+}
+
+// TestSlicePolicyIsRemoteSecrets keeps the charts' admission policy for
+// pilot's EndpointSlice writes equal to remotesecret.SlicePolicy (what
+// create-remote-secret installs), for each chart's ServiceAccount.
+func TestSlicePolicyIsRemoteSecrets(t *testing.T) {
+	for chart, sa := range map[string]string{"remote": "isthmus-reader-service-account", "pilot": "isthmusd"} {
+		objs := render(t, chart, namespace, nil)
+		wantPolicy, wantBinding := remotesecret.SlicePolicy(namespace, sa)
+		policy := convert[admissionv1.ValidatingAdmissionPolicy](t, find(t, objs, "ValidatingAdmissionPolicy", wantPolicy.Name))
+		require.Equal(t, wantPolicy.Spec, policy.Spec, chart)
+		binding := convert[admissionv1.ValidatingAdmissionPolicyBinding](t, find(t, objs, "ValidatingAdmissionPolicyBinding", wantBinding.Name))
+		require.Equal(t, wantBinding.Spec, binding.Spec, chart)
+	}
 }
 
 // TestCNIAgentRBAC installs the cni chart's RBAC for real and asks the API

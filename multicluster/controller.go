@@ -310,6 +310,19 @@ func (c *Controller) KubeClient(id string) (*Client, bool) {
 	return e.active.cluster.Client, true
 }
 
+// Network returns the default network of cluster id: its Secret's
+// topology.istio.io/network annotation, or ConfigClusterNetwork for the
+// config cluster; ok=false when the cluster is not registered.
+func (c *Controller) Network(id string) (model.Network, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	e, ok := c.clusters[model.ClusterID(id)]
+	if !ok {
+		return "", false
+	}
+	return e.network, true
+}
+
 // SanitizedClient builds the client of a remote kubeconfig as pilot does
 // (SanitizeKubeconfig with the allowed options, then build on the rebuilt
 // kubeconfig), for tools: it runs no exec plugin, so a kubeconfig with one

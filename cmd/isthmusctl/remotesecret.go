@@ -75,7 +75,8 @@ func newCreateRemoteSecretCommand(logger func() *slog.Logger) *cobra.Command {
 		Use:   "create-remote-secret",
 		Short: "Create pilot's reader identity in a remote cluster and print (or apply) the remote Secret",
 		Long: `Creates the reader ServiceAccount, ClusterRole and binding that pilot needs in
-the remote cluster (or adopts those of the remote chart), issues a token for
+the remote cluster, with the admission policy confining its EndpointSlice writes
+to imported ones (or adopts those of the remote chart), issues a token for
 it, and renders the remote Secret: label istio/multiCluster=true, key = the
 cluster ID, value = a kubeconfig with the remote's server, its CA inline and
 the token. The Secret is printed as YAML on stdout, or with --apply created

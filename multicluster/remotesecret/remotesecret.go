@@ -91,7 +91,7 @@ func (o ReaderOptions) withDefaults() ReaderOptions {
 // ReaderRules returns the permissions pilot needs in a remote cluster, in
 // every namespace: read what discovery watches, review tokens for the CA,
 // publish the root certificate, write ServiceExport status, keep
-// ServiceImports, and run the east-west gateways declared as Gateway API
+// ServiceImports and their imported EndpointSlices, and run the east-west gateways declared as Gateway API
 // Gateways (pilot/eastwest: the GatewayClass, Gateway status, and the
 // Deployments and root ConfigMaps it watches). What it deploys for each
 // Gateway is written with GatewayRules, granted only in the gateway
@@ -104,6 +104,7 @@ func ReaderRules() []rbacv1.PolicyRule {
 		{APIGroups: []string{"multicluster.x-k8s.io"}, Resources: []string{"serviceexports/status"}, Verbs: []string{"get", "update", "patch"}},
 		{APIGroups: []string{"multicluster.x-k8s.io"}, Resources: []string{"serviceimports"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch", "delete"}},
 		{APIGroups: []string{"multicluster.x-k8s.io"}, Resources: []string{"serviceimports/status"}, Verbs: []string{"get", "update", "patch"}},
+		{APIGroups: []string{"discovery.k8s.io"}, Resources: []string{"endpointslices"}, Verbs: []string{"create", "update", "patch", "delete"}},
 		{APIGroups: []string{"authentication.k8s.io"}, Resources: []string{"tokenreviews"}, Verbs: []string{"create"}},
 		{APIGroups: []string{""}, Resources: []string{"configmaps"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch", "delete"}},
 		{APIGroups: []string{"gateway.networking.k8s.io"}, Resources: []string{"gatewayclasses"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch"}},
@@ -147,7 +148,8 @@ func EnsureReader(ctx context.Context, c kubernetes.Interface, opts ReaderOption
 }
 
 // EnsureReaderIdentity creates (or updates) the reader ServiceAccount, its
-// ClusterRole and binding, and the gateway Roles, without issuing a token.
+// ClusterRole and binding, the SlicePolicy confining its EndpointSlice
+// writes, and the gateway Roles, without issuing a token.
 func EnsureReaderIdentity(ctx context.Context, c kubernetes.Interface, opts ReaderOptions) error {
 	opts = opts.withDefaults()
 	name := opts.ServiceAccount
@@ -157,6 +159,11 @@ func EnsureReaderIdentity(ctx context.Context, c kubernetes.Interface, opts Read
 	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: opts.Namespace}}
 	if err := ensure(ctx, c.CoreV1().ServiceAccounts(opts.Namespace), sa); err != nil {
 		return fmt.Errorf("service account %s/%s: %w", opts.Namespace, name, err)
+	}
+	// The policy confining its EndpointSlice writes comes before the
+	// ClusterRole that grants them.
+	if err := ensureSlicePolicy(ctx, c, opts); err != nil {
+		return err
 	}
 	role := &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: "isthmus-reader-" + opts.Namespace}, Rules: ReaderRules()}
 	if err := ensureUpdate(ctx, c.RbacV1().ClusterRoles(), role, func(cur *rbacv1.ClusterRole) { cur.Rules = ReaderRules() }); err != nil {

@@ -5,7 +5,9 @@
 // more. Conflicting exports are settled by the KEP's rules (the oldest
 // export wins; ports are the union by name) and reported as a Conflict
 // condition on the ServiceImport and through Writer.Conflicts for the
-// ServiceExports.
+// ServiceExports. Beside each ServiceImport it keeps the imported
+// EndpointSlices of the exporting clusters (slices.go says which
+// endpoints).
 package mcs
 
 import (
@@ -39,12 +41,31 @@ func (p Port) String() string {
 }
 
 // ClusterExport is one cluster's export of a service: its Service's type
-// and ports, and when its ServiceExport was created.
+// and ports, when its ServiceExport was created, and its endpoints (for the
+// imported EndpointSlices).
 type ClusterExport struct {
-	Cluster  string
-	Created  time.Time
-	Headless bool
-	Ports    []Port
+	Cluster   string
+	Created   time.Time
+	Headless  bool
+	Ports     []Port
+	Endpoints []Endpoint
+}
+
+// Endpoint is one endpoint of an exporting cluster's service.
+type Endpoint struct {
+	// Addresses are the endpoint's (pod) addresses, at most one per family
+	// is used.
+	Addresses []netip.Addr
+	// Network is the network the addresses are reachable on: imported
+	// EndpointSlices carry the endpoint only in clusters of that network.
+	Network string
+	// Zone is the endpoint's zone ("" when unknown).
+	Zone string
+	// Ready, Serving and Terminating are the EndpointSlice conditions.
+	Ready, Serving, Terminating bool
+	// Ports are the ports the endpoint serves: the service port's name,
+	// protocol and app protocol with the endpoint's target port number.
+	Ports []Port
 }
 
 // Service is an exported service of the federation: the input of the
@@ -87,6 +108,8 @@ type Import struct {
 	// Clusters are the exporting clusters, sorted.
 	Clusters  []string
 	Conflicts []Conflict
+	// Endpoints are each exporting cluster's endpoints.
+	Endpoints map[string][]Endpoint
 }
 
 // Merge applies the MCS KEP's conflict rules to the exports of s: exports
@@ -113,6 +136,12 @@ func Merge(s Service) Import {
 	byNumber := map[string]Port{} // "<port>/<protocol>"
 	for _, e := range exps {
 		imp.Clusters = append(imp.Clusters, e.Cluster)
+		if len(e.Endpoints) > 0 {
+			if imp.Endpoints == nil {
+				imp.Endpoints = map[string][]Endpoint{}
+			}
+			imp.Endpoints[e.Cluster] = e.Endpoints
+		}
 		if e.Headless != oldest.Headless {
 			typeLosers = append(typeLosers, e.Cluster)
 		}

@@ -18,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/dynamic"
 	mcsv1beta1 "sigs.k8s.io/mcs-api/pkg/apis/v1beta1"
 )
@@ -42,6 +43,9 @@ const ConditionConflict = string(mcsv1beta1.ServiceExportConditionConflict)
 type Cluster struct {
 	Name   string
 	Client dynamic.Interface
+	// Network is the cluster's network: its imported EndpointSlices list
+	// the exporting clusters' endpoints on that network.
+	Network string
 }
 
 // Config configures a Writer. Zero fields take the defaults of
@@ -219,12 +223,17 @@ func (w *Writer) reconcileCluster(ctx context.Context, c Cluster, desired map[st
 		existing[u.GetNamespace()+"/"+u.GetName()] = u
 	}
 	var errs []error
+	owners := map[string]types.UID{} // the ServiceImports the slices belong to
 	for key, imp := range desired {
 		if !namespaces[imp.Namespace] {
 			continue
 		}
-		if err := w.apply(ctx, res, imp, existing[key]); err != nil {
+		uid, err := w.apply(ctx, res, imp, existing[key])
+		if err != nil {
 			errs = append(errs, fmt.Errorf("ServiceImport %s: %w", key, err))
+		}
+		if uid != "" {
+			owners[key] = uid
 		}
 	}
 	for key, u := range existing {
@@ -237,57 +246,65 @@ func (w *Writer) reconcileCluster(ctx context.Context, c Cluster, desired map[st
 			errs = append(errs, fmt.Errorf("delete ServiceImport %s: %w", key, err))
 		}
 	}
+	// After the imports: a slice is written only with its owner's UID, and
+	// the slices of a deleted import go with it (also without a garbage
+	// collector).
+	if err := w.reconcileSlices(ctx, c, desired, owners); err != nil {
+		errs = append(errs, err)
+	}
 	return errors.Join(errs...)
 }
 
 func ptr[T any](v T) *T { return &v }
 
-// apply creates or updates the ServiceImport of imp (spec, then status).
-func (w *Writer) apply(ctx context.Context, res dynamic.NamespaceableResourceInterface, imp Import, cur *unstructured.Unstructured) error {
+// apply creates or updates the ServiceImport of imp (spec, then status)
+// and returns its UID ("" when there is no managed ServiceImport).
+func (w *Writer) apply(ctx context.Context, res dynamic.NamespaceableResourceInterface, imp Import, cur *unstructured.Unstructured) (types.UID, error) {
 	want := desiredObject(imp)
 	ri := res.Namespace(imp.Namespace)
 	var si mcsv1beta1.ServiceImport
 	if cur == nil {
 		obj, err := toUnstructured(want)
 		if err != nil {
-			return err
+			return "", err
 		}
 		created, err := ri.Create(ctx, obj, metav1.CreateOptions{})
 		if apierrors.IsAlreadyExists(err) {
-			return fmt.Errorf("a ServiceImport not managed by Isthmus exists; left alone")
+			return "", fmt.Errorf("a ServiceImport not managed by Isthmus exists; left alone")
 		}
 		if err != nil {
-			return err
+			return "", err
 		}
 		cur = created
 	}
+	uid := cur.GetUID()
 	if err := runtime.DefaultUnstructuredConverter.FromUnstructured(cur.Object, &si); err != nil {
-		return err
+		return uid, err
 	}
 	if !equality.Semantic.DeepEqual(si.Spec, want.Spec) {
 		si.Spec = want.Spec
 		obj, err := toUnstructured(&si)
 		if err != nil {
-			return err
+			return uid, err
 		}
 		if cur, err = ri.Update(ctx, obj, metav1.UpdateOptions{}); err != nil {
-			return err
+			return uid, err
 		}
 		if err := runtime.DefaultUnstructuredConverter.FromUnstructured(cur.Object, &si); err != nil {
-			return err
+			return uid, err
 		}
 	}
 	status := desiredStatus(imp, si.Status.Conditions, si.Generation)
 	if equality.Semantic.DeepEqual(si.Status, status) {
-		return nil
+		return uid, nil
 	}
 	si.Status = status
 	obj, err := toUnstructured(&si)
 	if err != nil {
-		return err
+		return uid, err
 	}
 	_, err = ri.UpdateStatus(ctx, obj, metav1.UpdateOptions{})
-	return err
+	return uid, err
 }
 
 func toUnstructured(si *mcsv1beta1.ServiceImport) (*unstructured.Unstructured, error) {

@@ -30,6 +30,7 @@ type env struct {
 	services []mcs.Service
 	dyn      map[string]dynamic.Interface
 	ns       string
+	networks map[string]string // cluster -> network; unset: "network-1"
 }
 
 func newEnv(t *testing.T) *env {
@@ -64,7 +65,11 @@ func (e *env) deps() mcs.Deps {
 		Clusters: func() []mcs.Cluster {
 			var out []mcs.Cluster
 			for _, c := range clusters.Clusters {
-				out = append(out, mcs.Cluster{Name: c.Name, Client: e.dyn[c.Name]})
+				nw := e.networks[c.Name]
+				if nw == "" {
+					nw = "network-1"
+				}
+				out = append(out, mcs.Cluster{Name: c.Name, Client: e.dyn[c.Name], Network: nw})
 			}
 			return out
 		},

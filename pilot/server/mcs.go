@@ -48,6 +48,7 @@ func mcsServices(reg *registry.Registry, alloc *vip.Allocator) func() []mcs.Serv
 				for _, p := range d.Ports {
 					ce.Ports = append(ce.Ports, mcs.Port{Name: p.Name, Protocol: corev1.Protocol(p.Protocol), AppProtocol: p.AppProtocol, Port: int32(p.Port)})
 				}
+				ce.Endpoints = mcsEndpoints(s.Shards[d.Cluster], d.Ports)
 				ms.Exports = append(ms.Exports, ce)
 			}
 			out = append(out, ms)
@@ -56,14 +57,34 @@ func mcsServices(reg *registry.Registry, alloc *vip.Allocator) func() []mcs.Serv
 	}
 }
 
+// mcsEndpoints are an exporting cluster's endpoints (its shard) for the
+// imported EndpointSlices: each with the service ports it serves, named
+// as the cluster's Service names them, at the endpoint's target port.
+func mcsEndpoints(shard []model.Endpoint, ports []model.Port) []mcs.Endpoint {
+	out := make([]mcs.Endpoint, 0, len(shard))
+	for i := range shard {
+		e := &shard[i]
+		me := mcs.Endpoint{Addresses: e.Workload.Addresses, Network: string(e.Network()), Zone: e.Locality().Zone,
+			Ready: e.Ready() && !e.Terminating(), Serving: e.Ready(), Terminating: e.Terminating()}
+		for _, p := range ports {
+			if target, ok := e.TargetPort(p.Port); ok {
+				me.Ports = append(me.Ports, mcs.Port{Name: p.Name, Protocol: corev1.Protocol(p.Protocol), AppProtocol: p.AppProtocol, Port: int32(target)})
+			}
+		}
+		out = append(out, me)
+	}
+	return out
+}
+
 // mcsClusters lists the clusters the registry holds with their dynamic
-// clients, for the ServiceImport writer.
+// clients and networks, for the ServiceImport writer.
 func mcsClusters(reg *registry.Registry, mc *multicluster.Controller) func() []mcs.Cluster {
 	return func() []mcs.Cluster {
 		var out []mcs.Cluster
 		for id := range reg.Clusters() {
 			if c, ok := mc.KubeClient(string(id)); ok && c.Dynamic != nil {
-				out = append(out, mcs.Cluster{Name: string(id), Client: c.Dynamic})
+				nw, _ := mc.Network(string(id))
+				out = append(out, mcs.Cluster{Name: string(id), Client: c.Dynamic, Network: string(nw)})
 			}
 		}
 		slices.SortFunc(out, func(a, b mcs.Cluster) int { return cmp.Compare(a.Name, b.Name) })

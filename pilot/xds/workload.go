@@ -175,8 +175,10 @@ func clusterNetwork(s *model.Service, cluster model.ClusterID, fallback model.Ne
 // buildServiceAddresses adds to out the Address resources service s owns for
 // clients of c: the Service itself and one split-horizon workload per other
 // network that has ready endpoints of s and a gateway. A service with no
-// address on c's network is given its allocated addresses there (alloc may
-// be nil).
+// address on c's network is given its allocated addresses there; an
+// exported (MCS) service that is not headless is given them in every
+// network, beside any local VIP: they are its ServiceImport IPs, one
+// allocation for the whole clusterset (alloc may be nil).
 func buildServiceAddresses(c class, s *model.Service, gws gatewayIndex, td trustDomains, alloc Allocations, out map[string]types.Resource) {
 	if s == nil || !c.sees(s) {
 		return
@@ -212,7 +214,8 @@ func buildServiceAddresses(c class, s *model.Service, gws gatewayIndex, td trust
 			local = local || nw == c.Network
 		}
 	}
-	if !local && alloc != nil && s.Scope != model.ScopeClusterLocal {
+	clusterSetIP := s.HasExport() && !s.Headless
+	if (!local || clusterSetIP) && alloc != nil && s.Scope != model.ScopeClusterLocal {
 		v4, v6 := alloc.Addresses(s.Hostname)
 		if want4, want6 := s.Families(); !want4 {
 			v4 = netip.Addr{}

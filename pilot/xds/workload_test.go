@@ -347,7 +347,8 @@ func (f *fakeAlloc) Addresses(host string) (v4, v6 netip.Addr) {
 // TestAllocatedAddresses: a service that has no address on a client's
 // network (it runs only on network 2) is sent there with its allocated
 // addresses, marked as such and for the client's network; a client on
-// network 2, where it has a VIP, never gets them; a change of allocation
+// network 2, where it has a VIP, gets them too as it is exported (its
+// ServiceImport IP: TestClusterSetIPBesideLocalVIP); a change of allocation
 // reaches clients through Refresh; and headless and exported are carried.
 func TestAllocatedAddresses(t *testing.T) {
 	reg := xdstest.New()
@@ -377,7 +378,8 @@ func TestAllocatedAddresses(t *testing.T) {
 
 	c2 := openDelta(t, dial(t, e.addr), wildcard(node("zt-2", "net2", "c2")))
 	c2.apply(c2.next())
-	require.Empty(t, c2.resources[xds.ServiceResourceName(ns, host)].GetService().GetAllocatedAddresses(), "it has a VIP on network 2")
+	require.Equal(t, [][]byte{ip("240.240.0.7").AsSlice()}, c2.resources[xds.ServiceResourceName(ns, host)].GetService().GetAllocatedAddresses(),
+		"it has a VIP on network 2, and, exported, its ServiceImport IP too")
 
 	alloc.mu.Lock()
 	alloc.m[host] = [2]netip.Addr{ip("240.240.0.8")}
@@ -387,4 +389,52 @@ func TestAllocatedAddresses(t *testing.T) {
 	require.Equal(t, []string{xds.ServiceResourceName(ns, host)}, names(r))
 	c.apply(r)
 	require.Equal(t, [][]byte{ip("240.240.0.8").AsSlice()}, c.resources[xds.ServiceResourceName(ns, host)].GetService().GetAllocatedAddresses())
+}
+
+// TestClusterSetIPBesideLocalVIP: an exported service that has a VIP on
+// both networks is also sent, on each, its allocated address (its
+// ServiceImport IP) beside the local VIP, marked allocated; a service that
+// is not exported is not.
+func TestClusterSetIPBesideLocalVIP(t *testing.T) {
+	reg := xdstest.New()
+	both, bws := xdstest.Backing("both", ns, tcp80, map[model.ClusterID][]netip.Addr{"c1": {ip("10.96.1.5")}, "c2": {ip("10.96.2.5")}},
+		xdstest.Pod("c1", "net1", ns, "b1", ip("10.1.0.5")), xdstest.Pod("c2", "net2", ns, "b2", ip("10.2.0.5")))
+	both.VIPNetworks = map[model.ClusterID]model.Network{"c1": "net1", "c2": "net2"}
+	both.Definitions = []*model.ClusterService{{Cluster: "c2", Name: "both", Namespace: ns, Exported: true}, {Cluster: "c1", Name: "both", Namespace: ns}}
+	publish(reg, both, bws)
+	plain, pws := xdstest.Backing("plain", ns, tcp80, map[model.ClusterID][]netip.Addr{"c1": {ip("10.96.1.6")}},
+		xdstest.Pod("c1", "net1", ns, "p1", ip("10.1.0.6")))
+	plain.VIPNetworks = map[model.ClusterID]model.Network{"c1": "net1"}
+	plain.Definitions = []*model.ClusterService{{Cluster: "c1", Name: "plain", Namespace: ns}}
+	publish(reg, plain, pws)
+	bothHost, plainHost := model.Hostname("both", ns, ""), model.Hostname("plain", ns, "")
+	alloc := &fakeAlloc{m: map[string][2]netip.Addr{bothHost: {ip("240.240.0.9")}, plainHost: {ip("240.240.0.10")}}}
+	e := startWith(t, reg, xds.Config{AllowPlaintext: true, Allocations: alloc})
+
+	for _, n := range []struct {
+		node    string
+		network model.Network
+		cluster model.ClusterID
+		local   string
+	}{
+		{"zt-1", "net1", "c1", "10.96.1.5"}, {"zt-2", "net2", "c2", "10.96.2.5"},
+	} {
+		c := openDelta(t, dial(t, e.addr), wildcard(node(n.node, n.network, n.cluster)))
+		c.apply(c.next())
+		svc := c.resources[xds.ServiceResourceName(ns, bothHost)].GetService()
+		require.Equal(t, [][]byte{ip("240.240.0.9").AsSlice()}, svc.GetAllocatedAddresses(), "the ServiceImport IP on %s", n.network)
+		var mine [][]byte
+		for _, a := range svc.GetAddresses() {
+			if a.GetNetwork() == string(n.network) {
+				mine = append(mine, a.GetAddress())
+			}
+		}
+		require.Equal(t, [][]byte{ip(n.local).AsSlice(), ip("240.240.0.9").AsSlice()}, mine, "local VIP first, then the clusterset IP, on %s", n.network)
+		require.True(t, svc.GetExported())
+		if n.network == "net1" {
+			p := c.resources[xds.ServiceResourceName(ns, plainHost)].GetService()
+			require.Empty(t, p.GetAllocatedAddresses(), "not exported, VIP on the client's network: no allocated address")
+			require.Len(t, p.GetAddresses(), 1)
+		}
+	}
 }

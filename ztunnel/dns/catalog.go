@@ -2,6 +2,7 @@ package dns
 
 import (
 	"net/netip"
+	"slices"
 
 	"github.com/isthmus-mesh/isthmus/ztunnel/state"
 )
@@ -28,6 +29,9 @@ type Name struct {
 	// Cluster restricts Pod to a cluster (clusterset.local pod names carry
 	// it: <pod>.<cluster>.<svc>.<ns>.svc.clusterset.local); empty means any.
 	Cluster string
+	// ClusterSet is set for a name under clusterset.local (MCS): an
+	// exported service then answers its clusterset (ServiceImport) IP.
+	ClusterSet bool
 }
 
 // Catalog answers mesh names. Implementations must be safe for concurrent
@@ -43,8 +47,9 @@ type Catalog interface {
 
 // Attributes are what DNS needs of a service beyond what state.Service
 // carries today: whether it is headless, whether it is exported (MCS), and
-// the addresses pilot allocated for it (valid in the client's network, for a
-// service with no VIP there).
+// the addresses pilot allocated for it (valid in the client's network: for
+// a service with no VIP there, and for an exported service that is not
+// headless, its clusterset IP, in every network).
 type Attributes struct {
 	Headless  bool
 	Exported  bool
@@ -56,7 +61,11 @@ type Attributes struct {
 // endpoints on other networks as synthetic workloads without address.
 //
 // Resolution:
-//   - a service with VIPs answers its VIPs;
+//   - under clusterset.local, an exported service that is not headless
+//     answers its allocated addresses (its ServiceImport IPs), or, while
+//     it has none, as under the cluster domain;
+//   - a service with VIPs answers its VIPs, less the allocated ones when
+//     it has others (an exported service's local ClusterIPs);
 //   - a headless service answers the addresses of its ready endpoints on
 //     the client's network; when it has none there, its allocated
 //     addresses (the gateway path: capture maps them back to the service);
@@ -105,8 +114,11 @@ func (c *StoreCatalog) Lookup(name Name, client Client) ([]netip.Addr, bool, boo
 		addrs, found := podAddrs(snap.Endpoints(svc.Key()), name, network, attr)
 		return addrs, attr.Exported, found && attr.Headless
 	}
+	if !attr.Headless && name.ClusterSet && len(attr.Allocated) > 0 {
+		return attr.Allocated, attr.Exported, true
+	}
 	if !attr.Headless && len(svc.VIPs) > 0 {
-		return svc.VIPs, attr.Exported, true // allocated ones among them when it has none here
+		return ownVIPs(svc.VIPs, attr.Allocated), attr.Exported, true
 	}
 	if attr.Headless {
 		var addrs []netip.Addr
@@ -120,6 +132,25 @@ func (c *StoreCatalog) Lookup(name Name, client Client) ([]netip.Addr, bool, boo
 		}
 	}
 	return attr.Allocated, attr.Exported, true
+}
+
+// ownVIPs returns vips less the allocated addresses, or vips whole when
+// those are all it has (a service with no VIP of its own on the network).
+// It allocates only when there is something to remove.
+func ownVIPs(vips, allocated []netip.Addr) []netip.Addr {
+	if len(allocated) == 0 {
+		return vips
+	}
+	own := make([]netip.Addr, 0, len(vips))
+	for _, a := range vips {
+		if !slices.Contains(allocated, a) {
+			own = append(own, a)
+		}
+	}
+	if len(own) == 0 {
+		return vips
+	}
+	return own
 }
 
 // podAddrs resolves a pod name of a headless service.

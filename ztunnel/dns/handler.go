@@ -186,11 +186,11 @@ func (h *handler) nxdomain(req *mdns.Msg, z *zone) (*mdns.Msg, Kind, bool) {
 func zoneName(l []string, clusterSet bool) (Name, bool) {
 	switch {
 	case len(l) == 2:
-		return Name{Service: l[0], Namespace: l[1]}, true
+		return Name{Service: l[0], Namespace: l[1], ClusterSet: clusterSet}, true
 	case len(l) == 3 && !clusterSet:
 		return Name{Pod: l[0], Service: l[1], Namespace: l[2]}, true
 	case len(l) == 4 && clusterSet:
-		return Name{Pod: l[0], Cluster: l[1], Service: l[2], Namespace: l[3]}, true
+		return Name{Pod: l[0], Cluster: l[1], Service: l[2], Namespace: l[3], ClusterSet: true}, true
 	}
 	return Name{}, false
 }

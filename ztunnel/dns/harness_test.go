@@ -27,6 +27,8 @@ var (
 	remoteVIP   = netip.MustParseAddr("240.240.0.5")
 	remoteVIP6  = netip.MustParseAddr("2001:2::5")
 	headlessVIP = netip.MustParseAddr("240.240.0.6")
+	sharedVIP   = netip.MustParseAddr("10.96.0.11")
+	clusterSet  = netip.MustParseAddr("240.240.0.7")
 	extAddr     = netip.MustParseAddr("192.0.2.80")
 )
 
@@ -39,6 +41,8 @@ const testNode = "node-1"
 //   - db.demo: headless, pods db-0 and db-1 on n1 (db-2 not ready), plus
 //     endpoints on n2 behind a gateway; allocated address;
 //   - far.demo: headless, endpoints on n2 only; exported;
+//   - shared.demo: a VIP in n1 and, exported, its clusterset IP (allocated,
+//     among its VIPs as xDS sends it);
 //   - a client pod in namespace demo and one in namespace other (all pods
 //     on testNode).
 type mesh struct {
@@ -61,6 +65,7 @@ func newMesh() *mesh {
 		host("db"):     {Headless: true, Allocated: []netip.Addr{headlessVIP}},
 		host("far"):    {Headless: true, Exported: true, Allocated: []netip.Addr{headlessVIP}},
 		host("ext"):    {Exported: true}, // added by TestNXDomainAtOnce
+		host("shared"): {Exported: true, Allocated: []netip.Addr{clusterSet}},
 	}
 	gw := &state.NetworkGateway{Network: "n2", Address: testnet.NextAddr(), HBONEPort: 15008}
 	pod := func(name, ns string, a netip.Addr, st state.Status, svcs ...string) *state.Workload {
@@ -76,6 +81,7 @@ func newMesh() *mesh {
 		tx.UpsertService(&state.Service{Name: "remote", Namespace: "demo", Ports: []uint16{80}})
 		tx.UpsertService(&state.Service{Name: "db", Namespace: "demo", Ports: []uint16{5432}})
 		tx.UpsertService(&state.Service{Name: "far", Namespace: "demo", Ports: []uint16{5432}})
+		tx.UpsertService(&state.Service{Name: "shared", Namespace: "demo", VIPs: []netip.Addr{sharedVIP, clusterSet}, Ports: []uint16{80}})
 		tx.UpsertWorkload(pod("client", "demo", m.client, state.StatusReady))
 		tx.UpsertWorkload(pod("other", "other", m.other, state.StatusReady))
 		tx.UpsertWorkload(pod("db-0", "demo", m.db0, state.StatusReady, "db"))

@@ -67,6 +67,9 @@ func TestMeshNames(t *testing.T) {
 		{"db-7.db.demo.svc.cluster.local.", m.client, mdns.TypeA, []netip.Addr{headlessVIP}}, // a pod on n2: gateway path
 		{"far.demo.svc.cluster.local.", m.client, mdns.TypeA, []netip.Addr{headlessVIP}},     // headless, endpoints on n2 only
 		{"far.demo.svc.clusterset.local.", m.client, mdns.TypeA, []netip.Addr{headlessVIP}},
+		{"shared.demo.svc.clusterset.local.", m.client, mdns.TypeA, []netip.Addr{clusterSet}}, // the ServiceImport IP
+		{"shared.demo.svc.cluster.local.", m.client, mdns.TypeA, []netip.Addr{sharedVIP}},     // the local ClusterIP
+		{"shared.", m.client, mdns.TypeA, []netip.Addr{sharedVIP}},
 		{"db-1.c1.db.demo.svc.clusterset.local.", m.client, mdns.TypeA, nil}, // db is not exported: checked below as NXDOMAIN
 		{"demo.svc.cluster.local.", m.client, mdns.TypeA, none},              // empty non-terminal
 		{"echo.demo.svc.cluster.local.", m.client, mdns.TypeMX, none},        // other types: NODATA

@@ -274,8 +274,9 @@ type Service struct {
 	// Exported services also answer under clusterset.local (MCS).
 	Exported bool `json:"exported,omitempty"`
 	// Allocated are the virtual addresses pilot allocated for the service
-	// on this node's network (it has none of its own here); they are in
-	// VIPs too.
+	// on this node's network: because it has none of its own here, or,
+	// for an exported service that is not headless, as its clusterset
+	// (ServiceImport) IPs beside its local VIPs. They are in VIPs too.
 	Allocated []netip.Addr `json:"allocated,omitempty"`
 }
 

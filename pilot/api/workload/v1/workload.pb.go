@@ -946,9 +946,12 @@ type Service struct {
 	Exported bool `protobuf:"varint,11,opt,name=exported,proto3" json:"exported,omitempty"`
 	// allocated_addresses are virtual addresses pilot allocated for the
 	// service, sent to clients on a network where it has no address of its
-	// own (it runs only elsewhere). They are also in addresses, for the
-	// client's network: DNS answers them and outbound capture maps them back
-	// to the service.
+	// own (it runs only elsewhere), and, for an exported service that is not
+	// headless, to clients on every network: they are then its clusterset
+	// (ServiceImport) IPs, beside any local VIP. They are also in addresses,
+	// for the client's network: DNS answers them (clusterset.local, and
+	// cluster.local when the service has no other address there) and
+	// outbound capture maps them back to the service.
 	AllocatedAddresses [][]byte `protobuf:"bytes,12,rep,name=allocated_addresses,json=allocatedAddresses,proto3" json:"allocated_addresses,omitempty"`
 	unknownFields      protoimpl.UnknownFields
 	sizeCache          protoimpl.SizeCache
