@@ -152,6 +152,11 @@ func convertService(cluster model.ClusterID, svc *corev1.Service) *svcInfo {
 		}
 		cs.Ports = append(cs.Ports, p)
 	}
+	if lb, err := LoadBalancingOf(svc); err != nil {
+		cs.LoadBalancing, cs.LoadBalancingError = lb, err.Error()
+	} else {
+		cs.LoadBalancing = lb
+	}
 	info := &svcInfo{cs: cs}
 	if svc.Spec.Selector != nil && svc.Spec.Type != corev1.ServiceTypeExternalName {
 		cs.Selector = internMap(svc.Spec.Selector)
@@ -231,7 +236,8 @@ func serviceEqual(a, b *svcInfo) bool {
 	x, y := a.cs, b.cs
 	return x.Name == y.Name && x.Namespace == y.Namespace && slices.Equal(x.VIPs, y.VIPs) && slices.Equal(x.Ports, y.Ports) &&
 		x.Headless == y.Headless && maps.Equal(x.Selector, y.Selector) && (x.Selector == nil) == (y.Selector == nil) &&
-		x.Exported == y.Exported && x.ExportCreated.Equal(y.ExportCreated) && x.ScopeLocal == y.ScopeLocal && x.Network == y.Network && x.Created.Equal(y.Created) && gatewayEqual(a.gateway, b.gateway)
+		x.Exported == y.Exported && x.ExportCreated.Equal(y.ExportCreated) && x.ScopeLocal == y.ScopeLocal && x.Network == y.Network && x.Created.Equal(y.Created) && gatewayEqual(a.gateway, b.gateway) &&
+		x.LoadBalancing.Equal(y.LoadBalancing) && x.LoadBalancingError == y.LoadBalancingError
 }
 
 func gatewayEqual(a, b *model.NetworkGateway) bool {

@@ -192,6 +192,7 @@ func buildServiceAddresses(c class, s *model.Service, gws gatewayIndex, td trust
 	if s.Scope == model.ScopeClusterLocal {
 		svc.Scope = workloadv1.ServiceScope_CLUSTER_LOCAL
 	}
+	svc.LoadBalancing = loadBalancing(s.LoadBalancingFor(c.Cluster))
 	for _, cl := range slices.Sorted(maps.Keys(s.LocalClusters)) {
 		if s.LocalClusters[cl] {
 			svc.LocalClusters = append(svc.LocalClusters, string(cl))
@@ -328,4 +329,29 @@ func splitWorkload(s *model.Service, nw model.Network, gws []model.NetworkGatewa
 		w.NetworkGateways = append(w.NetworkGateways, gatewayAddress(gw, td))
 	}
 	return &workloadv1.Address{Type: &workloadv1.Address_Workload{Workload: w}}
+}
+
+// routingScopes maps the model's routing scopes to the workload API's.
+var routingScopes = [...]workloadv1.LoadBalancing_Scope{
+	model.RouteNetwork: workloadv1.LoadBalancing_NETWORK, model.RouteCluster: workloadv1.LoadBalancing_CLUSTER,
+	model.RouteRegion: workloadv1.LoadBalancing_REGION, model.RouteZone: workloadv1.LoadBalancing_ZONE,
+	model.RouteSubzone: workloadv1.LoadBalancing_SUBZONE, model.RouteNode: workloadv1.LoadBalancing_NODE,
+}
+
+// loadBalancing is the workload API form of a routing preference: nil (the
+// client's default order) for nil, else the scopes and an explicit mode.
+func loadBalancing(lb *model.LoadBalancing) *workloadv1.LoadBalancing {
+	if lb == nil {
+		return nil
+	}
+	out := &workloadv1.LoadBalancing{Mode: workloadv1.LoadBalancing_FAILOVER, RoutingPreference: make([]workloadv1.LoadBalancing_Scope, 0, len(lb.Preference))}
+	if lb.Strict {
+		out.Mode = workloadv1.LoadBalancing_STRICT
+	}
+	for _, sc := range lb.Preference {
+		if int(sc) < len(routingScopes) && sc != 0 {
+			out.RoutingPreference = append(out.RoutingPreference, routingScopes[sc])
+		}
+	}
+	return out
 }
