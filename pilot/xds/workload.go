@@ -18,14 +18,23 @@ import (
 const WorkloadType = workloadv1.TypeURL
 
 // class is a set of clients that see exactly the same resources: those on one
-// network in one cluster (the cluster matters only for cluster-local services).
+// network in one cluster (the cluster matters only for cluster-local services
+// and routing preferences), and for the Envoy types in one locality (EDS
+// orders endpoints into priorities by it: envoy.go).
 type class struct {
-	Network model.Network
-	Cluster model.ClusterID
+	Network  model.Network
+	Cluster  model.ClusterID
+	Locality model.Locality
 }
 
-// String renders the class as network|cluster.
-func (c class) String() string { return string(c.Network) + "|" + string(c.Cluster) }
+// String renders the class as network|cluster, then |locality if it has one.
+func (c class) String() string {
+	s := string(c.Network) + "|" + string(c.Cluster)
+	if c.Locality != (model.Locality{}) {
+		s += "|" + c.Locality.String()
+	}
+	return s
+}
 
 // sees reports whether clients of c see service s at all: whether any
 // cluster's definition or endpoints of it are visible to them.
