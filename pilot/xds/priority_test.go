@@ -1,16 +1,23 @@
 package xds_test
 
 import (
+	"context"
 	"fmt"
 	"net/netip"
 	"sort"
 	"testing"
+	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/peer"
+	grpcxds "google.golang.org/grpc/xds"
 
 	"github.com/isthmus-mesh/isthmus/pilot/model"
 	"github.com/isthmus-mesh/isthmus/pilot/xds"
@@ -140,4 +147,81 @@ func TestEDSLocalityClassesBounded(t *testing.T) {
 	require.Equal(t, first, again)
 	long, _ := edsOf(t, e, "envoy-4", &corev3.Locality{Region: fmt.Sprintf("%064d", 0), Zone: "z1"})
 	require.Len(t, long, 3, "a locality longer than a label value is none")
+}
+
+// TestProxylessGRPCPriorities proves a real grpc-go xDS client, whose
+// bootstrap names its locality, follows the EDS priorities of a
+// PreferSameZone service: every call to its zone's instance while it is
+// ready, to the other zone's when it is not, to the other cluster's only
+// when its cluster has no ready instance, and back.
+func TestProxylessGRPCPriorities(t *testing.T) {
+	addrs := map[string]netip.AddrPort{
+		"zone":    echoServer(t, "127.0.30.1"),
+		"region":  echoServer(t, "127.0.30.2"),
+		"network": echoServer(t, "127.0.30.3"),
+	}
+	reg := xdstest.New()
+	ports := []model.Port{{Name: "grpc", Port: 7070, Protocol: model.TCP, AppProtocol: "grpc"}}
+	zone := model.PreferSameZone
+	publishReady := func(ready map[string]bool) {
+		at := func(cluster model.ClusterID, name string, l model.Locality) *model.Workload {
+			w := xdstest.Pod(cluster, "net1", ns, name, addrs[name].Addr())
+			w.Locality, w.Ready = l, ready[name]
+			return w
+		}
+		svc, ws := xdstest.Backing("echo", ns, ports, nil,
+			at("c1", "zone", model.Locality{Region: "r1", Zone: "z1"}), at("c1", "region", model.Locality{Region: "r1", Zone: "z2"}),
+			at("c2", "network", model.Locality{Region: "r1", Zone: "z1"}))
+		for cl, shard := range svc.Shards {
+			for i := range shard {
+				svc.Shards[cl][i].Ports = []model.PortMapping{{ServicePort: 7070, TargetPort: addrs[shard[i].Workload.Name].Port()}}
+			}
+		}
+		svc.Definitions = []*model.ClusterService{{Cluster: "c1", Name: "echo", Namespace: ns, LoadBalancing: &zone}}
+		publish(reg, svc, ws)
+	}
+	publishReady(map[string]bool{"zone": true, "region": true, "network": true})
+	e := start(t, reg)
+	bootstrap := fmt.Sprintf(`{
+		"xds_servers": [{"server_uri": %q, "channel_creds": [{"type": "insecure"}], "server_features": ["xds_v3"]}],
+		"node": {"id": "proxyless-z1", "locality": {"region": "r1", "zone": "z1"}, "metadata": {"NETWORK": "net1", "CLUSTER_ID": "c1"}}
+	}`, e.addr)
+	rb, err := grpcxds.NewXDSResolverWithConfigForTesting([]byte(bootstrap))
+	require.NoError(t, err)
+	cc, err := grpc.NewClient("xds:///"+echoHost+":7070", grpc.WithResolvers(rb), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	defer cc.Close()
+	client := healthpb.NewHealthClient(cc)
+	call := func() (netip.AddrPort, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		var p peer.Peer
+		if _, err := client.Check(ctx, &healthpb.HealthCheckRequest{}, grpc.Peer(&p)); err != nil {
+			return netip.AddrPort{}, err
+		}
+		return netip.ParseAddrPort(p.Addr.String())
+	}
+	only := func(name string) {
+		t.Helper()
+		require.EventuallyWithT(t, func(ct *assertT) {
+			for range 10 {
+				a, err := call()
+				if !assertNoError(ct, err) || !assertEqual(ct, addrs[name], a) {
+					return
+				}
+			}
+		}, 10*time.Second, 20*time.Millisecond, "every call to %s", name)
+	}
+	only("zone")
+	publishReady(map[string]bool{"region": true, "network": true})
+	only("region")
+	publishReady(map[string]bool{"network": true})
+	only("network")
+	publishReady(map[string]bool{"zone": true, "region": true, "network": true})
+	only("zone")
+	for range 20 {
+		a, err := call()
+		require.NoError(t, err)
+		require.Equal(t, addrs["zone"], a)
+	}
 }
