@@ -1,6 +1,7 @@
 package controller
 
 import (
+	"fmt"
 	"maps"
 	"net/netip"
 	"slices"
@@ -122,6 +123,38 @@ type svcInfo struct {
 	gateway  *model.NetworkGateway
 	// labels are the Service labels its scope reads (Scoper.ServiceLabels).
 	labels map[string]string
+	// ownLB is the routing preference the Service itself sets (nil: none;
+	// LoadBalancingOf), ownLBErr why an annotation of it was ignored.
+	ownLB    *model.LoadBalancing
+	ownLBErr string
+}
+
+// with returns a copy of s with cs.
+func (s *svcInfo) with(cs *model.ClusterService) *svcInfo {
+	c := *s
+	c.cs = cs
+	return &c
+}
+
+// loadBalancing returns the Service's routing preference and why an
+// annotation was ignored: its own (ownLB), else its namespace ns's Istio
+// annotation (nsDistribution), Istio's third source.
+func (s *svcInfo) loadBalancing(nsDistribution map[string]string, ns string) (*model.LoadBalancing, string) {
+	if s.ownLB != nil {
+		return s.ownLB, s.ownLBErr
+	}
+	v, ok := nsDistribution[ns]
+	if !ok {
+		return nil, s.ownLBErr
+	}
+	if lb := distribution(v); lb != nil {
+		return lb, s.ownLBErr
+	}
+	msg := fmt.Sprintf("namespace annotation %s: %q is none of PreferClose, PreferSameZone, PreferSameNode: ignored", TrafficDistributionAnnotation, clip(v))
+	if s.ownLBErr != "" {
+		msg = s.ownLBErr + "; " + msg
+	}
+	return nil, msg
 }
 
 func convertService(cluster model.ClusterID, svc *corev1.Service) *svcInfo {
@@ -152,12 +185,13 @@ func convertService(cluster model.ClusterID, svc *corev1.Service) *svcInfo {
 		}
 		cs.Ports = append(cs.Ports, p)
 	}
-	if lb, err := LoadBalancingOf(svc); err != nil {
-		cs.LoadBalancing, cs.LoadBalancingError = lb, err.Error()
-	} else {
-		cs.LoadBalancing = lb
-	}
 	info := &svcInfo{cs: cs}
+	lb, err := LoadBalancingOf(svc)
+	info.ownLB = lb
+	if err != nil {
+		info.ownLBErr = err.Error()
+	}
+	cs.LoadBalancing, cs.LoadBalancingError = info.ownLB, info.ownLBErr // the view adds the namespace's
 	if svc.Spec.Selector != nil && svc.Spec.Type != corev1.ServiceTypeExternalName {
 		cs.Selector = internMap(svc.Spec.Selector)
 		if cs.Selector == nil {

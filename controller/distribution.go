@@ -38,7 +38,8 @@ const maxRoutingAnnotation = 256
 //     value is ignored, as Istio ignores it);
 //  3. else Istio's traffic-distribution annotation, with the same values
 //     (this order of the field and the annotation is Istio's);
-//  4. else nil: the mesh's default order.
+//  4. else nil: the mesh's default order, unless the Service's Namespace
+//     has Istio's annotation (discovery applies it, Istio's third source).
 //
 // An annotation that cannot be read is ignored, and err says why; the
 // returned preference is then what the rest of the order gives.

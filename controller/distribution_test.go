@@ -81,6 +81,15 @@ func TestTrafficDistributionFollowsChanges(t *testing.T) {
 	ctx := context.Background()
 	f := startFederation(t, "fed-td", registry.Config{QuietPeriod: 10 * time.Millisecond}, controller.Config{})
 	f.register(t, "cluster-2", "network-2")
+	// The clusters are shared by the package's tests, which count what
+	// they hold: leave nothing behind.
+	t.Cleanup(func() {
+		for _, cl := range []string{"cluster-1", "cluster-2"} {
+			c := clusters.Cluster(cl).Client.CoreV1()
+			_ = c.Pods("td").Delete(context.Background(), "echo-0", metav1.DeleteOptions{GracePeriodSeconds: new(int64)})
+			_ = c.Services("td").Delete(context.Background(), "echo", metav1.DeleteOptions{})
+		}
+	})
 	deploy(t, "cluster-1", "td", "echo", "node-a", 41, 1, 1)
 	const host = "echo.td.svc.cluster.local"
 	c1 := clusters.Cluster("cluster-1").Client.CoreV1().Services("td")
@@ -155,4 +164,38 @@ func TestTrafficDistributionFollowsChanges(t *testing.T) {
 	update(t, func(s *corev1.Service) { delete(s.Annotations, controller.TrafficDistributionAnnotation) })
 	expect(t, "cluster-1", nil, "")
 	expect(t, "cluster-2", &zone, "")
+
+	// The Namespace's Istio annotation applies to its Services that set
+	// none, and follows changes; a Service's own setting wins over it.
+	annotateNS := func(t *testing.T, value string) {
+		t.Helper()
+		nss := clusters.Cluster("cluster-1").Client.CoreV1().Namespaces()
+		require.NoError(t, retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			n, err := nss.Get(ctx, "td", metav1.GetOptions{})
+			if err != nil {
+				return err
+			}
+			if value == "" {
+				delete(n.Annotations, controller.TrafficDistributionAnnotation)
+			} else {
+				if n.Annotations == nil {
+					n.Annotations = map[string]string{}
+				}
+				n.Annotations[controller.TrafficDistributionAnnotation] = value
+			}
+			_, err = nss.Update(ctx, n, metav1.UpdateOptions{})
+			return err
+		}))
+	}
+	annotateNS(t, "PreferSameNode")
+	expect(t, "cluster-1", &node, "")
+	expect(t, "cluster-2", &zone, "")
+	update(t, func(s *corev1.Service) { s.Spec.TrafficDistribution = &td })
+	expect(t, "cluster-1", &zone, "")
+	update(t, func(s *corev1.Service) { s.Spec.TrafficDistribution = nil })
+	expect(t, "cluster-1", &node, "")
+	annotateNS(t, "Everywhere")
+	expect(t, "cluster-1", nil, `namespace annotation networking.istio.io/traffic-distribution: "Everywhere"`)
+	annotateNS(t, "")
+	expect(t, "cluster-1", nil, "")
 }
