@@ -1,7 +1,6 @@
 package controller
 
 import (
-	"fmt"
 	"maps"
 	"net/netip"
 	"slices"
@@ -138,7 +137,8 @@ func (s *svcInfo) with(cs *model.ClusterService) *svcInfo {
 
 // loadBalancing returns the Service's routing preference and why an
 // annotation was ignored: its own (ownLB), else its namespace ns's Istio
-// annotation (nsDistribution), Istio's third source.
+// annotation (nsDistribution), Istio's third source: ServiceLoadBalancing
+// from what discovery keeps.
 func (s *svcInfo) loadBalancing(nsDistribution map[string]string, ns string) (*model.LoadBalancing, string) {
 	if s.ownLB != nil {
 		return s.ownLB, s.ownLBErr
@@ -147,14 +147,14 @@ func (s *svcInfo) loadBalancing(nsDistribution map[string]string, ns string) (*m
 	if !ok {
 		return nil, s.ownLBErr
 	}
-	if lb := distribution(v); lb != nil {
+	lb, err := namespaceLoadBalancing(v)
+	if err == nil {
 		return lb, s.ownLBErr
 	}
-	msg := fmt.Sprintf("namespace annotation %s: %q is none of PreferClose, PreferSameZone, PreferSameNode: ignored", TrafficDistributionAnnotation, clip(v))
 	if s.ownLBErr != "" {
-		msg = s.ownLBErr + "; " + msg
+		return nil, s.ownLBErr + "\n" + err.Error()
 	}
-	return nil, msg
+	return nil, err.Error()
 }
 
 func convertService(cluster model.ClusterID, svc *corev1.Service) *svcInfo {

@@ -1,6 +1,7 @@
 package controller
 
 import (
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -67,6 +68,33 @@ func LoadBalancingOf(svc *corev1.Service) (lb *model.LoadBalancing, err error) {
 		}
 	}
 	return nil, err
+}
+
+// ServiceLoadBalancing is the routing preference discovery gives a Service
+// whose Namespace has annotations nsAnnotations: LoadBalancingOf, else
+// (the Service sets none) the Namespace's Istio traffic-distribution
+// annotation. err says which annotations were ignored, and why.
+func ServiceLoadBalancing(svc *corev1.Service, nsAnnotations map[string]string) (*model.LoadBalancing, error) {
+	lb, err := LoadBalancingOf(svc)
+	if lb != nil {
+		return lb, err
+	}
+	v, ok := nsAnnotations[TrafficDistributionAnnotation]
+	if !ok {
+		return nil, err
+	}
+	lb, nsErr := namespaceLoadBalancing(v)
+	return lb, errors.Join(err, nsErr)
+}
+
+// namespaceLoadBalancing reads a Namespace's Istio traffic-distribution
+// annotation (value).
+func namespaceLoadBalancing(value string) (*model.LoadBalancing, error) {
+	if lb := distribution(value); lb != nil {
+		return lb, nil
+	}
+	return nil, fmt.Errorf("namespace annotation %s: %q is none of %s, %s, %s: ignored", TrafficDistributionAnnotation, clip(value),
+		corev1.ServiceTrafficDistributionPreferClose, corev1.ServiceTrafficDistributionPreferSameZone, corev1.ServiceTrafficDistributionPreferSameNode)
 }
 
 // distribution maps a traffic distribution value (case-insensitive) to its
