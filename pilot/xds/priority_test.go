@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
@@ -147,6 +148,16 @@ func TestEDSLocalityClassesBounded(t *testing.T) {
 	require.Equal(t, first, again)
 	long, _ := edsOf(t, e, "envoy-4", &corev3.Locality{Region: fmt.Sprintf("%064d", 0), Zone: "z1"})
 	require.Len(t, long, 3, "a locality longer than a label value is none")
+
+	// The other Envoy types do not depend on the locality: a client with
+	// one gets them (from its network and cluster's view).
+	n := node("envoy-5", "net1", "c1")
+	n.Locality = z1
+	c := openSotw(t, dial(t, e.addr), n)
+	c.send(&discovery.DiscoveryRequest{TypeUrl: resource.ClusterType})
+	clusters := unpack[clusterv3.Cluster](t, c.next(resource.ClusterType))
+	require.Len(t, clusters, 1)
+	require.Equal(t, xds.ClusterName(echoHost, 80), clusters[0].GetName())
 }
 
 // TestProxylessGRPCPriorities proves a real grpc-go xDS client, whose

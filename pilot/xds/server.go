@@ -17,6 +17,7 @@ import (
 	listenerservice "github.com/envoyproxy/go-control-plane/envoy/service/listener/v3"
 	routeservice "github.com/envoyproxy/go-control-plane/envoy/service/route/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/server/sotw/v3"
 	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
 	"google.golang.org/grpc"
@@ -415,10 +416,11 @@ func (s *Server) classOf(node *corev3.Node) class {
 }
 
 // classFor places a node in the class that serves it typeURL: its class,
-// with, for the Envoy types, its locality (node.locality) once admitted.
+// with, for EDS, its locality (node.locality) once admitted: endpoints are
+// ordered into priorities by it, the other types do not depend on it.
 func (s *Server) classFor(node *corev3.Node, typeURL string) class {
 	c := s.classOf(node)
-	if groupOf(typeURL) == envoyGroup {
+	if typeURL == resource.EndpointType {
 		c.Locality = s.localities.admit(c, node.GetLocality())
 	}
 	return c
