@@ -15,14 +15,22 @@ import (
 	"testing"
 	"time"
 
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/types/known/structpb"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/util/retry"
 
 	"github.com/isthmus-mesh/isthmus/controller"
+	"github.com/isthmus-mesh/isthmus/pilot/server"
 	"github.com/isthmus-mesh/isthmus/test/framework"
 	"github.com/isthmus-mesh/isthmus/test/meshtest"
 	"github.com/isthmus-mesh/isthmus/ztunnel/node"
@@ -61,7 +69,8 @@ const (
 // spec.trafficDistribution PreferSameZone they reach echo-a while it is
 // ready, echo-b when it is not, and echo-c (through network-2's gateway)
 // only when cluster-1 has no ready endpoint; and come back as endpoints
-// return.
+// return. The EDS pilot serves an Envoy of cluster-1 in zone a carries the
+// same order as priorities.
 func TestPreferSameZone(t *testing.T) {
 	ctx := t.Context()
 	c1, c2 := clusters.Cluster("cluster-1"), clusters.Cluster("cluster-2")
@@ -86,7 +95,9 @@ func TestPreferSameZone(t *testing.T) {
 		meshtest.EchoApp(t, apps[n], n)
 	}
 
-	p := meshtest.RunPilot(t, c1, pilotIP, nil)
+	// Pilot also serves plaintext xDS (development only) for the EDS check
+	// below, which has no workload certificate.
+	p := meshtest.RunPilot(t, c1, pilotIP, func(cfg *server.Config) { cfg.XDSPlaintextAddr = netip.AddrPortFrom(pilotIP, 0).String() })
 	meshtest.RegisterRemote(t, c1, c2, "cluster-2", "network-2", nil)
 	meshtest.GatewayService(t, c2, "network-2", gw2)
 
@@ -171,6 +182,11 @@ func TestPreferSameZone(t *testing.T) {
 		s.Spec.TrafficDistribution = &td
 	})
 	only(t, "echo-a", 20)
+	// Envoy's EDS, for a client of cluster-1 in zone a, carries the same
+	// order as priorities: echo-a, echo-b, then network-2's gateway.
+	requireEDS(t, p.XDSPlaintextAddr(), [][]string{
+		{apps["echo-a"].String()}, {apps["echo-b"].String()}, {netip.AddrPortFrom(gw2, 15008).String()},
+	})
 	// The other zone when it goes unready.
 	setReady(t, c1, "echo-a", false)
 	only(t, "echo-b", 20)
@@ -182,6 +198,45 @@ func TestPreferSameZone(t *testing.T) {
 	only(t, "echo-b", 20)
 	setReady(t, c1, "echo-a", true)
 	only(t, "echo-a", 20)
+}
+
+// requireEDS waits until the ClusterLoadAssignment of echo port 80 that
+// pilot (plaintext xDS at addr) serves an Envoy of cluster-1, network-1, in
+// zone a of region r1 lists want, priority by priority, and checks it with
+// Validate.
+func requireEDS(t *testing.T, addr string, want [][]string) {
+	t.Helper()
+	cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	defer cc.Close()
+	md, err := structpb.NewStruct(map[string]any{"NETWORK": "network-1", "CLUSTER_ID": "cluster-1"})
+	require.NoError(t, err)
+	node := &corev3.Node{Id: "envoy-a", Metadata: md, Locality: &corev3.Locality{Region: "r1", Zone: "a"}}
+	name := "outbound|80||echo.shop.svc.cluster.local"
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		stream, err := discovery.NewAggregatedDiscoveryServiceClient(cc).StreamAggregatedResources(ctx)
+		require.NoError(c, err)
+		require.NoError(c, stream.Send(&discovery.DiscoveryRequest{Node: node, TypeUrl: resource.EndpointType, ResourceNames: []string{name}}))
+		resp, err := stream.Recv()
+		require.NoError(c, err)
+		require.Len(c, resp.GetResources(), 1)
+		cla := &endpointv3.ClusterLoadAssignment{}
+		require.NoError(c, resp.GetResources()[0].UnmarshalTo(cla))
+		require.NoError(c, cla.Validate())
+		var got [][]string
+		for _, le := range cla.GetEndpoints() {
+			for int(le.GetPriority()) >= len(got) {
+				got = append(got, nil)
+			}
+			for _, e := range le.GetLbEndpoints() {
+				sa := e.GetEndpoint().GetAddress().GetSocketAddress()
+				got[le.GetPriority()] = append(got[le.GetPriority()], netip.AddrPortFrom(netip.MustParseAddr(sa.GetAddress()), uint16(sa.GetPortValue())).String())
+			}
+		}
+		require.Equal(c, want, got)
+	}, wait, poll)
 }
 
 // updateEcho changes cluster c's echo Service with mut.
