@@ -102,11 +102,9 @@ func namespaceLoadBalancing(value string) (*model.LoadBalancing, error) {
 func distribution(v string) *model.LoadBalancing {
 	switch strings.ToLower(strings.TrimSpace(v)) {
 	case strings.ToLower(corev1.ServiceTrafficDistributionPreferClose), strings.ToLower(corev1.ServiceTrafficDistributionPreferSameZone):
-		lb := model.PreferSameZone
-		return &lb
+		return model.PreferSameZone()
 	case strings.ToLower(corev1.ServiceTrafficDistributionPreferSameNode):
-		lb := model.PreferSameNode
-		return &lb
+		return model.PreferSameNode()
 	}
 	return nil
 }

@@ -21,7 +21,7 @@ import (
 // order); unknown values are ignored with an error naming the annotation,
 // and what the rest of the order says still applies.
 func TestLoadBalancingOfPrecedence(t *testing.T) {
-	zone, node := model.PreferSameZone, model.PreferSameNode
+	zone, node := *model.PreferSameZone(), *model.PreferSameNode()
 	td := func(v string) *string { return &v }
 	for _, tc := range []struct {
 		name    string
@@ -121,7 +121,7 @@ func TestTrafficDistributionFollowsChanges(t *testing.T) {
 			}
 		}, 20*time.Second, 10*time.Millisecond)
 	}
-	zone, node := model.PreferSameZone, model.PreferSameNode
+	zone, node := *model.PreferSameZone(), *model.PreferSameNode()
 	expect(t, "cluster-1", nil, "")
 
 	td := corev1.ServiceTrafficDistributionPreferSameZone

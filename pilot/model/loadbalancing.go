@@ -97,12 +97,16 @@ func (lb *LoadBalancing) String() string {
 // networking.istio.io/traffic-distribution annotation. Isthmus's tiers are
 // Istio's with the cluster added after the network: a client fails over to
 // another cluster only when its own has no healthy endpoint in the tier.
-var (
-	// PreferSameZone (and PreferClose): zone, region, cluster, network, any.
-	PreferSameZone = LoadBalancing{Preference: []RoutingScope{RouteNetwork, RouteCluster, RouteRegion, RouteZone}}
-	// PreferSameNode: node, subzone, zone, region, cluster, network, any.
-	PreferSameNode = LoadBalancing{Preference: []RoutingScope{RouteNetwork, RouteCluster, RouteRegion, RouteZone, RouteSubzone, RouteNode}}
-)
+
+// PreferSameZone (and PreferClose): zone, region, cluster, network, any.
+func PreferSameZone() *LoadBalancing {
+	return &LoadBalancing{Preference: []RoutingScope{RouteNetwork, RouteCluster, RouteRegion, RouteZone}}
+}
+
+// PreferSameNode: node, subzone, zone, region, cluster, network, any.
+func PreferSameNode() *LoadBalancing {
+	return &LoadBalancing{Preference: []RoutingScope{RouteNetwork, RouteCluster, RouteRegion, RouteZone, RouteSubzone, RouteNode}}
+}
 
 // LoadBalancingFor returns the routing preference of s for clients in
 // cluster client: that of the client cluster's own Service when it defines

@@ -19,7 +19,7 @@ func TestIstioLoadBalancing(t *testing.T) {
 		want *workloadapi.LoadBalancing
 	}{
 		{nil, nil},
-		{&model.PreferSameNode, &workloadapi.LoadBalancing{Mode: workloadapi.LoadBalancing_FAILOVER, RoutingPreference: []workloadapi.LoadBalancing_Scope{
+		{model.PreferSameNode(), &workloadapi.LoadBalancing{Mode: workloadapi.LoadBalancing_FAILOVER, RoutingPreference: []workloadapi.LoadBalancing_Scope{
 			workloadapi.LoadBalancing_NETWORK, workloadapi.LoadBalancing_CLUSTER, workloadapi.LoadBalancing_REGION,
 			workloadapi.LoadBalancing_ZONE, workloadapi.LoadBalancing_SUBZONE, workloadapi.LoadBalancing_NODE}}},
 		{&model.LoadBalancing{Preference: []model.RoutingScope{model.RouteCluster}, Strict: true},

@@ -19,7 +19,7 @@ func TestServiceLoadBalancing(t *testing.T) {
 	reg := xdstest.New()
 	svc, ws := xdstest.Backing("echo", ns, tcp80, map[model.ClusterID][]netip.Addr{"c1": {ip("10.96.0.10")}, "c2": {ip("10.97.0.10")}},
 		xdstest.Pod("c1", "net1", ns, "a", ip("10.0.0.1")), xdstest.Pod("c2", "net1", ns, "b", ip("10.0.0.2")))
-	zone := model.PreferSameZone
+	zone := *model.PreferSameZone()
 	strict := model.LoadBalancing{Preference: []model.RoutingScope{model.RouteCluster}, Strict: true}
 	svc.Definitions = []*model.ClusterService{
 		{Cluster: "c2", Name: "echo", Namespace: ns, LoadBalancing: &zone}, // oldest

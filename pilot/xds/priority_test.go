@@ -90,7 +90,7 @@ func edsOf(t *testing.T, e *env, id string, l *corev3.Locality) ([][]string, *en
 // a service without a preference keeps one priority, as before.
 func TestEDSPriorities(t *testing.T) {
 	const gw = "10.2.255.1"
-	zone := model.PreferSameZone
+	zone := *model.PreferSameZone()
 	for _, tc := range []struct {
 		name     string
 		lb       *model.LoadBalancing
@@ -103,7 +103,7 @@ func TestEDSPriorities(t *testing.T) {
 			want: [][]string{{"10.1.0.1", "10.1.0.2", "10.1.0.3"}, {"10.1.0.4"}, {"10.1.0.5"}, {gw}}},
 		{name: "PreferSameZone from a client without a locality", lb: &zone,
 			want: [][]string{{"10.1.0.1", "10.1.0.2", "10.1.0.3", "10.1.0.4"}, {"10.1.0.5"}, {gw}}},
-		{name: "PreferSameNode stops at the subzone (EDS knows no client node)", lb: &model.PreferSameNode,
+		{name: "PreferSameNode stops at the subzone (EDS knows no client node)", lb: model.PreferSameNode(),
 			locality: &corev3.Locality{Region: "r1", Zone: "z1"},
 			want:     [][]string{{"10.1.0.1", "10.1.0.2"}, {"10.1.0.3"}, {"10.1.0.4"}, {"10.1.0.5"}, {gw}}},
 		{name: "STRICT cluster", lb: &model.LoadBalancing{Preference: []model.RoutingScope{model.RouteCluster}, Strict: true},
@@ -135,7 +135,7 @@ func TestEDSPriorities(t *testing.T) {
 // as one without a locality, and a locality already admitted still is.
 func TestEDSLocalityClassesBounded(t *testing.T) {
 	reg := xdstest.New()
-	zone := model.PreferSameZone
+	zone := *model.PreferSameZone()
 	tiered(reg, &zone)
 	e := startWith(t, reg, xds.Config{AllowPlaintext: true, MaxLocalities: 1})
 	z1 := &corev3.Locality{Region: "r1", Zone: "z1"}
@@ -173,7 +173,7 @@ func TestProxylessGRPCPriorities(t *testing.T) {
 	}
 	reg := xdstest.New()
 	ports := []model.Port{{Name: "grpc", Port: 7070, Protocol: model.TCP, AppProtocol: "grpc"}}
-	zone := model.PreferSameZone
+	zone := *model.PreferSameZone()
 	publishReady := func(ready map[string]bool) {
 		at := func(cluster model.ClusterID, name string, l model.Locality) *model.Workload {
 			w := xdstest.Pod(cluster, "net1", ns, name, addrs[name].Addr())
