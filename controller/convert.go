@@ -122,6 +122,39 @@ type svcInfo struct {
 	gateway  *model.NetworkGateway
 	// labels are the Service labels its scope reads (Scoper.ServiceLabels).
 	labels map[string]string
+	// ownLB is the routing preference the Service itself sets (nil: none;
+	// LoadBalancingOf), ownLBErr why an annotation of it was ignored.
+	ownLB    *model.LoadBalancing
+	ownLBErr string
+}
+
+// with returns a copy of s with cs.
+func (s *svcInfo) with(cs *model.ClusterService) *svcInfo {
+	c := *s
+	c.cs = cs
+	return &c
+}
+
+// loadBalancing returns the Service's routing preference and why an
+// annotation was ignored: its own (ownLB), else its namespace ns's Istio
+// annotation (nsDistribution), Istio's third source: ServiceLoadBalancing
+// from what discovery keeps.
+func (s *svcInfo) loadBalancing(nsDistribution map[string]string, ns string) (*model.LoadBalancing, string) {
+	if s.ownLB != nil {
+		return s.ownLB, s.ownLBErr
+	}
+	v, ok := nsDistribution[ns]
+	if !ok {
+		return nil, s.ownLBErr
+	}
+	lb, err := namespaceLoadBalancing(v)
+	if err == nil {
+		return lb, s.ownLBErr
+	}
+	if s.ownLBErr != "" {
+		return nil, s.ownLBErr + "\n" + err.Error()
+	}
+	return nil, err.Error()
 }
 
 func convertService(cluster model.ClusterID, svc *corev1.Service) *svcInfo {
@@ -153,6 +186,12 @@ func convertService(cluster model.ClusterID, svc *corev1.Service) *svcInfo {
 		cs.Ports = append(cs.Ports, p)
 	}
 	info := &svcInfo{cs: cs}
+	lb, err := LoadBalancingOf(svc)
+	info.ownLB = lb
+	if err != nil {
+		info.ownLBErr = err.Error()
+	}
+	cs.LoadBalancing, cs.LoadBalancingError = info.ownLB, info.ownLBErr // the view adds the namespace's
 	if svc.Spec.Selector != nil && svc.Spec.Type != corev1.ServiceTypeExternalName {
 		cs.Selector = internMap(svc.Spec.Selector)
 		if cs.Selector == nil {
@@ -231,7 +270,8 @@ func serviceEqual(a, b *svcInfo) bool {
 	x, y := a.cs, b.cs
 	return x.Name == y.Name && x.Namespace == y.Namespace && slices.Equal(x.VIPs, y.VIPs) && slices.Equal(x.Ports, y.Ports) &&
 		x.Headless == y.Headless && maps.Equal(x.Selector, y.Selector) && (x.Selector == nil) == (y.Selector == nil) &&
-		x.Exported == y.Exported && x.ExportCreated.Equal(y.ExportCreated) && x.ScopeLocal == y.ScopeLocal && x.Network == y.Network && x.Created.Equal(y.Created) && gatewayEqual(a.gateway, b.gateway)
+		x.Exported == y.Exported && x.ExportCreated.Equal(y.ExportCreated) && x.ScopeLocal == y.ScopeLocal && x.Network == y.Network && x.Created.Equal(y.Created) && gatewayEqual(a.gateway, b.gateway) &&
+		x.LoadBalancing.Equal(y.LoadBalancing) && x.LoadBalancingError == y.LoadBalancingError
 }
 
 func gatewayEqual(a, b *model.NetworkGateway) bool {

@@ -265,9 +265,9 @@ func (d *Discovery) watchClusterScoped(ctx context.Context, cfg Config, kube kub
 		}),
 		func(obj any) { n := obj.(*corev1.Node); v.putNode(n.Name, convertNode(n)) },
 		func(key string) { v.removeNode(key) })
-	// Every namespace: the control-plane namespace's network label, and
-	// each namespace's labels for service scope (a relabel re-scopes its
-	// services at once).
+	// Every namespace: the control-plane namespace's network label, each
+	// namespace's labels for service scope (a relabel re-scopes its
+	// services at once), and its Istio traffic-distribution annotation.
 	cpNS := cfg.ControlPlaneNamespace
 	d.watch(ctx, "namespaces", &corev1.Namespace{}, lw(
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
@@ -282,12 +282,14 @@ func (d *Discovery) watchClusterScoped(ctx context.Context, cfg Config, kube kub
 				v.setNamespaceNetwork(model.Network(ns.Labels[NetworkLabel]))
 			}
 			v.setNamespaceLabels(ns.Name, internMap(ns.Labels))
+			v.setNamespaceDistribution(ns.Name, ns.Annotations[TrafficDistributionAnnotation])
 		},
 		func(key string) {
 			if key == cpNS {
 				v.setNamespaceNetwork("")
 			}
 			v.setNamespaceLabels(key, nil)
+			v.setNamespaceDistribution(key, "")
 		})
 	if sel := cfg.GatewayNamespaceSelector; sel != nil && !sel.Empty() {
 		d.watch(ctx, "gateway-namespaces", &corev1.Namespace{}, lw(

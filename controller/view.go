@@ -47,6 +47,9 @@ type view struct {
 	// namespace's (nsLabels, every namespace's; servicescope.go).
 	scoper   *Scoper
 	nsLabels map[string]map[string]string
+	// nsDistribution is each namespace's Istio traffic-distribution
+	// annotation (only those that have one; distribution.go).
+	nsDistribution map[string]string
 	// gatewayNS are the namespaces whose Services may be east-west
 	// gateways; selectedNS those that the operator's namespace selector
 	// matches (maintained by a watch). A candidate elsewhere is ignored.
@@ -83,7 +86,7 @@ func newView(cluster model.ClusterID, gen uint64, domain string, network model.N
 		services: map[model.ServiceKey]*svcInfo{}, svcsByNS: map[string]map[string]*svcInfo{},
 		nodes: map[string]model.Locality{}, slices: map[string]*sliceInfo{}, slicesBy: map[model.ServiceKey]map[string]*sliceInfo{},
 		podRefs:  map[string]map[string][]sliceRef{},
-		exported: map[model.ServiceKey]time.Time{}, nsLabels: map[string]map[string]string{}, gatewayNS: map[string]bool{}, selectedNS: map[string]bool{},
+		exported: map[model.ServiceKey]time.Time{}, nsLabels: map[string]map[string]string{}, nsDistribution: map[string]string{}, gatewayNS: map[string]bool{}, selectedNS: map[string]bool{},
 		workloads: map[string]*model.Workload{}, shards: map[model.ServiceKey]*shard{},
 		interned: newInterned(),
 	}
@@ -319,9 +322,11 @@ func (v *view) putService(s *svcInfo) {
 	}
 	s.cs.Network = v.nsNetworkOr()
 	s.cs.ScopeLocal = v.scoper.Local(s.labels, v.nsLabels[k.Namespace])
+	s.cs.LoadBalancing, s.cs.LoadBalancingError = s.loadBalancing(v.nsDistribution, k.Namespace)
 	old := v.services[k]
 	if serviceEqual(old, s) {
 		old.labels = s.labels // what the next scope decision reads
+		old.ownLB, old.ownLBErr = s.ownLB, s.ownLBErr
 		return
 	}
 	v.services[k] = s
@@ -433,7 +438,7 @@ func (v *view) setNamespaceNetwork(n model.Network) {
 		if s.cs.Network != v.nsNetworkOr() {
 			cs := *s.cs
 			cs.Network = v.nsNetworkOr()
-			v.services[k] = &svcInfo{cs: &cs, selector: s.selector, gateway: s.gateway, labels: s.labels}
+			v.services[k] = s.with(&cs)
 			v.setServiceDelta(k, &cs)
 		}
 	}
@@ -471,7 +476,36 @@ func (v *view) setNamespaceLabels(ns string, l map[string]string) {
 		}
 		cs := *s.cs
 		cs.ScopeLocal = local
-		v.services[k] = &svcInfo{cs: &cs, selector: s.selector, gateway: s.gateway, labels: s.labels}
+		v.services[k] = s.with(&cs)
+		v.setServiceDelta(k, &cs)
+	}
+}
+
+// setNamespaceDistribution records namespace ns's Istio traffic-distribution
+// annotation ("" for none, or gone) and re-derives the routing preference of
+// its services that set none of their own.
+func (v *view) setNamespaceDistribution(ns, value string) {
+	if v.nsDistribution[ns] == value {
+		return
+	}
+	if value == "" {
+		delete(v.nsDistribution, ns)
+	} else {
+		v.nsDistribution[ns] = intern(value)
+	}
+	for name := range v.svcsByNS[ns] {
+		k := model.ServiceKey{Namespace: ns, Name: name}
+		s := v.services[k] // the current value (the index may hold an older one)
+		if s == nil {
+			continue
+		}
+		lb, lbErr := s.loadBalancing(v.nsDistribution, ns)
+		if lb.Equal(s.cs.LoadBalancing) && lbErr == s.cs.LoadBalancingError {
+			continue
+		}
+		cs := *s.cs
+		cs.LoadBalancing, cs.LoadBalancingError = lb, lbErr
+		v.services[k] = s.with(&cs)
 		v.setServiceDelta(k, &cs)
 	}
 }
@@ -490,7 +524,7 @@ func (v *view) setExported(k model.ServiceKey, exported bool, at time.Time) {
 	if s := v.services[k]; s != nil {
 		cs := *s.cs
 		cs.Exported, cs.ExportCreated = exported, at
-		v.services[k] = &svcInfo{cs: &cs, selector: s.selector, gateway: s.gateway, labels: s.labels}
+		v.services[k] = s.with(&cs)
 		v.setServiceDelta(k, &cs)
 	}
 }

@@ -28,6 +28,7 @@ func All() []analysis.Analyzer {
 		AmbientEnrollment{},
 		ServiceExports{},
 		ServiceScopes{},
+		TrafficDistribution{},
 		RootCertificates{},
 		Principals{},
 		RootPeerAuthentications{},

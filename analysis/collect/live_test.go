@@ -383,3 +383,37 @@ func TestServiceScopeConflict(t *testing.T) {
 	_, msgs = analyzeLive(t, analysis.Mesh{ServiceScope: controller.ServiceScope{Default: controller.ScopeLocal}})
 	requireOnly(t, msgs)
 }
+
+// TestRoutingPreference (ISM0019, ISM0020): service routed has a routing
+// preference annotation with a misspelt scope in the primary and
+// PreferSameZone in cluster-2: the annotation is reported as ignored, and
+// the clusters as disagreeing (the primary's falls back to the default
+// order).
+func TestRoutingPreference(t *testing.T) {
+	primary, c2 := topology(t)
+	ctx := context.Background()
+	// cluster-2's first: the oldest definition (a tie in the same second
+	// goes to the smaller cluster ID, cluster-2 too).
+	for _, c := range []*framework.Cluster{c2, primary} {
+		svc, err := c.CreateService(ctx, demoNS, "routed", map[string]string{"app": "routed"}, framework.ServicePort{Name: "http", Port: 80, TargetPort: 8080})
+		require.NoError(t, err)
+		if c == primary {
+			svc.Annotations = map[string]string{controller.RoutingPreferenceAnnotation: "NETWORK,CLUSTR"}
+		} else {
+			zone := corev1.ServiceTrafficDistributionPreferSameZone
+			svc.Spec.TrafficDistribution = &zone
+		}
+		_, err = c.Client.CoreV1().Services(demoNS).Update(ctx, svc, metav1.UpdateOptions{})
+		require.NoError(t, err)
+		cleanup(t, func(ctx context.Context) error {
+			return c.Client.CoreV1().Services(demoNS).Delete(ctx, "routed", metav1.DeleteOptions{})
+		})
+	}
+	_, msgs := analyzeLive(t, analysis.Mesh{})
+	requireOnly(t, msgs, "ISM0019 Service/demo/routed primary", "ISM0020 Service/demo/routed cluster-2")
+	for _, m := range msgs {
+		if m.Type.Code == "ISM0019" {
+			require.Contains(t, m.Text(), `"CLUSTR" is not a scope`)
+		}
+	}
+}

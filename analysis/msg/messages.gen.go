@@ -237,6 +237,40 @@ var (
 		Args:        []string{"globalClusters", "localClusters", "detail"},
 		Description: "A federated service (same namespace and name in several clusters) is global in some clusters and local in others, by its istio.io/global label, its namespace's, pilot's service scope rules or the mesh default, each read in that cluster. Only the endpoints of the clusters where it is global cross clusters: clients in a cluster where it is local still reach the global clusters' endpoints, and the local clusters' endpoints are reached from nowhere else. Usually a label set in one cluster only.",
 	}
+	// RoutingPreferenceIgnored (ISM0019, Warning): A Service carries a routing
+	// preference pilot cannot read: Isthmus's
+	// networking.isthmus.io/routing-preference (scopes NETWORK, CLUSTER, REGION,
+	// ZONE, SUBZONE, NODE, or NONE) or routing-mode (FAILOVER or STRICT), or
+	// Istio's networking.istio.io/traffic-distribution (PreferClose,
+	// PreferSameZone, PreferSameNode) on the Service or its Namespace. Pilot
+	// ignores that annotation and applies the rest of the order
+	// (routing-preference, spec.trafficDistribution, the Service's Istio
+	// annotation, the Namespace's, else the default order): the service is
+	// balanced otherwise than its author meant.
+	RoutingPreferenceIgnored = &Type{
+		Code:        "ISM0019",
+		Name:        "RoutingPreferenceIgnored",
+		Level:       Warning,
+		Template:    "routing preference annotation ignored (%s); the service's routing preference in this cluster is %s",
+		Args:        []string{"reason", "effective"},
+		Description: "A Service carries a routing preference pilot cannot read: Isthmus's networking.isthmus.io/routing-preference (scopes NETWORK, CLUSTER, REGION, ZONE, SUBZONE, NODE, or NONE) or routing-mode (FAILOVER or STRICT), or Istio's networking.istio.io/traffic-distribution (PreferClose, PreferSameZone, PreferSameNode) on the Service or its Namespace. Pilot ignores that annotation and applies the rest of the order (routing-preference, spec.trafficDistribution, the Service's Istio annotation, the Namespace's, else the default order): the service is balanced otherwise than its author meant.",
+	}
+	// RoutingPreferenceConflict (ISM0020, Info): A federated service (same
+	// namespace and name in several clusters) has different routing preferences in
+	// different clusters (spec.trafficDistribution, the traffic-distribution or
+	// routing-preference annotations). Pilot serves each cluster's clients the
+	// preference of their own cluster's Service, and clients in a cluster without
+	// the service that of the oldest definition (the resource of this message):
+	// clients in different clusters balance the same service differently. Usually
+	// a Service changed in one cluster only.
+	RoutingPreferenceConflict = &Type{
+		Code:        "ISM0020",
+		Name:        "RoutingPreferenceConflict",
+		Level:       Info,
+		Template:    "clusters set different routing preferences (%s); each cluster's clients follow their own cluster's, other clusters' follow cluster %s's (the oldest definition)",
+		Args:        []string{"perCluster", "oldestCluster"},
+		Description: "A federated service (same namespace and name in several clusters) has different routing preferences in different clusters (spec.trafficDistribution, the traffic-distribution or routing-preference annotations). Pilot serves each cluster's clients the preference of their own cluster's Service, and clients in a cluster without the service that of the oldest definition (the resource of this message): clients in different clusters balance the same service differently. Usually a Service changed in one cluster only.",
+	}
 )
 
 // All returns every message type of the catalogue, in code order.
@@ -260,6 +294,8 @@ func All() []*Type {
 		ClusterDataIncomplete,
 		RootPeerAuthenticationSelector,
 		ServiceScopeConflict,
+		RoutingPreferenceIgnored,
+		RoutingPreferenceConflict,
 	}
 }
 
@@ -351,4 +387,14 @@ func NewRootPeerAuthenticationSelector(r Resource, selector string, mode string)
 // NewServiceScopeConflict returns a ServiceScopeConflict (ISM0018) message about r.
 func NewServiceScopeConflict(r Resource, globalClusters string, localClusters string, detail string) Message {
 	return Message{Type: ServiceScopeConflict, Resource: r, Args: []any{globalClusters, localClusters, detail}}
+}
+
+// NewRoutingPreferenceIgnored returns a RoutingPreferenceIgnored (ISM0019) message about r.
+func NewRoutingPreferenceIgnored(r Resource, reason string, effective string) Message {
+	return Message{Type: RoutingPreferenceIgnored, Resource: r, Args: []any{reason, effective}}
+}
+
+// NewRoutingPreferenceConflict returns a RoutingPreferenceConflict (ISM0020) message about r.
+func NewRoutingPreferenceConflict(r Resource, perCluster string, oldestCluster string) Message {
+	return Message{Type: RoutingPreferenceConflict, Resource: r, Args: []any{perCluster, oldestCluster}}
 }

@@ -30,6 +30,13 @@ type ClusterService struct {
 	// (its istio.io/global label, its namespace's, or pilot's service scope
 	// rules): this cluster's endpoints are then seen only by clients in it.
 	ScopeLocal bool
+	// LoadBalancing is the service's routing preference in this cluster
+	// (its spec.trafficDistribution, Istio's traffic-distribution
+	// annotation or Isthmus's routing-preference annotation); nil is the
+	// default order. LoadBalancingError says why an annotation was ignored
+	// ("" when none was).
+	LoadBalancing      *LoadBalancing
+	LoadBalancingError string
 	// Created is the object's creation time (oldest wins port conflicts).
 	Created time.Time
 }

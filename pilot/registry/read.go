@@ -149,7 +149,8 @@ func (r *Registry) Subscribe(fn func(model.ChangeSet)) (cancel func()) {
 func clusterServiceEqual(a, b *model.ClusterService) bool {
 	return a.Name == b.Name && a.Namespace == b.Namespace && a.Cluster == b.Cluster && slices.Equal(a.VIPs, b.VIPs) &&
 		slices.Equal(a.Ports, b.Ports) && a.Headless == b.Headless && maps.Equal(a.Selector, b.Selector) &&
-		a.Exported == b.Exported && a.ScopeLocal == b.ScopeLocal && a.Network == b.Network && a.Created.Equal(b.Created)
+		a.Exported == b.Exported && a.ScopeLocal == b.ScopeLocal && a.Network == b.Network && a.Created.Equal(b.Created) &&
+		a.LoadBalancing.Equal(b.LoadBalancing) && a.LoadBalancingError == b.LoadBalancingError
 }
 
 func shardEqual(a, b []model.Endpoint) bool {

@@ -52,6 +52,12 @@ type Config struct {
 	// clients on networks where they have none (nil: none). Call
 	// Server.Refresh with the hostnames whose allocation changed.
 	Allocations Allocations
+	// MaxLocalities bounds the client localities (Envoy's node.locality)
+	// each network and cluster gets Envoy resources for: a locality is a
+	// client's claim, and each costs a set of caches. A client claiming one
+	// more is served as a client without a locality (EDS priorities by
+	// network and cluster only). Default 256.
+	MaxLocalities int
 }
 
 // Allocations gives a service's allocated virtual addresses (zero values
@@ -77,6 +83,9 @@ func (cfg Config) withDefaults() Config {
 	}
 	if cfg.Metrics == nil {
 		cfg.Metrics = prometheus.NewRegistry()
+	}
+	if cfg.MaxLocalities <= 0 {
+		cfg.MaxLocalities = 256
 	}
 	return cfg
 }

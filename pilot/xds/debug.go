@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"net/http"
 	"slices"
+
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 )
 
 // DebugHandler returns the debug HTTP handlers:
@@ -52,8 +54,7 @@ func (s *Server) configDump(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	c := s.classOf(found.node)
-	v := s.view(c)
-	if v == nil {
+	if s.view(c) == nil && s.view(s.classFor(found.node, resource.EndpointType)) == nil {
 		http.Error(w, errNoView.Error(), http.StatusNotFound)
 		return
 	}
@@ -64,6 +65,11 @@ func (s *Server) configDump(w http.ResponseWriter, r *http.Request) {
 		Resources map[string]map[string]json.RawMessage `json:"resources"`
 	}{NodeID: id, Network: string(c.Network), Cluster: string(c.Cluster), Resources: map[string]map[string]json.RawMessage{}}
 	for _, t := range allTypes {
+		// The Envoy types are served from the view of the node's locality.
+		v := s.view(s.classFor(found.node, t))
+		if v == nil {
+			continue
+		}
 		res := v.cache(t).GetResources()
 		m := make(map[string]json.RawMessage, len(res))
 		for name, r := range res {

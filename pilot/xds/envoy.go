@@ -3,6 +3,7 @@ package xds
 import (
 	"cmp"
 	"fmt"
+	"maps"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -140,10 +141,54 @@ func socketAddress(a netip.Addr, port uint32) *corev3.Address {
 	}}}
 }
 
-// remoteKey groups the endpoints of another network by locality.
+// remoteKey groups the endpoints of another network by locality and
+// priority.
 type remoteKey struct {
 	network  model.Network
 	locality model.Locality
+	priority uint32
+}
+
+// groupKey is one LocalityLbEndpoints: a locality at a priority.
+type groupKey struct {
+	locality model.Locality
+	priority uint32
+}
+
+// failoverOverprovisioning is the overprovisioning factor (in percent) of
+// assignments with priorities: a tier takes all the traffic while any of
+// its endpoints is healthy (Envoy's default, 140, spills to the next tier
+// as soon as fewer than 5 in 7 are), which is the workload API's FAILOVER.
+const failoverOverprovisioning = 100000
+
+// tier returns how many scopes of lb, in order, endpoint e shares with
+// clients of c, and whether e qualifies at all (STRICT: all of them). EDS
+// classes carry no node, so NODE never matches, nor does a scope the class
+// has no value for (an empty zone): the workload API's rule for a client
+// that does not know it.
+func tier(lb *model.LoadBalancing, c class, e *model.Endpoint) (int, bool) {
+	n := 0
+	for _, sc := range lb.Preference {
+		l := e.Locality()
+		var ok bool
+		switch sc {
+		case model.RouteNetwork:
+			ok = e.Network() == c.Network
+		case model.RouteCluster:
+			ok = c.Cluster != "" && e.Cluster() == c.Cluster
+		case model.RouteRegion:
+			ok = c.Locality.Region != "" && l.Region == c.Locality.Region
+		case model.RouteZone:
+			ok = c.Locality.Zone != "" && l.Zone == c.Locality.Zone
+		case model.RouteSubzone:
+			ok = c.Locality.Subzone != "" && l.Subzone == c.Locality.Subzone
+		}
+		if !ok {
+			break
+		}
+		n++
+	}
+	return n, !lb.Strict || n == len(lb.Preference)
 }
 
 // loadAssignment builds the ClusterLoadAssignment of port of s for clients of
@@ -152,8 +197,18 @@ type remoteKey struct {
 // network's trusted gateways, their number spread over the gateways by
 // capacity. Gateways without an IP are left out (EDS endpoints must be
 // addresses).
+//
+// A service with a routing preference for c's cluster
+// (Service.LoadBalancingFor) has priorities: an endpoint's priority is the
+// number of the preference's scopes it does not share with c (see tier),
+// renumbered to be contiguous from 0, so the client's best tier is priority
+// 0; STRICT leaves out the endpoints that do not share them all; and a
+// tier takes all the traffic while it has a healthy endpoint
+// (failoverOverprovisioning). Without a preference every endpoint has
+// priority 0.
 func loadAssignment(c class, s *model.Service, port uint16, name string, gws gatewayIndex) *endpointv3.ClusterLoadAssignment {
-	groups := map[model.Locality][]*endpointv3.LbEndpoint{}
+	lb := s.LoadBalancingFor(c.Cluster)
+	groups := map[groupKey][]*endpointv3.LbEndpoint{}
 	remote := map[remoteKey]uint32{}
 	clusters := make([]model.ClusterID, 0, len(s.Shards))
 	for cl := range s.Shards {
@@ -170,9 +225,17 @@ func loadAssignment(c class, s *model.Service, port uint16, name string, gws gat
 			if !ok || !e.Address().IsValid() {
 				continue
 			}
+			var prio uint32
+			if lb != nil {
+				n, ok := tier(lb, c, e)
+				if !ok {
+					continue
+				}
+				prio = uint32(len(lb.Preference) - n)
+			}
 			if e.Network() != c.Network {
 				if healthy(e.Ready(), e.Terminating()) {
-					remote[remoteKey{e.Network(), e.Locality()}]++
+					remote[remoteKey{e.Network(), e.Locality(), prio}]++
 				}
 				continue
 			}
@@ -183,7 +246,8 @@ func loadAssignment(c class, s *model.Service, port uint16, name string, gws gat
 			case !e.Ready():
 				hs = corev3.HealthStatus_UNHEALTHY
 			}
-			groups[e.Locality()] = append(groups[e.Locality()], &endpointv3.LbEndpoint{
+			k := groupKey{e.Locality(), prio}
+			groups[k] = append(groups[k], &endpointv3.LbEndpoint{
 				HostIdentifier:      &endpointv3.LbEndpoint_Endpoint{Endpoint: &endpointv3.Endpoint{Address: socketAddress(e.Address(), uint32(target))}},
 				HealthStatus:        hs,
 				LoadBalancingWeight: wrapperspb.UInt32(1),
@@ -191,16 +255,31 @@ func loadAssignment(c class, s *model.Service, port uint16, name string, gws gat
 		}
 	}
 	for k, n := range remote {
-		groups[k.locality] = append(groups[k.locality], gatewayEndpoints(gws[k.network], n)...)
+		if eps := gatewayEndpoints(gws[k.network], n); len(eps) > 0 {
+			g := groupKey{k.locality, k.priority}
+			groups[g] = append(groups[g], eps...)
+		}
 	}
-	localities := make([]model.Locality, 0, len(groups))
-	for l := range groups {
-		localities = append(localities, l)
+	keys := make([]groupKey, 0, len(groups))
+	used := map[uint32]bool{}
+	for k := range groups {
+		keys = append(keys, k)
+		used[k.priority] = true
 	}
-	slices.SortFunc(localities, func(a, b model.Locality) int { return cmp.Compare(a.String(), b.String()) })
+	slices.SortFunc(keys, func(a, b groupKey) int {
+		return cmp.Or(cmp.Compare(a.priority, b.priority), cmp.Compare(a.locality.String(), b.locality.String()))
+	})
+	// Contiguous priorities: the i-th used one becomes i.
+	renumber := map[uint32]uint32{}
+	for _, p := range slices.Sorted(maps.Keys(used)) {
+		renumber[p] = uint32(len(renumber))
+	}
 	cla := &endpointv3.ClusterLoadAssignment{ClusterName: name}
-	for _, l := range localities {
-		eps := groups[l]
+	if lb != nil {
+		cla.Policy = &endpointv3.ClusterLoadAssignment_Policy{OverprovisioningFactor: wrapperspb.UInt32(failoverOverprovisioning)}
+	}
+	for _, k := range keys {
+		eps := groups[k]
 		slices.SortFunc(eps, func(a, b *endpointv3.LbEndpoint) int {
 			sa, sb := a.GetEndpoint().GetAddress().GetSocketAddress(), b.GetEndpoint().GetAddress().GetSocketAddress()
 			return cmp.Or(cmp.Compare(sa.GetAddress(), sb.GetAddress()), cmp.Compare(sa.GetPortValue(), sb.GetPortValue()))
@@ -209,10 +288,12 @@ func loadAssignment(c class, s *model.Service, port uint16, name string, gws gat
 		for _, e := range eps {
 			weight += e.GetLoadBalancingWeight().GetValue()
 		}
+		l := k.locality
 		cla.Endpoints = append(cla.Endpoints, &endpointv3.LocalityLbEndpoints{
 			Locality:            &corev3.Locality{Region: l.Region, Zone: l.Zone, SubZone: l.Subzone},
 			LbEndpoints:         eps,
 			LoadBalancingWeight: wrapperspb.UInt32(weight),
+			Priority:            renumber[k.priority],
 		})
 	}
 	return cla

@@ -6,7 +6,8 @@ import (
 )
 
 // A stream keeps of its node only what pilot reads: the id, the cluster,
-// and the string values of the metadata keys in keptMetadata. A real
+// the locality (which orders EDS endpoints into priorities), and the
+// string values of the metadata keys in keptMetadata. A real
 // Envoy's node also lists every extension compiled into it
 // (node.extensions: 10–20 KB encoded, several times that decoded), its
 // build and client features, and Istio's metadata adds labels,
@@ -24,6 +25,9 @@ func keptNode(n *corev3.Node) *corev3.Node {
 		return nil
 	}
 	out := &corev3.Node{Id: n.GetId(), Cluster: n.GetCluster()}
+	if l := n.GetLocality(); l != nil {
+		out.Locality = &corev3.Locality{Region: l.GetRegion(), Zone: l.GetZone(), SubZone: l.GetSubZone()}
+	}
 	fields := n.GetMetadata().GetFields()
 	for _, k := range keptMetadata {
 		v, ok := fields[k]

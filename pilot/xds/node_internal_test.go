@@ -139,3 +139,26 @@ func BenchmarkStreamNode(b *testing.B) {
 		})
 	}
 }
+
+// TestKeptNodeLocality: a stream keeps its node's locality (EDS priorities
+// depend on it), decoded from the wire as protobuf decodes it, a node sent
+// in several parts merging field by field; an absent locality stays absent.
+func TestKeptNodeLocality(t *testing.T) {
+	a, err := proto.Marshal(&corev3.Node{Id: "envoy-1", Locality: &corev3.Locality{Region: "r1", Zone: "z1"}})
+	require.NoError(t, err)
+	b, err := proto.Marshal(&corev3.Node{Locality: &corev3.Locality{Zone: "z2", SubZone: "s2"}})
+	require.NoError(t, err)
+	got, err := decodeKeptNode(a, b)
+	require.NoError(t, err)
+	merged := &corev3.Node{}
+	require.NoError(t, proto.Unmarshal(append(append([]byte{}, a...), b...), merged))
+	require.True(t, proto.Equal(keptNode(merged), got), "want %v, got %v", keptNode(merged), got)
+	require.True(t, proto.Equal(&corev3.Locality{Region: "r1", Zone: "z2", SubZone: "s2"}, got.GetLocality()))
+
+	none, err := proto.Marshal(&corev3.Node{Id: "envoy-2"})
+	require.NoError(t, err)
+	got, err = decodeKeptNode(none)
+	require.NoError(t, err)
+	require.Nil(t, got.GetLocality())
+	require.Nil(t, keptNode(&corev3.Node{Id: "envoy-2"}).GetLocality())
+}

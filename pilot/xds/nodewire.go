@@ -34,6 +34,9 @@ var nodeDescriptor = (&corev3.Node{}).ProtoReflect().Descriptor()
 // its map entry) and google.protobuf.Value read by decodeKeptNode.
 const (
 	nodeID, nodeCluster, nodeMetadata   protowire.Number = 1, 2, 3
+	nodeLocality                        protowire.Number = 4
+	localityRegion, localityZone        protowire.Number = 1, 2
+	localitySubZone                     protowire.Number = 3
 	structFields, entryKey, entryValue  protowire.Number = 1, 1, 2
 	valueNull, valueNumber, valueString protowire.Number = 1, 2, 3
 	valueBool, valueStruct, valueList   protowire.Number = 4, 5, 6
@@ -50,10 +53,14 @@ func decodeKeptNode(parts ...[]byte) (*corev3.Node, error) {
 	}
 	var id, cluster []byte
 	var kept [len(keptMetadata)]keptValue
+	var loc keptLocality
 	for _, raw := range parts {
-		keepFields(raw, &id, &cluster, &kept)
+		keepFields(raw, &id, &cluster, &kept, &loc)
 	}
 	out := &corev3.Node{Id: string(id), Cluster: string(cluster)}
+	if loc.present {
+		out.Locality = &corev3.Locality{Region: string(loc.region), Zone: string(loc.zone), SubZone: string(loc.subzone)}
+	}
 	for i, k := range kept {
 		if !k.present {
 			continue
@@ -69,13 +76,26 @@ func decodeKeptNode(parts ...[]byte) (*corev3.Node, error) {
 // keepFields reads what a stream keeps from one encoding of a node, over
 // what earlier ones gave: the last id and cluster, the last entry of each
 // kept metadata key.
-func keepFields(raw []byte, id, cluster *[]byte, kept *[len(keptMetadata)]keptValue) {
+func keepFields(raw []byte, id, cluster *[]byte, kept *[len(keptMetadata)]keptValue, loc *keptLocality) {
 	eachBytesField(raw, func(num protowire.Number, v []byte) {
 		switch num {
 		case nodeID:
 			*id = v
 		case nodeCluster:
 			*cluster = v
+		case nodeLocality:
+			// Sent twice, it merges: the last of each field wins.
+			loc.present = true
+			eachBytesField(v, func(num protowire.Number, s []byte) {
+				switch num {
+				case localityRegion:
+					loc.region = s
+				case localityZone:
+					loc.zone = s
+				case localitySubZone:
+					loc.subzone = s
+				}
+			})
 		case nodeMetadata:
 			// A message field sent twice merges: its map entries add up,
 			// the last of a key replacing the others.
@@ -86,6 +106,12 @@ func keepFields(raw []byte, id, cluster *[]byte, kept *[len(keptMetadata)]keptVa
 			})
 		}
 	})
+}
+
+// keptLocality is the node's locality: present, and its fields.
+type keptLocality struct {
+	present               bool
+	region, zone, subzone []byte
 }
 
 // keptValue is a kept metadata key's value: present, and its string (empty

@@ -17,6 +17,7 @@ import (
 	listenerservice "github.com/envoyproxy/go-control-plane/envoy/service/listener/v3"
 	routeservice "github.com/envoyproxy/go-control-plane/envoy/service/route/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/server/sotw/v3"
 	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
 	"google.golang.org/grpc"
@@ -64,6 +65,9 @@ type Server struct {
 	// waiting for the policies (istio_wait.go).
 	istioMu      sync.Mutex
 	istioPending map[*istioWatch]struct{}
+
+	// localities admits client localities into Envoy classes (classFor).
+	localities localityBound
 }
 
 // pendingChanges are the keys changed since the last applied batch.
@@ -132,6 +136,7 @@ func New(cfg Config, reg Registry, logger *slog.Logger) (*Server, error) {
 		kick:   make(chan struct{}, 1),
 
 		istioPending: map[*istioWatch]struct{}{},
+		localities:   localityBound{max: cfg.MaxLocalities, seen: map[class]map[model.Locality]struct{}{}},
 	}
 	s.authz = newAuthzServer(cfg.Policies, reg, cfg.VersionPrefix, slogAdapter{logger})
 	s.stats = newTracker(m, logger, s.classOf, newAuthorizer(cfg, reg, s.trustDomainOf), s.internNames)
@@ -410,11 +415,59 @@ func (s *Server) classOf(node *corev3.Node) class {
 	return c
 }
 
+// classFor places a node in the class that serves it typeURL: its class,
+// with, for EDS, its locality (node.locality) once admitted: endpoints are
+// ordered into priorities by it, the other types do not depend on it.
+func (s *Server) classFor(node *corev3.Node, typeURL string) class {
+	c := s.classOf(node)
+	if typeURL == resource.EndpointType {
+		c.Locality = s.localities.admit(c, node.GetLocality())
+	}
+	return c
+}
+
+// localityBound admits at most max distinct localities per class; safe for
+// concurrent use.
+type localityBound struct {
+	mu   sync.Mutex
+	max  int
+	seen map[class]map[model.Locality]struct{}
+}
+
+// maxLocalityLabel is the longest region, zone or subzone admitted (a
+// Kubernetes label value's limit).
+const maxLocalityLabel = 63
+
+// admit returns the locality l names for clients of c: l itself if it is
+// already admitted or there is room, else none (as for a locality longer
+// than a label value).
+func (b *localityBound) admit(c class, l *corev3.Locality) model.Locality {
+	loc := model.Locality{Region: l.GetRegion(), Zone: l.GetZone(), Subzone: l.GetSubZone()}
+	if loc == (model.Locality{}) || len(loc.Region) > maxLocalityLabel || len(loc.Zone) > maxLocalityLabel || len(loc.Subzone) > maxLocalityLabel {
+		return model.Locality{}
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	m := b.seen[c]
+	if _, ok := m[loc]; ok {
+		return loc
+	}
+	if len(m) >= b.max {
+		return model.Locality{}
+	}
+	if m == nil {
+		m = map[model.Locality]struct{}{}
+		b.seen[c] = m
+	}
+	m[loc] = struct{}{}
+	return loc
+}
+
 // viewFor returns the view of node's class, with the resources of typeURL
 // built: the view is created on first use, and a group of types is built
 // the first time a client of the class asks for one of them.
 func (s *Server) viewFor(node *corev3.Node, typeURL string) (*view, error) {
-	c := s.classOf(node)
+	c := s.classFor(node, typeURL)
 	s.viewsMu.RLock()
 	v := s.views[c]
 	s.viewsMu.RUnlock()
@@ -451,7 +504,7 @@ func (s *Server) viewFor(node *corev3.Node, typeURL string) (*view, error) {
 // internNames replaces the names of resources of typeURL a request of node
 // subscribes to by the copies the node's class holds (typeCache.intern).
 func (s *Server) internNames(node *corev3.Node, typeURL string, names []string) {
-	if v := s.view(s.classOf(node)); v != nil {
+	if v := s.view(s.classFor(node, typeURL)); v != nil {
 		if tc := v.caches[typeURL]; tc != nil {
 			tc.intern(names)
 		}

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	workloadv1 "github.com/isthmus-mesh/isthmus/pilot/api/workload/v1"
+	"github.com/isthmus-mesh/isthmus/pilot/model"
 )
 
 // allTypes are the type URLs every view serves.
@@ -96,8 +97,15 @@ func (v *view) cache(t string) *typeCache {
 func (v *view) buildsAddresses() bool { return v.serves(WorkloadType) || v.serves(IstioAddressType) }
 
 // serves reports whether the builder keeps resources of type t up to date
-// in v. The caller holds Server.buildMu.
-func (v *view) serves(t string) bool { return v.building[groupOf(t)] }
+// in v. The caller holds Server.buildMu. A view of a locality serves EDS
+// only: the other Envoy types do not depend on the client's locality, and
+// are served from its network and cluster's view (Server.classFor).
+func (v *view) serves(t string) bool {
+	if v.class.Locality != (model.Locality{}) && t != resource.EndpointType {
+		return false
+	}
+	return v.building[groupOf(t)]
+}
 
 // isReady reports whether v's caches hold the resources of type t.
 func (v *view) isReady(t string) bool { return v.ready[groupOf(t)].Load() }
@@ -303,7 +311,7 @@ func (b *batch) service(bd *builder, hostname string) error {
 			}
 		}
 	}
-	if b.v.serves(resource.ClusterType) {
+	if b.v.serves(resource.EndpointType) {
 		if err := bd.envoy.build(b.v.class, s, bd.gws, fresh); err != nil {
 			return fmt.Errorf("service %s: %w", hostname, err)
 		}

@@ -18,14 +18,23 @@ import (
 const WorkloadType = workloadv1.TypeURL
 
 // class is a set of clients that see exactly the same resources: those on one
-// network in one cluster (the cluster matters only for cluster-local services).
+// network in one cluster (the cluster matters only for cluster-local services
+// and routing preferences), and for the Envoy types in one locality (EDS
+// orders endpoints into priorities by it: envoy.go).
 type class struct {
-	Network model.Network
-	Cluster model.ClusterID
+	Network  model.Network
+	Cluster  model.ClusterID
+	Locality model.Locality
 }
 
-// String renders the class as network|cluster.
-func (c class) String() string { return string(c.Network) + "|" + string(c.Cluster) }
+// String renders the class as network|cluster, then |locality if it has one.
+func (c class) String() string {
+	s := string(c.Network) + "|" + string(c.Cluster)
+	if c.Locality != (model.Locality{}) {
+		s += "|" + c.Locality.String()
+	}
+	return s
+}
 
 // sees reports whether clients of c see service s at all: whether any
 // cluster's definition or endpoints of it are visible to them.
@@ -194,6 +203,7 @@ func buildServiceAddresses(c class, s *model.Service, gws gatewayIndex, td trust
 	if s.Scope == model.ScopeClusterLocal {
 		svc.Scope = workloadv1.ServiceScope_CLUSTER_LOCAL
 	}
+	svc.LoadBalancing = loadBalancing(s.LoadBalancingFor(c.Cluster))
 	for _, cl := range slices.Sorted(maps.Keys(s.LocalClusters)) {
 		if s.LocalClusters[cl] {
 			svc.LocalClusters = append(svc.LocalClusters, string(cl))
@@ -331,4 +341,29 @@ func splitWorkload(s *model.Service, nw model.Network, gws []model.NetworkGatewa
 		w.NetworkGateways = append(w.NetworkGateways, gatewayAddress(gw, td))
 	}
 	return &workloadv1.Address{Type: &workloadv1.Address_Workload{Workload: w}}
+}
+
+// routingScopes maps the model's routing scopes to the workload API's.
+var routingScopes = [...]workloadv1.LoadBalancing_Scope{
+	model.RouteNetwork: workloadv1.LoadBalancing_NETWORK, model.RouteCluster: workloadv1.LoadBalancing_CLUSTER,
+	model.RouteRegion: workloadv1.LoadBalancing_REGION, model.RouteZone: workloadv1.LoadBalancing_ZONE,
+	model.RouteSubzone: workloadv1.LoadBalancing_SUBZONE, model.RouteNode: workloadv1.LoadBalancing_NODE,
+}
+
+// loadBalancing is the workload API form of a routing preference: nil (the
+// client's default order) for nil, else the scopes and an explicit mode.
+func loadBalancing(lb *model.LoadBalancing) *workloadv1.LoadBalancing {
+	if lb == nil {
+		return nil
+	}
+	out := &workloadv1.LoadBalancing{Mode: workloadv1.LoadBalancing_FAILOVER, RoutingPreference: make([]workloadv1.LoadBalancing_Scope, 0, len(lb.Preference))}
+	if lb.Strict {
+		out.Mode = workloadv1.LoadBalancing_STRICT
+	}
+	for _, sc := range lb.Preference {
+		if int(sc) < len(routingScopes) && sc != 0 {
+			out.RoutingPreference = append(out.RoutingPreference, routingScopes[sc])
+		}
+	}
+	return out
 }

@@ -144,7 +144,7 @@ func (g *Gateway) connect(ctx context.Context, req *hbone.Request, rec *ConnReco
 	local := func(w *state.Workload) bool {
 		return w.Network == g.cfg.Network && len(w.Addresses) > 0 && w.Protocol == state.TunnelHBONE
 	}
-	src := state.Source{Network: g.cfg.Network, Cluster: g.cfg.Cluster}
+	src := state.Source{Network: g.cfg.Network, Cluster: g.cfg.Cluster, Relay: true}
 	cands, err := g.sel.Rank(snap, svc, uint16(port), src, func(w *state.Workload) bool {
 		return local(w) && svc.ReachableFromOtherClusters(w.Cluster)
 	})

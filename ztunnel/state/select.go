@@ -15,12 +15,17 @@ var ErrNoEndpoint = errors.New("no ready endpoint")
 type Source struct {
 	Network  string
 	Cluster  string
+	Node     string
 	Locality Locality
+	// Relay is set when the source forwards for a client elsewhere (an
+	// east-west gateway): a STRICT preference is that client's to apply,
+	// so here it ranks as FAILOVER.
+	Relay bool
 }
 
 // SourceOf returns the selection source for workload w.
 func SourceOf(w *Workload) Source {
-	return Source{Network: w.Network, Cluster: w.Cluster, Locality: w.Locality}
+	return Source{Network: w.Network, Cluster: w.Cluster, Node: w.Node, Locality: w.Locality}
 }
 
 // Endpoint is a chosen destination for a service port.
@@ -39,10 +44,11 @@ type Selector struct {
 }
 
 // Select chooses an endpoint of svc for port as seen from src. Only ready
-// workloads qualify. Among them it prefers, in order, the same network
-// (synthetic workloads count for the remote network they stand for), the
-// same cluster, then the same region, zone and subzone; within the best tier
-// it picks at random weighted by capacity.
+// workloads qualify. Among them it prefers those of the best tier (see
+// score) and picks one at random weighted by capacity. By default the tiers
+// are, in order, the same network (synthetic workloads count for the
+// remote network they stand for), the same cluster, then the same region,
+// zone and subzone; a service's LoadBalancing replaces them.
 func (sel Selector) Select(snap *Snapshot, svc *Service, port uint16, src Source) (Endpoint, error) {
 	return sel.SelectWhere(snap, svc, port, src, nil)
 }
@@ -69,11 +75,14 @@ func (sel Selector) SelectWhere(snap *Snapshot, svc *Service, port uint16, src S
 		if !ok {
 			continue
 		}
-		score := rank(w, src)
+		sc, ok := score(w, src, svc.LoadBalancing)
+		if !ok {
+			continue
+		}
 		switch {
-		case score > bestScore:
-			best, bestScore, total = best[:0], score, 0
-		case score < bestScore:
+		case sc > bestScore:
+			best, bestScore, total = best[:0], sc, 0
+		case sc < bestScore:
 			continue
 		}
 		best = append(best, Endpoint{Workload: w, TargetPort: tp})
@@ -94,6 +103,49 @@ func (sel Selector) SelectWhere(snap *Snapshot, svc *Service, port uint16, src S
 		pick -= ep.Workload.Weight()
 	}
 	return best[len(best)-1], nil
+}
+
+// score ranks w for src under preference lb; higher is better, and ok is
+// false when lb is STRICT and w does not match all of it. Without a
+// preference (nil) it is rank. With one it is the number of leading scopes
+// of lb.Preference that w shares with src: a workload in the client's zone
+// under [NETWORK, CLUSTER, REGION, ZONE] scores 4, one elsewhere in its
+// region 3, and so on. A scope the client does not know (an empty zone,
+// node or cluster) matches nothing.
+func score(w *Workload, src Source, lb *LoadBalancing) (n int, ok bool) {
+	if lb == nil {
+		return rank(w, src), true
+	}
+	for _, sc := range lb.Preference {
+		if !shares(sc, w, src) {
+			break
+		}
+		n++
+	}
+	if lb.Strict && !src.Relay && n < len(lb.Preference) {
+		return 0, false
+	}
+	return n, true
+}
+
+// shares reports whether w and src have the same value of scope sc.
+func shares(sc Scope, w *Workload, src Source) bool {
+	l, s := w.Locality, src.Locality
+	switch sc {
+	case ScopeNetwork:
+		return w.Network == src.Network
+	case ScopeCluster:
+		return src.Cluster != "" && w.Cluster == src.Cluster
+	case ScopeRegion:
+		return s.Region != "" && l.Region == s.Region
+	case ScopeZone:
+		return s.Zone != "" && l.Zone == s.Zone
+	case ScopeSubzone:
+		return s.Subzone != "" && l.Subzone == s.Subzone
+	case ScopeNode:
+		return src.Node != "" && w.Node == src.Node
+	}
+	return false
 }
 
 // rank scores w for src; higher is better. Bits, most significant first:
@@ -120,10 +172,11 @@ func rank(w *Workload, src Source) int {
 }
 
 // Rank returns every endpoint of svc for port that keep accepts (all when
-// nil), in the order to try them: the tiers of Select's preference (same
-// network, cluster, region, zone, subzone), best first, each in a random
-// order weighted by capacity. A client tries the next when one cannot be
-// reached.
+// nil), in the order to try them: the tiers of Select's preference (by
+// default same network, cluster, region, zone, subzone; else the service's
+// LoadBalancing, whose STRICT mode leaves out the endpoints that do not
+// match it all), best first, each in a random order weighted by capacity.
+// A client tries the next when one cannot be reached.
 func (sel Selector) Rank(snap *Snapshot, svc *Service, port uint16, src Source, keep func(*Workload) bool) ([]Endpoint, error) {
 	if !svc.HasPort(port) {
 		return nil, fmt.Errorf("service %s has no port %d: %w", svc.Hostname, port, ErrNoEndpoint)
@@ -142,7 +195,11 @@ func (sel Selector) Rank(snap *Snapshot, svc *Service, port uint16, src Source, 
 		if !ok {
 			continue
 		}
-		all = append(all, ranked{Endpoint{Workload: w, TargetPort: tp}, rank(w, src)})
+		sc, ok := score(w, src, svc.LoadBalancing)
+		if !ok {
+			continue
+		}
+		all = append(all, ranked{Endpoint{Workload: w, TargetPort: tp}, sc})
 	}
 	if len(all) == 0 {
 		return nil, fmt.Errorf("service %s port %d: %w", svc.Hostname, port, ErrNoEndpoint)

@@ -278,6 +278,53 @@ type Service struct {
 	// for an exported service that is not headless, as its clusterset
 	// (ServiceImport) IPs beside its local VIPs. They are in VIPs too.
 	Allocated []netip.Addr `json:"allocated,omitempty"`
+	// LoadBalancing is the service's routing preference; nil keeps the
+	// default order (see Selector.Rank).
+	LoadBalancing *LoadBalancing `json:"loadBalancing,omitempty"`
+}
+
+// Scope is a property an endpoint can share with its client (Istio's
+// workload API LoadBalancing.Scope).
+type Scope uint8
+
+// Routing scopes.
+const (
+	ScopeNetwork Scope = iota + 1
+	ScopeCluster
+	ScopeRegion
+	ScopeZone
+	ScopeSubzone
+	ScopeNode
+)
+
+var scopeNames = [...]string{ScopeNetwork: "NETWORK", ScopeCluster: "CLUSTER", ScopeRegion: "REGION",
+	ScopeZone: "ZONE", ScopeSubzone: "SUBZONE", ScopeNode: "NODE"}
+
+// String returns the scope's name (NETWORK, ZONE, ...).
+func (s Scope) String() string {
+	if s != 0 && int(s) < len(scopeNames) {
+		return scopeNames[s]
+	}
+	return "UNKNOWN"
+}
+
+// MarshalText implements encoding.TextMarshaler.
+func (s Scope) MarshalText() ([]byte, error) { return []byte(s.String()), nil }
+
+// UnmarshalText implements encoding.TextUnmarshaler.
+func (s *Scope) UnmarshalText(b []byte) error {
+	*s = Scope(max(slices.Index(scopeNames[:], string(b)), 0))
+	return nil
+}
+
+// LoadBalancing is a service's routing preference. Clients rank a
+// service's ready endpoints by the length of the prefix of Preference they
+// match and use the best rank (FAILOVER); with Strict only endpoints
+// matching every scope qualify (STRICT). An empty Preference ranks every
+// ready endpoint alike.
+type LoadBalancing struct {
+	Preference []Scope `json:"preference"`
+	Strict     bool    `json:"strict,omitempty"`
 }
 
 // ReachableFromOtherClusters reports whether an endpoint of the service in
@@ -306,6 +353,11 @@ func (s *Service) clone() *Service {
 	c.Ports = slices.Clone(s.Ports)
 	c.LocalClusters = slices.Clone(s.LocalClusters)
 	c.Allocated = slices.Clone(s.Allocated)
+	if s.LoadBalancing != nil {
+		lb := *s.LoadBalancing
+		lb.Preference = slices.Clone(lb.Preference)
+		c.LoadBalancing = &lb
+	}
 	if c.Hostname == "" {
 		c.Hostname = Hostname(c.Name, c.Namespace)
 	}

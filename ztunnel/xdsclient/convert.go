@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strings"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
@@ -303,7 +304,48 @@ func (cv converter) service(p *workloadv1.Service) (*state.Service, error) {
 		}
 		svc.Ports = append(svc.Ports, port)
 	}
+	lb, err := loadBalancing(p.GetLoadBalancing())
+	if err != nil {
+		return nil, err
+	}
+	svc.LoadBalancing = lb
 	return svc, nil
+}
+
+// wireScopes maps the workload API's routing scopes to state's.
+var wireScopes = map[workloadv1.LoadBalancing_Scope]state.Scope{
+	workloadv1.LoadBalancing_NETWORK: state.ScopeNetwork, workloadv1.LoadBalancing_CLUSTER: state.ScopeCluster,
+	workloadv1.LoadBalancing_REGION: state.ScopeRegion, workloadv1.LoadBalancing_ZONE: state.ScopeZone,
+	workloadv1.LoadBalancing_SUBZONE: state.ScopeSubzone, workloadv1.LoadBalancing_NODE: state.ScopeNode,
+}
+
+// loadBalancing converts a service's routing preference: nil stays nil (the
+// default order); UNSPECIFIED_MODE is FAILOVER. An unknown scope or mode,
+// or a scope listed twice, is an error: ranking by part of a preference
+// would send traffic where the service did not ask.
+func loadBalancing(p *workloadv1.LoadBalancing) (*state.LoadBalancing, error) {
+	if p == nil {
+		return nil, nil
+	}
+	lb := &state.LoadBalancing{Preference: make([]state.Scope, 0, len(p.GetRoutingPreference()))}
+	switch p.GetMode() {
+	case workloadv1.LoadBalancing_UNSPECIFIED_MODE, workloadv1.LoadBalancing_FAILOVER:
+	case workloadv1.LoadBalancing_STRICT:
+		lb.Strict = true
+	default:
+		return nil, fmt.Errorf("load balancing: unknown mode %d", p.GetMode())
+	}
+	for i, ws := range p.GetRoutingPreference() {
+		sc, ok := wireScopes[ws]
+		if !ok {
+			return nil, fmt.Errorf("load balancing: routing preference %d: unknown scope %d", i, ws)
+		}
+		if slices.Contains(lb.Preference, sc) {
+			return nil, fmt.Errorf("load balancing: scope %s listed twice", sc)
+		}
+		lb.Preference = append(lb.Preference, sc)
+	}
+	return lb, nil
 }
 
 func addrOf(b []byte) (netip.Addr, error) {

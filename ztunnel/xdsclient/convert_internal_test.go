@@ -161,3 +161,54 @@ func TestDecodeSplitHorizon(t *testing.T) {
 		})
 	}
 }
+
+// TestDecodeLoadBalancing proves a service's routing preference converts
+// scope by scope with its mode (UNSPECIFIED_MODE is FAILOVER), that unset
+// stays unset (the default order) and an empty preference stays empty (no
+// preference), and that an unknown scope or mode, or a repeated scope, is
+// refused.
+func TestDecodeLoadBalancing(t *testing.T) {
+	cv := converter{network: "n1", trustDomain: "cluster.local"}
+	const name = "ns/s.ns.svc.cluster.local"
+	svc := func(lb *workloadv1.LoadBalancing) *discovery.Resource {
+		return res(t, name, &workloadv1.Address{Type: &workloadv1.Address_Service{Service: &workloadv1.Service{
+			Name: "s", Namespace: "ns", Ports: []*workloadv1.ServicePort{{ServicePort: 80}}, LoadBalancing: lb,
+		}}})
+	}
+	all := []workloadv1.LoadBalancing_Scope{workloadv1.LoadBalancing_NETWORK, workloadv1.LoadBalancing_CLUSTER,
+		workloadv1.LoadBalancing_REGION, workloadv1.LoadBalancing_ZONE, workloadv1.LoadBalancing_SUBZONE, workloadv1.LoadBalancing_NODE}
+	for _, tc := range []struct {
+		name string
+		lb   *workloadv1.LoadBalancing
+		want *state.LoadBalancing
+	}{
+		{"unset", nil, nil},
+		{"no preference", &workloadv1.LoadBalancing{Mode: workloadv1.LoadBalancing_FAILOVER}, &state.LoadBalancing{Preference: []state.Scope{}}},
+		{"every scope, unspecified mode", &workloadv1.LoadBalancing{RoutingPreference: all},
+			&state.LoadBalancing{Preference: []state.Scope{state.ScopeNetwork, state.ScopeCluster, state.ScopeRegion, state.ScopeZone, state.ScopeSubzone, state.ScopeNode}}},
+		{"strict cluster", &workloadv1.LoadBalancing{Mode: workloadv1.LoadBalancing_STRICT, RoutingPreference: []workloadv1.LoadBalancing_Scope{workloadv1.LoadBalancing_CLUSTER}},
+			&state.LoadBalancing{Preference: []state.Scope{state.ScopeCluster}, Strict: true}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r, err := cv.decode(svc(tc.lb))
+			require.NoError(t, err)
+			require.Equal(t, tc.want, r.service.LoadBalancing)
+		})
+	}
+	for _, tc := range []struct {
+		name string
+		lb   *workloadv1.LoadBalancing
+		want string
+	}{
+		{"unknown scope", &workloadv1.LoadBalancing{RoutingPreference: []workloadv1.LoadBalancing_Scope{workloadv1.LoadBalancing_ZONE, 42}}, "routing preference 1: unknown scope 42"},
+		{"unspecified scope", &workloadv1.LoadBalancing{RoutingPreference: []workloadv1.LoadBalancing_Scope{workloadv1.LoadBalancing_SCOPE_UNSPECIFIED}}, "unknown scope 0"},
+		{"unknown mode", &workloadv1.LoadBalancing{Mode: 7}, "unknown mode 7"},
+		{"repeated scope", &workloadv1.LoadBalancing{RoutingPreference: []workloadv1.LoadBalancing_Scope{workloadv1.LoadBalancing_ZONE, workloadv1.LoadBalancing_ZONE}}, "ZONE listed twice"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := cv.decode(svc(tc.lb))
+			require.ErrorContains(t, err, tc.want)
+			require.ErrorContains(t, err, name)
+		})
+	}
+}

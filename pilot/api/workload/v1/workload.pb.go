@@ -927,8 +927,11 @@ type Service struct {
 	// subject_alt_names are extra identities accepted for the service's
 	// workloads besides their own SPIFFE identities.
 	SubjectAltNames []string `protobuf:"bytes,6,rep,name=subject_alt_names,json=subjectAltNames,proto3" json:"subject_alt_names,omitempty"`
-	// load_balancing is the routing preference among the service's workloads;
-	// unset means no preference.
+	// load_balancing is the routing preference among the service's workloads,
+	// for the clients this resource is sent to. Unset means the client's
+	// default order (same network, then cluster, region, zone, subzone); set
+	// with no routing_preference means no preference at all (every healthy
+	// workload alike).
 	LoadBalancing *LoadBalancing `protobuf:"bytes,7,opt,name=load_balancing,json=loadBalancing,proto3" json:"load_balancing,omitempty"`
 	// scope says whether the service crosses clusters.
 	Scope ServiceScope `protobuf:"varint,8,opt,name=scope,proto3,enum=isthmus.workload.v1.ServiceScope" json:"scope,omitempty"`
@@ -1203,7 +1206,8 @@ func (x *ServicePort) GetAppProtocol() string {
 // LoadBalancing is a routing preference for the workloads of a service.
 type LoadBalancing struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// routing_preference lists the scopes in order of importance.
+	// routing_preference lists the scopes in order of importance, the most
+	// important first (as Istio's: [NETWORK, REGION, ZONE] prefers the zone).
 	RoutingPreference []LoadBalancing_Scope `protobuf:"varint,1,rep,packed,name=routing_preference,json=routingPreference,proto3,enum=isthmus.workload.v1.LoadBalancing_Scope" json:"routing_preference,omitempty"`
 	// mode says how routing_preference applies.
 	Mode          LoadBalancing_Mode `protobuf:"varint,2,opt,name=mode,proto3,enum=isthmus.workload.v1.LoadBalancing_Mode" json:"mode,omitempty"`
