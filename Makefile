@@ -39,7 +39,7 @@ export ISTHMUS_PREVIOUSBIN := $(PREVIOUSBIN)
 
 FUZZTIME  ?= 30s
 FUZZ_FLAGS ?=
-.PHONY: help help-check all build demo-bin images images-check push test e2e e2e-local bench soak fuzz fuzz-targets lint testbin nodebin istio-dashboards previous generate demo demo-once clean
+.PHONY: help help-check all build demo-bin images images-check push test e2e e2e-local disrupt bench soak fuzz fuzz-targets lint testbin nodebin istio-dashboards previous generate demo demo-once clean
 
 ## help: every target with what it does (the "## target:" comments of this file).
 help:
@@ -176,6 +176,19 @@ e2e: testbin nodebin
 ## and -isthmus.* flags, as existing clusters are (test/framework/meshup/e2e-local).
 e2e-local: testbin nodebin
 	$(GO) run ./test/framework/meshup/e2e-local -- $(GO) test $(GOTEST_FLAGS) -v ./test/realmesh/ -args
+
+## disrupt: the disruption suite: test/realmesh's operations on two real-node clusters
+## (ztunnel, gateway, pilot and CNI agent restarts, a pilot replica killed, pilot away, a
+## rotated remote Secret, a gateway scaled down) under the client's steady traffic of
+## DISRUPT_LONG long-lived connections and a new one every DISRUPT_NEW_EVERY, each
+## operation's cost (connections lost, new ones failed, longest outage) written to
+## DISRUPT_REPORT as BENCHMARKS.md's table. make test runs the same with 10 connections.
+DISRUPT_LONG      ?= 100
+DISRUPT_NEW_EVERY ?= 100ms
+DISRUPT_REPORT    ?= $(CURDIR)/disrupt.md
+disrupt: testbin nodebin
+	$(GO) test $(GOTEST_FLAGS) -v -run '^TestCrossNetworkOnRealNodes$$' ./test/realmesh/ -args \
+	  -realmesh.long=$(DISRUPT_LONG) -realmesh.new-every=$(DISRUPT_NEW_EVERY) -realmesh.report=$(DISRUPT_REPORT)
 
 ## soak: the randomized consistency run of pilot against three real clusters,
 ## longer than in `make test`: SOAK_SEEDS seeds of SOAK_CHANGES changes each.

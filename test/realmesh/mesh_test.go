@@ -13,7 +13,9 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -32,8 +34,19 @@ import (
 // real-node ones, or existing clusters given by kubeconfigs (make e2e).
 var envFlags *meshup.Flags
 
+// The client's steady traffic during the operations (make disrupt sets
+// more), and where to write the table of what each operation cost.
+var (
+	longConns  *int
+	newEvery   *time.Duration
+	reportPath *string
+)
+
 func TestMain(m *testing.M) {
 	envFlags = meshup.AddFlags(flag.CommandLine)
+	longConns = flag.Int("realmesh.long", 10, "long-lived connections of the client's traffic during the operations")
+	newEvery = flag.Duration("realmesh.new-every", 100*time.Millisecond, "interval between the client's new connections during the operations")
+	reportPath = flag.String("realmesh.report", "", "write the table of the operations' traffic (markdown) to this file")
 	code := m.Run()
 	ignore := meshup.LeakOptions()
 	if envFlags.External() {
@@ -67,6 +80,12 @@ type scenario struct {
 	// many have run.
 	server  string
 	servers int
+	// rows are the operations' traffic, for the table.
+	rows []row
+	// ctlOnce builds isthmusctl into ctlDir (ctlErr if it failed).
+	ctlOnce sync.Once
+	ctlDir  string
+	ctlErr  error
 }
 
 const url = "http://server." + appNS + ".svc.cluster.local:8080/"

@@ -4,9 +4,6 @@ import (
 	"bufio"
 	"encoding/json"
 	"net/netip"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -66,25 +63,9 @@ func (s *scenario) checkDeniedLogged(t *testing.T) {
 // (kubelet and container runtime included): the server, on the other
 // network, is listed with no address of its own and cluster-2's gateway.
 func (s *scenario) checkZtunnelConfig(t *testing.T) {
-	dir := t.TempDir()
-	bin := filepath.Join(dir, "isthmusctl")
-	build := exec.CommandContext(t.Context(), "go", "build", "-o", bin, "./cmd/isthmusctl")
-	build.Dir = moduleDir
-	out, err := build.CombinedOutput()
-	require.NoError(t, err, "go build isthmusctl: %s", out)
-	kc, err := meshup.Kubeconfig(s.c1)
-	require.NoError(t, err)
-	kcPath := filepath.Join(dir, "c1.kubeconfig")
-	require.NoError(t, os.WriteFile(kcPath, kc, 0o600))
 	run := func(args ...string) []byte {
-		cmd := exec.CommandContext(t.Context(), bin, append([]string{"ztunnel-config"}, args...)...)
-		cmd.Args = append(cmd.Args, "--kubeconfig", kcPath, "--node", s.nodeOf(t, s.c1))
-		out, err := cmd.Output()
-		var stderr string
-		if ee, ok := err.(*exec.ExitError); ok {
-			stderr = string(ee.Stderr)
-		}
-		require.NoError(t, err, "isthmusctl %v: %s", args, stderr)
+		out, err := s.isthmusctl(t, s.c1, append([]string{"ztunnel-config"}, append(args, "--node", s.nodeOf(t, s.c1))...)...)
+		require.NoError(t, err, "isthmusctl ztunnel-config %v", args)
 		return out
 	}
 	t.Logf("isthmusctl ztunnel-config workloads:\n%s", run("workloads"))

@@ -1,8 +1,11 @@
 package realmesh_test
 
 import (
+	"context"
 	"encoding/json"
+	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -14,8 +17,10 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
+	"github.com/isthmus-mesh/isthmus/test/framework"
 	"github.com/isthmus-mesh/isthmus/test/framework/install"
 	"github.com/isthmus-mesh/isthmus/test/framework/meshup"
+	"github.com/isthmus-mesh/isthmus/test/realnode/traffic"
 )
 
 // The charts' workloads, as the README installs them.
@@ -32,58 +37,125 @@ const (
 
 // operations runs, in order, what a user does to a running mesh, and the
 // scenario after each (the client served, the intruder refused), with the
-// client's requests counted while each operation runs.
+// client's steady traffic (long-lived and new connections) counted while
+// each operation runs: no new connection may fail, and where the operation
+// does not take a proxy away, no established one may be lost. The table of
+// what each operation cost is logged at the end (and written to -report).
 func (s *scenario) operations(t *testing.T) {
 	both := s.mesh.Clusters
 	t.Run("RolloutRestartZtunnel", func(t *testing.T) {
-		p := s.startProbe(t)
-		s.rolloutRestart(t, both, "DaemonSet", ztunnelDS)
-		require.Zero(t, p.end(t, "the ztunnel rollouts"), "requests failed while ztunnel rolled (maxSurge, handoff in the pods' namespaces)")
+		s.disrupt(t, "`rollout restart` of ztunnel in both clusters (surge, in-pod handoff, drain)", false, func() {
+			s.rolloutRestart(t, both, "DaemonSet", ztunnelDS)
+		})
 		s.check(t)
 	})
 	t.Run("RolloutRestartGateway", func(t *testing.T) {
-		p := s.startProbe(t)
-		s.rolloutRestart(t, both, "Deployment", gatewayDep)
-		require.Zero(t, p.end(t, "the gateway rollouts"), "requests failed while the gateways rolled (surge, drain: not ready, GOAWAY, grace)")
+		s.disrupt(t, "`rollout restart` of both east-west gateways, 2 replicas each (surge, drain: not ready, GOAWAY, grace)", false, func() {
+			s.rolloutRestart(t, both, "Deployment", gatewayDep)
+		})
 		s.check(t)
 	})
 	t.Run("RolloutRestartPilot", func(t *testing.T) {
-		p := s.startProbe(t)
-		s.rolloutRestart(t, both[:1], "Deployment", pilotDep)
-		require.Zero(t, p.end(t, "the pilot rollout"), "requests failed while pilot rolled (the data plane keeps its state)")
+		s.disrupt(t, "`rollout restart` of pilot", true, func() {
+			s.rolloutRestart(t, both[:1], "Deployment", pilotDep)
+		})
 		s.check(t)
 	})
 	t.Run("PilotAway", func(t *testing.T) {
-		s.pilotAway(t)
+		s.disrupt(t, "pilot scaled to 0 for 15 s, then back until every proxy is synced again", true, func() {
+			n := s.proxies(t)
+			s.pilotAway(t)
+			s.scalePilot(t, 1)
+			t0 := time.Now()
+			s.xdsStreams(t, "", n)
+			t.Logf("the %d proxies synced again %v after pilot was back", n, time.Since(t0).Round(100*time.Millisecond))
+		})
+		s.check(t)
+	})
+	t.Run("KillStreamedPilot", func(t *testing.T) {
+		s.killStreamedPilot(t)
 		s.check(t)
 	})
 	t.Run("RolloutRestartCNIAgent", func(t *testing.T) {
-		p := s.startProbe(t)
-		s.rolloutRestart(t, both, "DaemonSet", cniDS)
-		require.Zero(t, p.end(t, "the CNI agent rollouts"), "requests failed while the CNI agent rolled (pods keep their rules)")
+		s.disrupt(t, "`rollout restart` of the CNI agent in both clusters", true, func() {
+			s.rolloutRestart(t, both, "DaemonSet", cniDS)
+		})
 		s.check(t)
 	})
 	t.Run("PodCreatedWhileCNIAgentDown", func(t *testing.T) {
-		s.podsWhileCNIDown(t)
+		s.disrupt(t, "cluster-1's CNI agent off its node, a pod created (refused until the agent is back)", true, func() { s.podsWhileCNIDown(t) })
 		s.check(t)
 	})
+	t.Run("RemoteSecretRotated", func(t *testing.T) {
+		s.disrupt(t, "cluster-2's reader token revoked, cluster-2 registered again", true, func() { s.rotateRemoteSecret(t) })
+		s.moveServer(t)
+		s.check(t)
+	})
+	// Only the local environment's API servers are the test's to kill.
+	if local, ok := s.mesh.Env.(*meshup.Local); ok {
+		t.Run("RemoteAPIServerRestarted", func(t *testing.T) {
+			s.disrupt(t, "cluster-2's API server killed, down 20 s, started again", true, func() {
+				s.restartAPIServer(t, local.Set.Clusters[1].Cluster)
+			})
+			s.moveServer(t)
+			s.check(t)
+		})
+	}
 	t.Run("NodePodsRecreated", func(t *testing.T) {
 		s.recreateNodePods(t)
 		s.check(t)
 	})
-	t.Run("RemoteSecretRotated", func(t *testing.T) {
-		s.rotateRemoteSecret(t)
-		s.check(t)
-	})
 	t.Run("HelmUpgrade", func(t *testing.T) {
-		p := s.startProbe(t)
-		s.upgradeGatewayReplicas(t, 1)
-		require.Zero(t, p.end(t, "the gateway's helm upgrade to one replica"), "requests failed while a gateway was scaled away")
+		s.disrupt(t, "`helm upgrade --set replicaCount=1` of cluster-2's gateway (one replica drained away)", false, func() {
+			s.upgradeGatewayReplicas(t, 1)
+		})
 		s.check(t)
 	})
 	t.Run("HelmUninstall", func(t *testing.T) {
 		s.uninstallNodeMesh(t)
 	})
+	t.Logf("the client's traffic during the operations (%d long-lived connections, a new one every %v):\n%s", *longConns, *newEvery, s.table())
+	if *reportPath != "" {
+		require.NoError(t, os.WriteFile(*reportPath, []byte(s.table()), 0o644))
+	}
+}
+
+// disrupt runs op while the client's traffic runs and records it as the
+// table's row step: no new connection may fail, and if keeps, no
+// established connection may be lost.
+func (s *scenario) disrupt(t *testing.T, step string, keeps bool, op func()) traffic.Result {
+	t.Helper()
+	p := s.startProbe(t)
+	op()
+	r := s.endProbe(t, p, step)
+	if r.NewFailed > 0 || (keeps && r.Lost > 0) {
+		s.logsSince(t, p.t0)
+	}
+	require.Zero(t, r.NewFailed, "new connections failed during %s (first: %s)", step, r.NewError)
+	if keeps {
+		require.Zero(t, r.Lost, "established connections lost during %s (first: %s)", step, r.LostError)
+	}
+	return r
+}
+
+// logsSince logs what the mesh's pods (ztunnel, the CNI agent, the
+// gateways) of both clusters wrote since t0, for a failed operation.
+func (s *scenario) logsSince(t *testing.T, t0 time.Time) {
+	since := metav1.NewTime(t0.Add(-time.Second))
+	for _, c := range s.mesh.Clusters {
+		pods, err := c.Client.CoreV1().Pods(meshup.SystemNamespace).List(context.Background(), metav1.ListOptions{})
+		if err != nil {
+			t.Logf("%s: list pods: %v", c.Name, err)
+			continue
+		}
+		for _, p := range pods.Items {
+			if strings.HasPrefix(p.Name, pilotDep) {
+				continue
+			}
+			raw, err := c.Client.CoreV1().Pods(p.Namespace).GetLogs(p.Name, &corev1.PodLogOptions{SinceTime: &since}).DoRaw(context.Background())
+			t.Logf("%s: log of %s since %s (%v):\n%s", c.Name, p.Name, since.Format(time.RFC3339), err, raw)
+		}
+	}
 }
 
 // rolloutRestart does what `kubectl rollout restart` does to kind/name in
@@ -203,10 +275,8 @@ func (s *scenario) nodeOf(t *testing.T, c meshup.Cluster) string {
 }
 
 // rotateRemoteSecret revokes the token pilot reads cluster-2 with (the
-// reader's token Secret deleted), registers cluster-2 again with a new
-// one, as create-remote-secret does, and moves the server to a new pod:
-// the client reaching it proves pilot follows cluster-2 with the new
-// credential.
+// reader's token Secret deleted) and registers cluster-2 again with a new
+// one, as create-remote-secret does.
 func (s *scenario) rotateRemoteSecret(t *testing.T) {
 	ctx := t.Context()
 	secrets := s.c2.Client.CoreV1().Secrets(meshup.SystemNamespace)
@@ -228,9 +298,28 @@ func (s *scenario) rotateRemoteSecret(t *testing.T) {
 		}
 	}, time.Minute, 200*time.Millisecond)
 	require.NoError(t, s.mesh.Register(ctx, s.c2.Name))
+}
+
+// restartAPIServer kills cluster-2's API server (as a crash would: etcd
+// keeps its data), leaves it down for 20 s, long enough for pilot's watches
+// of cluster-2, its CNI agent and its kubelet to fail and retry, then starts
+// it again and waits until it answers.
+func (s *scenario) restartAPIServer(t *testing.T, c *framework.Cluster) {
+	require.NoError(t, c.StopAPIServer())
+	time.Sleep(20 * time.Second)
+	require.NoError(t, c.RestartAPIServer())
+	require.EventuallyWithT(t, func(col *assert.CollectT) {
+		_, err := s.c2.Client.Discovery().RESTClient().Get().AbsPath("/readyz").DoRaw(t.Context())
+		require.NoError(col, err)
+	}, operationsTO, time.Second, "cluster-2's API server ready again")
+}
+
+// moveServer moves the server to a new pod: the client reaching it proves
+// pilot follows cluster-2 (after a rotation, with the new credential).
+func (s *scenario) moveServer(t *testing.T) {
 	old := s.server
 	s.runServer()
-	require.NoError(t, s.c2.Client.CoreV1().Pods(appNS).Delete(ctx, old, metav1.DeleteOptions{}))
+	require.NoError(t, s.c2.Client.CoreV1().Pods(appNS).Delete(t.Context(), old, metav1.DeleteOptions{}))
 	waitGone(t, s.c2, appNS, old)
 }
 
@@ -356,19 +445,10 @@ func (s *scenario) podsWhileCNIDown(t *testing.T) {
 
 // pilotAway scales pilot to zero for a while: the ztunnels and gateways
 // keep serving from their last state (their certificates are valid for
-// hours), so no request fails; then pilot comes back.
+// hours).
 func (s *scenario) pilotAway(t *testing.T) {
 	ctx := t.Context()
-	scale := func(n int32) {
-		deps := s.c1.Client.AppsV1().Deployments(meshup.SystemNamespace)
-		sc, err := deps.GetScale(ctx, pilotDep, metav1.GetOptions{})
-		require.NoError(t, err)
-		sc.Spec.Replicas = n
-		_, err = deps.UpdateScale(ctx, pilotDep, sc, metav1.UpdateOptions{})
-		require.NoError(t, err)
-	}
-	p := s.startProbe(t)
-	scale(0)
+	s.scalePilot(t, 0)
 	require.EventuallyWithT(t, func(c *assert.CollectT) {
 		pods, err := s.c1.Client.CoreV1().Pods(meshup.SystemNamespace).List(ctx, metav1.ListOptions{})
 		require.NoError(c, err)
@@ -379,7 +459,19 @@ func (s *scenario) pilotAway(t *testing.T) {
 	// Long enough for every proxy to notice its xDS stream is gone and
 	// fail to reconnect a few times.
 	time.Sleep(15 * time.Second)
-	require.Zero(t, p.end(t, "pilot's absence"), "requests failed while no pilot ran (the proxies keep their last state)")
-	scale(1)
-	s.waitRollout(t, s.c1, "Deployment", pilotDep)
+}
+
+// scalePilot sets the replicas of cluster-1's pilot Deployment (its scale
+// subresource, as `kubectl scale`) and, unless 0, waits for the rollout.
+func (s *scenario) scalePilot(t *testing.T, n int32) {
+	ctx := t.Context()
+	deps := s.c1.Client.AppsV1().Deployments(meshup.SystemNamespace)
+	sc, err := deps.GetScale(ctx, pilotDep, metav1.GetOptions{})
+	require.NoError(t, err)
+	sc.Spec.Replicas = n
+	_, err = deps.UpdateScale(ctx, pilotDep, sc, metav1.UpdateOptions{})
+	require.NoError(t, err)
+	if n > 0 {
+		s.waitRollout(t, s.c1, "Deployment", pilotDep)
+	}
 }

@@ -1,10 +1,14 @@
 package realmesh_test
 
 import (
+	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
-	"sync"
-	"sync/atomic"
+	"io"
+	"os"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -16,6 +20,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/isthmus-mesh/isthmus/test/framework/meshup"
+	"github.com/isthmus-mesh/isthmus/test/realnode/traffic"
 )
 
 // deploy creates the application: the enrolled namespace in both
@@ -110,6 +115,9 @@ func (s *scenario) cleanup(t *testing.T) {
 		}
 	}
 	assert.NoError(t, s.mesh.Uninstall(ctx))
+	if s.ctlDir != "" {
+		assert.NoError(t, os.RemoveAll(s.ctlDir))
+	}
 }
 
 // report logs what is not Ready in both clusters.
@@ -123,53 +131,83 @@ func (s *scenario) report(t *testing.T) {
 	}
 }
 
-// probe sends the client's request every half second until stopped, and
-// counts the answers and the failures (with the first failure's error).
+// probe is the client's steady traffic to the server while an operation
+// runs (test/realnode/traffic, run in the client pod by the server image's
+// -traffic mode): long-lived connections, each sending a request every
+// second, and a new connection every 100 ms, each a request through both
+// ztunnels and cluster-2's gateway.
 type probe struct {
-	ok, failed atomic.Int64
-	firstErr   atomic.Pointer[error]
-	stop       context.CancelFunc
-	wg         sync.WaitGroup
+	stdin  *io.PipeWriter
+	stdout *bufio.Reader
+	done   chan error
+	t0     time.Time
 }
 
+// startProbe starts the traffic and returns once its long-lived
+// connections are established.
 func (s *scenario) startProbe(t *testing.T) *probe {
-	ctx, cancel := context.WithCancel(t.Context())
-	p := &probe{stop: cancel}
-	want := "isthmus realnode server " + s.server + "\n"
-	p.wg.Go(func() {
-		for ctx.Err() == nil {
-			out, err := s.get(ctx, "client")
-			switch {
-			case ctx.Err() != nil:
-				return
-			case err == nil && out != want:
-				err = fmt.Errorf("answered %q, want %q", out, want)
-				fallthrough
-			case err != nil:
-				p.failed.Add(1)
-				p.firstErr.CompareAndSwap(nil, &err)
-			default:
-				p.ok.Add(1)
-			}
-			select {
-			case <-ctx.Done():
-			case <-time.After(500 * time.Millisecond):
-			}
-		}
-	})
+	inR, inW := io.Pipe()
+	outR, outW := io.Pipe()
+	p := &probe{stdin: inW, stdout: bufio.NewReader(outR), done: make(chan error, 1), t0: time.Now()}
+	go func() {
+		err := s.mesh.ExecStream(t.Context(), s.c1, appNS, "client", inR, outW, serverBin, "-traffic", url,
+			"-long", strconv.Itoa(*longConns), "-new-every", newEvery.String())
+		outW.CloseWithError(err)
+		p.done <- err
+	}()
+	line, err := p.stdout.ReadString('\n')
+	if err != nil {
+		_ = inW.Close()
+		require.NoError(t, <-p.done, "the client's traffic did not start")
+		require.NoError(t, err, "the client's traffic did not start")
+	}
+	require.Equal(t, fmt.Sprintf("ready %d\n", *longConns), line)
 	return p
 }
 
-// end stops the probe and logs its counts; it returns the failures.
-func (p *probe) end(t *testing.T, what string) int64 {
-	p.stop()
-	p.wg.Wait()
-	var first error
-	if e := p.firstErr.Load(); e != nil {
-		first = *e
+// end stops the traffic, logs what it met and records it as the table row
+// of step; it returns the result.
+func (s *scenario) endProbe(t *testing.T, p *probe, step string) traffic.Result {
+	took := time.Since(p.t0)
+	require.NoError(t, p.stdin.Close())
+	body, err := io.ReadAll(p.stdout)
+	require.NoError(t, err, "the client's traffic")
+	require.NoError(t, <-p.done)
+	var r traffic.Result
+	require.NoError(t, json.Unmarshal(body, &r), "the client's traffic printed %q", body)
+	lost, failed := "none lost", "none failed"
+	if r.Lost > 0 {
+		lost = fmt.Sprintf("%d lost (the first after %v: %s)", r.Lost, r.FirstLost, r.LostError)
 	}
-	t.Logf("requests during %s: %d answered, %d failed (first failure: %v)", what, p.ok.Load(), p.failed.Load(), first)
-	return p.failed.Load()
+	if r.NewFailed > 0 {
+		failed = fmt.Sprintf("%d failed (the first: %s; longest outage %v, recovered %v)", r.NewFailed, r.NewError, r.Outage, r.Recovered)
+	}
+	t.Logf("traffic during %s (%v): %d long-lived connections, %s; %d new connections, %s",
+		step, took.Round(100*time.Millisecond), r.Long, lost, r.New, failed)
+	s.rows = append(s.rows, row{step: step, took: took, res: r})
+	return r
+}
+
+// row is one operation's line of the disruption table.
+type row struct {
+	step string
+	took time.Duration
+	res  traffic.Result
+}
+
+// table renders the rows as BENCHMARKS.md's disruption table.
+func (s *scenario) table() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "| operation | took | long-lived connections lost (first after) | new connections failed | longest outage |\n| --- | --- | --- | --- | --- |\n")
+	for _, r := range s.rows {
+		first := "-"
+		if r.res.Lost > 0 {
+			first = r.res.FirstLost.String()
+		}
+		fmt.Fprintf(&b, "| %s | %v | %d of %d (%s) | %d of %d | %v |\n", r.step, r.took.Round(100*time.Millisecond),
+			r.res.Lost, r.res.Long, first, r.res.NewFailed, r.res.New, r.res.Outage)
+	}
+	return b.String()
 }
 
 // waitGone waits until the pod is deleted.

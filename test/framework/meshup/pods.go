@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"os"
 	"strings"
 	"sync"
@@ -64,21 +65,31 @@ func (m *Mesh) WaitPod(ctx context.Context, c Cluster, namespace, name string) e
 // Exec runs cmd in the only container of the pod through the API server
 // and returns its stdout; a failure carries its stderr.
 func (m *Mesh) Exec(ctx context.Context, c Cluster, namespace, pod string, cmd ...string) (string, error) {
-	req := c.Client.CoreV1().RESTClient().Post().Resource("pods").Namespace(namespace).Name(pod).SubResource("exec").
-		VersionedParams(&corev1.PodExecOptions{Command: cmd, Stdout: true, Stderr: true}, scheme.ParameterCodec)
-	ex, err := remotecommand.NewSPDYExecutor(c.Config, "POST", req.URL())
-	if err != nil {
-		return "", err
-	}
 	// client-go may still copy into the buffers after StreamWithContext
 	// returns for a cancelled ctx.
-	var stdout, stderr lockedBuffer
+	var stdout lockedBuffer
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	if err := ex.StreamWithContext(ctx, remotecommand.StreamOptions{Stdout: &stdout, Stderr: &stderr}); err != nil {
-		return stdout.String(), fmt.Errorf("%w: %s", err, strings.TrimSpace(stderr.String()))
+	err := m.ExecStream(ctx, c, namespace, pod, nil, &stdout, cmd...)
+	return stdout.String(), err
+}
+
+// ExecStream runs cmd in the only container of the pod through the API
+// server, with stdin (nil: none) and stdout streamed, for as long as ctx
+// allows; it returns when the command ends, a failure carrying its stderr.
+// The command sees the end of its stdin when stdin's Read returns io.EOF.
+func (m *Mesh) ExecStream(ctx context.Context, c Cluster, namespace, pod string, stdin io.Reader, stdout io.Writer, cmd ...string) error {
+	req := c.Client.CoreV1().RESTClient().Post().Resource("pods").Namespace(namespace).Name(pod).SubResource("exec").
+		VersionedParams(&corev1.PodExecOptions{Command: cmd, Stdin: stdin != nil, Stdout: true, Stderr: true}, scheme.ParameterCodec)
+	ex, err := remotecommand.NewSPDYExecutor(c.Config, "POST", req.URL())
+	if err != nil {
+		return err
 	}
-	return stdout.String(), nil
+	var stderr lockedBuffer
+	if err := ex.StreamWithContext(ctx, remotecommand.StreamOptions{Stdin: stdin, Stdout: stdout, Stderr: &stderr}); err != nil {
+		return fmt.Errorf("%w: %s", err, strings.TrimSpace(stderr.String()))
+	}
+	return nil
 }
 
 // PodReport says, for each pod of namespace that is not Ready, its phase

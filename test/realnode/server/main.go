@@ -13,7 +13,10 @@
 // instead (tests exec them in a pod): -get URL prints the body of a GET,
 // and -whoami prints the user the API server authenticates the pod's
 // service account token as (in-cluster config: the kubernetes Service, the
-// mounted token and CA).
+// mounted token and CA). -traffic URL runs test/realnode/traffic's steady
+// traffic to URL (-long connections, a new one every -new-every): it
+// prints "ready <n>" once the long-lived connections are established, runs
+// until its standard input ends, then prints the traffic.Result as JSON.
 package main
 
 import (
@@ -21,6 +24,7 @@ import (
 	"crypto/sha256"
 	"crypto/tls"
 	"encoding/hex"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
@@ -34,13 +38,24 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+
+	"github.com/isthmus-mesh/isthmus/test/realnode/traffic"
 )
 
 func main() {
 	listen := flag.String("listen", ":8080", "address to serve HTTP on")
 	get := flag.String("get", "", "GET this URL, print the body and exit")
 	whoami := flag.Bool("whoami", false, "print the user the API server sees this pod's service account as, and exit")
+	trafficURL := flag.String("traffic", "", "send steady traffic to this URL until stdin ends, then print what it met")
+	long := flag.Int("long", 10, "-traffic: long-lived connections")
+	newEvery := flag.Duration("new-every", 100*time.Millisecond, "-traffic: interval between new connections")
 	flag.Parse()
+	if *trafficURL != "" {
+		if err := runTraffic(traffic.Config{URL: *trafficURL, Long: *long, NewEvery: *newEvery}); err != nil {
+			log.Fatal(err)
+		}
+		return
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	switch {
@@ -180,4 +195,15 @@ func printUser(ctx context.Context) error {
 	}
 	fmt.Println(r.Status.UserInfo.Username)
 	return nil
+}
+
+// runTraffic runs the steady traffic until stdin ends.
+func runTraffic(cfg traffic.Config) error {
+	t, err := traffic.Start(context.Background(), cfg)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("ready %d\n", cfg.Long)
+	_, _ = io.Copy(io.Discard, os.Stdin)
+	return json.NewEncoder(os.Stdout).Encode(t.Stop())
 }
