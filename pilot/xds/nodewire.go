@@ -34,6 +34,7 @@ var nodeDescriptor = (&corev3.Node{}).ProtoReflect().Descriptor()
 // its map entry) and google.protobuf.Value read by decodeKeptNode.
 const (
 	nodeID, nodeCluster, nodeMetadata   protowire.Number = 1, 2, 3
+	nodeUserAgentName                   protowire.Number = 6
 	structFields, entryKey, entryValue  protowire.Number = 1, 1, 2
 	valueNull, valueNumber, valueString protowire.Number = 1, 2, 3
 	valueBool, valueStruct, valueList   protowire.Number = 4, 5, 6
@@ -48,12 +49,12 @@ func decodeKeptNode(parts ...[]byte) (*corev3.Node, error) {
 			return nil, err
 		}
 	}
-	var id, cluster []byte
+	var id, cluster, agent []byte
 	var kept [len(keptMetadata)]keptValue
 	for _, raw := range parts {
-		keepFields(raw, &id, &cluster, &kept)
+		keepFields(raw, &id, &cluster, &agent, &kept)
 	}
-	out := &corev3.Node{Id: string(id), Cluster: string(cluster)}
+	out := &corev3.Node{Id: string(id), Cluster: string(cluster), UserAgentName: string(agent)}
 	for i, k := range kept {
 		if !k.present {
 			continue
@@ -67,15 +68,17 @@ func decodeKeptNode(parts ...[]byte) (*corev3.Node, error) {
 }
 
 // keepFields reads what a stream keeps from one encoding of a node, over
-// what earlier ones gave: the last id and cluster, the last entry of each
-// kept metadata key.
-func keepFields(raw []byte, id, cluster *[]byte, kept *[len(keptMetadata)]keptValue) {
+// what earlier ones gave: the last id, cluster and user agent name, the
+// last entry of each kept metadata key.
+func keepFields(raw []byte, id, cluster, agent *[]byte, kept *[len(keptMetadata)]keptValue) {
 	eachBytesField(raw, func(num protowire.Number, v []byte) {
 		switch num {
 		case nodeID:
 			*id = v
 		case nodeCluster:
 			*cluster = v
+		case nodeUserAgentName:
+			*agent = v
 		case nodeMetadata:
 			// A message field sent twice merges: its map entries add up,
 			// the last of a key replacing the others.

@@ -22,6 +22,9 @@ const WorkloadType = workloadv1.TypeURL
 type class struct {
 	Network model.Network
 	Cluster model.ClusterID
+	// Kind is what the class's clients of the Envoy types can dial
+	// (envoytls.go).
+	Kind clientKind
 }
 
 // String renders the class as network|cluster.
