@@ -128,6 +128,7 @@ FUZZ_TARGETS := \
 	./ztunnel/proxy:FuzzReadSOCKSRequest \
 	./ztunnel/proxy:FuzzInboundConnect \
 	./ztunnel/proxy:FuzzGatewayConnect \
+	./ztunnel/proxy:FuzzParseSNI \
 	./ztunnel/hbone:FuzzServerRequest \
 	./ztunnel/xdsclient:FuzzDecodeApply \
 	./multicluster:FuzzSanitizeKubeconfig \
