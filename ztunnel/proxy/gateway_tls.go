@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/tls"
 	"errors"
@@ -193,7 +194,9 @@ type passthroughStream struct {
 // does, and opens an HBONE stream, as the gateway, to the chosen endpoint's
 // target port.
 func (g *Gateway) passthroughUpstream(ctx context.Context, c net.Conn, rec *ConnRecord) (passthroughStream, error) {
-	name, hello, err := peekServerName(c, g.cfg.Server.HandshakeTimeout)
+	// The HBONE listener's TLS handshake timeout bounds the ClientHello.
+	timeout := cmp.Or(g.cfg.Server.HandshakeTimeout, hbone.DefaultServerConfig().HandshakeTimeout)
+	name, hello, err := peekServerName(c, timeout)
 	if err != nil {
 		return passthroughStream{}, hbone.Refuse(http.StatusBadRequest, ReasonBadClientHello, "%v", err)
 	}
