@@ -95,8 +95,8 @@ func (b *envoyBuilder) build(c class, s *model.Service, gws gatewayIndex, td tru
 		}
 		cn := ClusterName(s.Hostname, p.Port)
 		ln := ListenerName(s.Hostname, p.Port)
-		cla, remote := b.loadAssignment(c, s, p.Port, cn, gws, td)
-		cl, err := b.cluster(c, cn, s.Hostname, p.Port, remote)
+		cla, peers := b.loadAssignment(c, s, p.Port, cn, gws, td)
+		cl, err := b.cluster(c, cn, s.Hostname, p.Port, peers)
 		if err != nil {
 			return err
 		}
@@ -113,11 +113,14 @@ func (b *envoyBuilder) build(c class, s *model.Service, gws gatewayIndex, td tru
 }
 
 // cluster builds the Cluster name of port of the service hostname. When
-// the load assignment has endpoints behind gateways (remote names the
+// the load assignment has endpoints behind gateways (peers.remote names the
 // identities they run as), an Envoy client gets Istio's transport socket
 // match: mutual TLS with Istio's SNI for the endpoints marked tlsMode=istio
-// (the gateways' SNI passthrough ports), plaintext for the rest.
-func (b *envoyBuilder) cluster(c class, name, hostname string, port uint16, remote []string) (*clusterv3.Cluster, error) {
+// (the gateways' SNI passthrough ports), plaintext for the rest. A
+// proxyless gRPC client with xDS security reaches every endpoint over mTLS
+// with Istio's SNI (gRPC has no transport socket matches), verifying it as
+// one of peers.all.
+func (b *envoyBuilder) cluster(c class, name, hostname string, port uint16, peers endpointPeers) (*clusterv3.Cluster, error) {
 	cl := &clusterv3.Cluster{
 		Name:                 name,
 		ClusterDiscoveryType: &clusterv3.Cluster_Type{Type: clusterv3.Cluster_EDS},
@@ -125,10 +128,18 @@ func (b *envoyBuilder) cluster(c class, name, hostname string, port uint16, remo
 		ConnectTimeout:       b.connectTimeout,
 		LbPolicy:             clusterv3.Cluster_ROUND_ROBIN,
 	}
-	if c.Kind != kindEnvoy || len(remote) == 0 {
+	if c.Kind == kindProxylessTLS && len(peers.all) > 0 {
+		ts, err := proxylessMTLS(hostname, port, peers.all)
+		if err != nil {
+			return nil, fmt.Errorf("cluster %s: %w", name, err)
+		}
+		cl.TransportSocket = ts
 		return cl, nil
 	}
-	tlsSocket, err := b.istioMTLS(hostname, port, remote)
+	if c.Kind != kindEnvoy || len(peers.remote) == 0 {
+		return cl, nil
+	}
+	tlsSocket, err := b.istioMTLS(hostname, port, peers.remote)
 	if err != nil {
 		return nil, fmt.Errorf("cluster %s: %w", name, err)
 	}
@@ -190,11 +201,12 @@ type remoteKey struct {
 // trusted gateways, their number spread over the gateways by capacity, for
 // clients that can speak mTLS with Istio's SNI (gatewayEndpoints); they are
 // withheld, and reported, from clients that cannot. It returns the
-// identities (SPIFFE IDs, sorted) of the endpoints behind gateways.
-func (b *envoyBuilder) loadAssignment(c class, s *model.Service, port uint16, name string, gws gatewayIndex, td trustDomains) (*endpointv3.ClusterLoadAssignment, []string) {
+// identities of the endpoints it lists (endpointPeers).
+func (b *envoyBuilder) loadAssignment(c class, s *model.Service, port uint16, name string, gws gatewayIndex, td trustDomains) (*endpointv3.ClusterLoadAssignment, endpointPeers) {
 	groups := map[model.Locality][]*endpointv3.LbEndpoint{}
 	remote := map[remoteKey]uint32{}
 	identities := map[model.Network]map[string]struct{}{}
+	local := map[string]struct{}{}
 	clusters := make([]model.ClusterID, 0, len(s.Shards))
 	for cl := range s.Shards {
 		if c.seesShard(s, cl) {
@@ -221,6 +233,7 @@ func (b *envoyBuilder) loadAssignment(c class, s *model.Service, port uint16, na
 				}
 				continue
 			}
+			local[spiffeID(td(cl), e.Namespace(), cmp.Or(e.ServiceAccount(), "default"))] = struct{}{}
 			hs := corev3.HealthStatus_HEALTHY
 			switch {
 			case e.Terminating():
@@ -276,15 +289,31 @@ func (b *envoyBuilder) loadAssignment(c class, s *model.Service, port uint16, na
 			LoadBalancingWeight: wrapperspb.UInt32(weight),
 		})
 	}
-	if len(used) == 0 {
-		return cla, nil
+	var peers endpointPeers
+	peers.remote = sortedKeys(used)
+	for id := range local {
+		used[id] = struct{}{}
 	}
-	ids := make([]string, 0, len(used))
-	for id := range used {
-		ids = append(ids, id)
+	peers.all = sortedKeys(used)
+	return cla, peers
+}
+
+// endpointPeers are the SPIFFE identities (sorted) of the endpoints of a
+// load assignment: those behind gateways, and all.
+type endpointPeers struct {
+	remote, all []string
+}
+
+func sortedKeys(m map[string]struct{}) []string {
+	if len(m) == 0 {
+		return nil
 	}
-	slices.Sort(ids)
-	return cla, ids
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	slices.Sort(out)
+	return out
 }
 
 // gatewayEndpoints stands for n ready endpoints behind gws, for a client

@@ -22,7 +22,10 @@ import (
 // network: pilot cannot tell from its node whether its bootstrap has xDS
 // security and its gRPC sets the SNI from xDS (grpc-go does only behind
 // GRPC_EXPERIMENTAL_XDS_SNI), so the endpoints behind gateways are
-// withheld from it and counted (isthmus_xds_endpoints_withheld_total).
+// withheld from it and counted (isthmus_xds_endpoints_withheld_total),
+// unless its node says it can (MetadataProxylessTLS): then every endpoint
+// is reached over mTLS from its certificate provider, the remote ones
+// through the gateways' passthrough ports with Istio's SNI.
 
 // clientKind is what a client of the Envoy types can dial.
 type clientKind uint8
@@ -34,12 +37,18 @@ const (
 	// kindProxylessPlain: a proxyless gRPC client, sent only endpoints of
 	// its own network.
 	kindProxylessPlain
+	// kindProxylessTLS: a proxyless gRPC client with xDS security whose
+	// gRPC sets the SNI from xDS (MetadataProxylessTLS).
+	kindProxylessTLS
 )
 
 // String names the kind in logs.
 func (k clientKind) String() string {
-	if k == kindProxylessPlain {
+	switch k {
+	case kindProxylessPlain:
 		return "proxyless"
+	case kindProxylessTLS:
+		return "proxyless-tls"
 	}
 	return "envoy"
 }
@@ -48,17 +57,36 @@ func (k clientKind) String() string {
 // client wants; "grpc" is a proxyless gRPC client.
 const MetadataGenerator = "GENERATOR"
 
+// MetadataProxylessTLS, "true" in a proxyless gRPC client's node metadata,
+// says the client can reach endpoints over mTLS with Istio's SNI: its
+// bootstrap has the certificate provider instance "default" (its
+// certificate and the mesh roots), it dials with xDS credentials, and its
+// gRPC sets the TLS server name from xDS (gRFC A101; grpc-go:
+// GRPC_EXPERIMENTAL_XDS_SNI=true). Every endpoint it is sent is then
+// reached over mTLS, so its own network's servers must serve mTLS too.
+const MetadataProxylessTLS = "ISTHMUS_PROXYLESS_TLS"
+
+// Istio's certificate provider instance and certificate names for
+// proxyless gRPC.
+const (
+	providerInstance = "default"
+	providerRoots    = "ROOTCA"
+)
+
 // grpcUserAgentPrefix starts the node user_agent_name of gRPC's xDS
 // clients ("gRPC Go", "gRPC C++", "gRPC Java").
 const grpcUserAgentPrefix = "gRPC"
 
 // kindOf returns the kind of client node n (as kept, keptNode) is.
 func kindOf(n *corev3.Node) clientKind {
-	if n.GetMetadata().GetFields()[MetadataGenerator].GetStringValue() == "grpc" ||
-		strings.HasPrefix(n.GetUserAgentName(), grpcUserAgentPrefix) {
-		return kindProxylessPlain
+	f := n.GetMetadata().GetFields()
+	if f[MetadataGenerator].GetStringValue() != "grpc" && !strings.HasPrefix(n.GetUserAgentName(), grpcUserAgentPrefix) {
+		return kindEnvoy
 	}
-	return kindEnvoy
+	if f[MetadataProxylessTLS].GetStringValue() == "true" {
+		return kindProxylessTLS
+	}
+	return kindProxylessPlain
 }
 
 // Reasons endpoints behind a gateway are withheld from a client.
@@ -127,6 +155,33 @@ func (b *envoyBuilder) istioMTLS(hostname string, port uint16, ids []string) (*c
 			ValidationContextType: &tlsv3.CommonTlsContext_CombinedValidationContext{CombinedValidationContext: &tlsv3.CommonTlsContext_CombinedCertificateValidationContext{
 				DefaultValidationContext:         &tlsv3.CertificateValidationContext{MatchTypedSubjectAltNames: sans},
 				ValidationContextSdsSecretConfig: &tlsv3.SdsSecretConfig{Name: sdsRootCA, SdsConfig: b.sds},
+			}},
+		},
+	}
+	a, err := anypb.New(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("upstream tls context: %w", err)
+	}
+	return &corev3.TransportSocket{Name: tlsSocketName, ConfigType: &corev3.TransportSocket_TypedConfig{TypedConfig: a}}, nil
+}
+
+// proxylessMTLS is the transport socket of a proxyless gRPC client with xDS
+// security to port of the service hostname: its certificate and the roots
+// from its certificate provider instance "default", Istio's SNI, and the
+// peer verified as one of ids (gRPC reads match_subject_alt_names).
+func proxylessMTLS(hostname string, port uint16, ids []string) (*corev3.TransportSocket, error) {
+	sans := make([]*matcherv3.StringMatcher, 0, len(ids))
+	for _, id := range ids {
+		sans = append(sans, &matcherv3.StringMatcher{MatchPattern: &matcherv3.StringMatcher_Exact{Exact: id}})
+	}
+	ctx := &tlsv3.UpstreamTlsContext{
+		Sni: IstioSNI(hostname, port),
+		CommonTlsContext: &tlsv3.CommonTlsContext{
+			TlsCertificateProviderInstance: &tlsv3.CertificateProviderPluginInstance{InstanceName: providerInstance, CertificateName: sdsCertificate},
+			ValidationContextType: &tlsv3.CommonTlsContext_ValidationContext{ValidationContext: &tlsv3.CertificateValidationContext{
+				CaCertificateProviderInstance: &tlsv3.CertificateProviderPluginInstance{InstanceName: providerInstance, CertificateName: providerRoots},
+				MatchSubjectAltNames:          sans, //nolint:staticcheck // deprecated in Envoy, the field gRPC reads
+
 			}},
 		},
 	}

@@ -17,7 +17,7 @@ import (
 // either way.
 
 // keptMetadata are the node metadata keys pilot reads.
-var keptMetadata = [...]string{MetadataClusterID, MetadataNetwork, MetadataNodeName, MetadataVerifiedNode, MetadataGenerator}
+var keptMetadata = [...]string{MetadataClusterID, MetadataNetwork, MetadataNodeName, MetadataVerifiedNode, MetadataGenerator, MetadataProxylessTLS}
 
 // keptNode returns what a stream keeps of node n (nil: nil).
 func keptNode(n *corev3.Node) *corev3.Node {
