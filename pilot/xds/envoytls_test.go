@@ -139,3 +139,38 @@ func TestEnvoyNeverGetsHBONEPort(t *testing.T) {
 	require.Empty(t, cl.GetTransportSocketMatches(), "no endpoint needs mTLS")
 	require.GreaterOrEqual(t, withheld(t, e, xds.WithheldNoGatewayTLS), 2.0)
 }
+
+// TestProxylessTLSResources: a proxyless gRPC client whose node says it has
+// xDS security and sets the SNI from xDS (ISTHMUS_PROXYLESS_TLS) is sent the
+// remote network as its gateway's 15443 and a Cluster whose transport
+// socket gRPC accepts: an UpstreamTlsContext with Istio's SNI, its
+// certificate and roots from the certificate provider instance "default",
+// and every endpoint's identity as the SANs to match (gRPC has no
+// transport socket matches: every endpoint is reached over mTLS).
+func TestProxylessTLSResources(t *testing.T) {
+	reg := xdstest.New()
+	twoNetworks(reg)
+	e := start(t, reg)
+	n := node("grpc-tls", "net1", "c1")
+	n.Metadata.Fields[xds.MetadataGenerator] = structpb.NewStringValue("grpc")
+	n.Metadata.Fields[xds.MetadataProxylessTLS] = structpb.NewStringValue("true")
+	cl, cla := edsOf(t, e, n)
+	require.ElementsMatch(t, []string{"10.1.0.1:8080", "10.1.0.2:8080", "10.2.255.1:15443"}, endpointAddrs(cla))
+	require.Empty(t, cl.GetTransportSocketMatches(), "gRPC refuses transport socket matches")
+	ts := cl.GetTransportSocket()
+	require.Equal(t, "envoy.transport_sockets.tls", ts.GetName())
+	tc := &tlsv3.UpstreamTlsContext{}
+	require.NoError(t, ts.GetTypedConfig().UnmarshalTo(tc))
+	require.NoError(t, tc.ValidateAll())
+	require.Equal(t, "outbound_.80_._."+echoHost, tc.GetSni())
+	common := tc.GetCommonTlsContext()
+	require.Equal(t, "default", common.GetTlsCertificateProviderInstance().GetInstanceName())
+	vc := common.GetValidationContext()
+	require.Equal(t, "default", vc.GetCaCertificateProviderInstance().GetInstanceName())
+	var sans []string
+	for _, m := range vc.GetMatchSubjectAltNames() { //nolint:staticcheck // the field gRPC reads
+		sans = append(sans, m.GetExact())
+	}
+	require.Equal(t, []string{"spiffe://cluster.local/ns/default/sa/default"}, sans)
+	require.Zero(t, withheld(t, e, xds.WithheldNoTLS), "nothing is withheld from it")
+}
