@@ -128,7 +128,6 @@ FUZZ_TARGETS := \
 	./ztunnel/proxy:FuzzReadSOCKSRequest \
 	./ztunnel/proxy:FuzzInboundConnect \
 	./ztunnel/proxy:FuzzGatewayConnect \
-	./ztunnel/proxy:FuzzParseSNI \
 	./ztunnel/hbone:FuzzServerRequest \
 	./ztunnel/xdsclient:FuzzDecodeApply \
 	./multicluster:FuzzSanitizeKubeconfig \
@@ -142,6 +141,7 @@ FUZZ_TARGETS := \
 	./pilot/ca:FuzzTokenPrefilter \
 	./internal/spiffe:FuzzParse \
 	./internal/spiffe:FuzzParseTrustBundle \
+	./internal/sni:FuzzParse \
 	./ztunnel/dns:FuzzAnswer \
 	./cni/zds:FuzzWire \
 	./cni/istiozds:FuzzAgentWire \

@@ -2,7 +2,6 @@ package xds
 
 import (
 	"fmt"
-	"strconv"
 	"strings"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -10,6 +9,8 @@ import (
 	matcherv3 "github.com/envoyproxy/go-control-plane/envoy/type/matcher/v3"
 	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/isthmus-mesh/isthmus/internal/sni"
 )
 
 // Clients of the Envoy types (CDS/EDS/LDS/RDS) reach an endpoint of another
@@ -110,18 +111,15 @@ func tlsModeIstio() *structpb.Struct {
 
 // Istio agent's SDS: its cluster name and its secrets' names.
 const (
-	sdsCluster      = "sds-grpc"
-	sdsCertificate  = "default"
-	sdsRootCA       = "ROOTCA"
-	tlsSocketName   = "envoy.transport_sockets.tls"
-	outboundSNIHead = "outbound_."
+	sdsCluster     = "sds-grpc"
+	sdsCertificate = "default"
+	sdsRootCA      = "ROOTCA"
+	tlsSocketName  = "envoy.transport_sockets.tls"
 )
 
 // IstioSNI returns Istio's SNI for port of the service hostname:
-// outbound_.<port>_._.<hostname>.
-func IstioSNI(hostname string, port uint16) string {
-	return outboundSNIHead + strconv.Itoa(int(port)) + "_._." + hostname
-}
+// outbound_.<port>_._.<hostname> (internal/sni).
+func IstioSNI(hostname string, port uint16) string { return sni.Outbound(hostname, port) }
 
 func sdsSource() *corev3.ConfigSource {
 	return &corev3.ConfigSource{

@@ -12,9 +12,9 @@ import (
 	"net/http"
 	"net/netip"
 	"strconv"
-	"strings"
 	"time"
 
+	"github.com/isthmus-mesh/isthmus/internal/sni"
 	"github.com/isthmus-mesh/isthmus/ztunnel/hbone"
 	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
 	"github.com/isthmus-mesh/isthmus/ztunnel/state"
@@ -45,35 +45,13 @@ const DirectionGatewayTLS = "gateway_tls"
 // the destination workload, which must require and verify the client's mesh
 // certificate: the gateway never sees it (docs/security.md).
 
-// sniPrefix and sniInfix frame Istio's outbound SNI.
-const (
-	sniPrefix = "outbound_."
-	sniInfix  = "_._."
-)
-
 // ParseSNI parses Istio's outbound server name outbound_.<port>_._.<hostname>
-// (an empty subset: Isthmus has none) into the service hostname and port.
-func ParseSNI(sni string) (host string, port uint16, err error) {
-	rest, ok := strings.CutPrefix(sni, sniPrefix)
-	if !ok {
-		return "", 0, fmt.Errorf("server name %q: not outbound_.<port>_._.<hostname>", sni)
-	}
-	portStr, host, ok := strings.Cut(rest, sniInfix)
-	if !ok || host == "" {
-		return "", 0, fmt.Errorf("server name %q: not outbound_.<port>_._.<hostname> (subsets are not supported)", sni)
-	}
-	p, perr := strconv.ParseUint(portStr, 10, 16)
-	if perr != nil || p == 0 || portStr[0] == '0' {
-		return "", 0, fmt.Errorf("server name %q: bad port %q", sni, portStr)
-	}
-	return host, uint16(p), nil
-}
+// (internal/sni) into the service hostname and port.
+func ParseSNI(name string) (host string, port uint16, err error) { return sni.Parse(name) }
 
 // SNI returns Istio's outbound server name for port of the service with
 // hostname; ParseSNI inverts it.
-func SNI(hostname string, port uint16) string {
-	return sniPrefix + strconv.Itoa(int(port)) + sniInfix + hostname
-}
+func SNI(hostname string, port uint16) string { return sni.Outbound(hostname, port) }
 
 // peekConn records what a TLS server reads from the client and swallows
 // what it writes (the alert it sends when the peek aborts the handshake).
