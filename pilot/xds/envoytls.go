@@ -117,10 +117,6 @@ const (
 	tlsSocketName  = "envoy.transport_sockets.tls"
 )
 
-// IstioSNI returns Istio's SNI for port of the service hostname:
-// outbound_.<port>_._.<hostname> (internal/sni).
-func IstioSNI(hostname string, port uint16) string { return sni.Outbound(hostname, port) }
-
 func sdsSource() *corev3.ConfigSource {
 	return &corev3.ConfigSource{
 		ResourceApiVersion: corev3.ApiVersion_V3,
@@ -146,7 +142,7 @@ func (b *envoyBuilder) istioMTLS(hostname string, port uint16, ids []string) (*c
 			Matcher: &matcherv3.StringMatcher{MatchPattern: &matcherv3.StringMatcher_Exact{Exact: id}}})
 	}
 	ctx := &tlsv3.UpstreamTlsContext{
-		Sni: IstioSNI(hostname, port),
+		Sni: sni.Outbound(hostname, port),
 		CommonTlsContext: &tlsv3.CommonTlsContext{
 			TlsParams:                      &tlsv3.TlsParameters{TlsMinimumProtocolVersion: tlsv3.TlsParameters_TLSv1_2},
 			TlsCertificateSdsSecretConfigs: []*tlsv3.SdsSecretConfig{{Name: sdsCertificate, SdsConfig: b.sds}},
@@ -173,7 +169,7 @@ func proxylessMTLS(hostname string, port uint16, ids []string) (*corev3.Transpor
 		sans = append(sans, &matcherv3.StringMatcher{MatchPattern: &matcherv3.StringMatcher_Exact{Exact: id}})
 	}
 	ctx := &tlsv3.UpstreamTlsContext{
-		Sni: IstioSNI(hostname, port),
+		Sni: sni.Outbound(hostname, port),
 		CommonTlsContext: &tlsv3.CommonTlsContext{
 			TlsCertificateProviderInstance: &tlsv3.CertificateProviderPluginInstance{InstanceName: providerInstance, CertificateName: sdsCertificate},
 			ValidationContextType: &tlsv3.CommonTlsContext_ValidationContext{ValidationContext: &tlsv3.CertificateValidationContext{

@@ -45,14 +45,6 @@ const DirectionGatewayTLS = "gateway_tls"
 // the destination workload, which must require and verify the client's mesh
 // certificate: the gateway never sees it (docs/security.md).
 
-// ParseSNI parses Istio's outbound server name outbound_.<port>_._.<hostname>
-// (internal/sni) into the service hostname and port.
-func ParseSNI(name string) (host string, port uint16, err error) { return sni.Parse(name) }
-
-// SNI returns Istio's outbound server name for port of the service with
-// hostname; ParseSNI inverts it.
-func SNI(hostname string, port uint16) string { return sni.Outbound(hostname, port) }
-
 // peekConn records what a TLS server reads from the client and swallows
 // what it writes (the alert it sends when the peek aborts the handshake).
 type peekConn struct {
@@ -178,7 +170,7 @@ func (g *Gateway) passthroughUpstream(ctx context.Context, c net.Conn, rec *Conn
 	if err != nil {
 		return passthroughStream{}, hbone.Refuse(http.StatusBadRequest, ReasonBadClientHello, "%v", err)
 	}
-	host, port, err := ParseSNI(name)
+	host, port, err := sni.Parse(name)
 	if err != nil {
 		return passthroughStream{}, hbone.Refuse(http.StatusBadRequest, ReasonBadSNI, "%v", err)
 	}

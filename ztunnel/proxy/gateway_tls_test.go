@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/isthmus-mesh/isthmus/internal/sni"
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/isthmus-mesh/isthmus/ztunnel/internal/testca"
 	"github.com/isthmus-mesh/isthmus/ztunnel/internal/testnet"
@@ -89,8 +90,8 @@ func verifyRaw(raw [][]byte, p identity.PeerPolicy) (identity.Identity, error) {
 // remote network's gateway: mutual TLS to gw with Istio's SNI, presenting
 // cert and verifying the destination's identity; it echoes msg and
 // returns the answer.
-func envoyDial(gw netip.AddrPort, sni string, cert *tls.Certificate, bundle identity.PeerPolicy, msg string) (string, error) {
-	tc, err := envoyConn(gw, sni, cert, bundle)
+func envoyDial(gw netip.AddrPort, serverName string, cert *tls.Certificate, bundle identity.PeerPolicy, msg string) (string, error) {
+	tc, err := envoyConn(gw, serverName, cert, bundle)
 	if err != nil {
 		return "", err
 	}
@@ -110,14 +111,14 @@ func envoyDial(gw netip.AddrPort, sni string, cert *tls.Certificate, bundle iden
 }
 
 // envoyConn opens and handshakes envoyDial's connection.
-func envoyConn(gw netip.AddrPort, sni string, cert *tls.Certificate, bundle identity.PeerPolicy) (*tls.Conn, error) {
+func envoyConn(gw netip.AddrPort, serverName string, cert *tls.Certificate, bundle identity.PeerPolicy) (*tls.Conn, error) {
 	d := net.Dialer{Timeout: 5 * time.Second}
 	c, err := d.Dial("tcp", gw.String())
 	if err != nil {
 		return nil, err
 	}
 	tc := tls.Client(c, &tls.Config{
-		ServerName: sni, Certificates: []tls.Certificate{*cert}, MinVersion: tls.VersionTLS13,
+		ServerName: serverName, Certificates: []tls.Certificate{*cert}, MinVersion: tls.VersionTLS13,
 		InsecureSkipVerify: true, // verified below, by SPIFFE identity (as Envoy's SAN match)
 		VerifyPeerCertificate: func(raw [][]byte, _ [][]*x509.Certificate) error {
 			_, err := verifyRaw(raw, bundle)
@@ -180,7 +181,7 @@ func TestGatewaySNIPassthrough(t *testing.T) {
 	require.NoError(t, err)
 	want := identity.PeerPolicy{Bundle: m.certs.TrustBundle(), Allowed: []identity.Identity{workloadID("echo")}}
 
-	got, err := envoyDial(gw, SNI(secureHost, securePort), clientCert, want, "hello secure")
+	got, err := envoyDial(gw, sni.Outbound(secureHost, securePort), clientCert, want, "hello secure")
 	require.NoError(t, err)
 	require.Equal(t, "hello secure", got)
 	peers, _ := app.seen()
@@ -191,17 +192,17 @@ func TestGatewaySNIPassthrough(t *testing.T) {
 	}, 5*time.Second, 10*time.Millisecond)
 
 	for _, tc := range []struct {
-		name, sni, reason string
+		name, serverName, reason string
 	}{
 		{"wrong SNI", "echo.default.svc.cluster.local", ReasonBadSNI},
 		{"subset SNI", "outbound_.19443_.v1_." + secureHost, ReasonBadSNI},
-		{"unknown service", SNI("nope.default.svc.cluster.local", securePort), ReasonUnknownService},
-		{"undeclared port", SNI(secureHost, secureTarget), ReasonUnknownPort},
-		{"cluster-local service", SNI(localHost, securePort), ReasonNotVisible},
+		{"unknown service", sni.Outbound("nope.default.svc.cluster.local", securePort), ReasonUnknownService},
+		{"undeclared port", sni.Outbound(secureHost, secureTarget), ReasonUnknownPort},
+		{"cluster-local service", sni.Outbound(localHost, securePort), ReasonNotVisible},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			before := m.mGW.RefusedCount(metrics.ReporterGateway, tc.reason)
-			_, err := envoyDial(gw, tc.sni, clientCert, want, "x")
+			_, err := envoyDial(gw, tc.serverName, clientCert, want, "x")
 			require.Error(t, err)
 			require.Equal(t, before+1, m.mGW.RefusedCount(metrics.ReporterGateway, tc.reason))
 		})
@@ -212,7 +213,7 @@ func TestGatewaySNIPassthrough(t *testing.T) {
 		require.NoError(t, err)
 		fc, err := foreign.Certificate(ctx, workloadID("client"))
 		require.NoError(t, err)
-		_, err = envoyDial(gw, SNI(secureHost, securePort), fc, want, "x")
+		_, err = envoyDial(gw, sni.Outbound(secureHost, securePort), fc, want, "x")
 		require.Error(t, err)
 		_, rejected := app.seen()
 		require.Len(t, rejected, 1)
@@ -244,11 +245,11 @@ func BenchmarkGatewaySNIPassthrough(b *testing.B) {
 	cert, err := m.certs.Certificate(context.Background(), workloadID("client"))
 	require.NoError(b, err)
 	want := identity.PeerPolicy{Bundle: m.certs.TrustBundle(), Allowed: []identity.Identity{workloadID("echo")}}
-	sni := SNI(secureHost, securePort)
+	name := sni.Outbound(secureHost, securePort)
 	chunk, back := make([]byte, 64<<10), make([]byte, 64<<10)
 	const roundBytes = 16 << 20
 	round := func(addr netip.AddrPort) time.Duration {
-		c, err := envoyConn(addr, sni, cert, want)
+		c, err := envoyConn(addr, name, cert, want)
 		require.NoError(b, err)
 		defer c.Close()
 		start := time.Now()
