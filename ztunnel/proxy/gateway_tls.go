@@ -135,7 +135,9 @@ func (g *Gateway) passthrough(c net.Conn) {
 			reason = ref.Reason
 		}
 		g.deps.Metrics.Refused(metrics.ReporterGateway, reason)
-		g.deps.Log.Info("gateway refused an SNI passthrough connection", "client", c.RemoteAddr(), "reason", reason, "err", err)
+		// The access log's line (rate-limited: anyone may connect) says
+		// why; this one is for debugging.
+		g.deps.Log.Debug("gateway refused an SNI passthrough connection", "client", c.RemoteAddr(), "reason", reason, "err", err)
 		refused(rec, err)
 		return
 	}
