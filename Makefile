@@ -141,6 +141,7 @@ FUZZ_TARGETS := \
 	./pilot/ca:FuzzTokenPrefilter \
 	./internal/spiffe:FuzzParse \
 	./internal/spiffe:FuzzParseTrustBundle \
+	./internal/sni:FuzzParse \
 	./ztunnel/dns:FuzzAnswer \
 	./cni/zds:FuzzWire \
 	./cni/istiozds:FuzzAgentWire \

@@ -219,6 +219,7 @@ func GatewayCandidate(cluster model.ClusterID, svc *corev1.Service) *model.Netwo
 
 // gatewayOf returns the east-west gateway candidate a Service labelled with
 // a network describes: its HBONE port (15008, or the port named tls-hbone),
+// its SNI passthrough port if any (the port named tls or numbered 15443),
 // its address (load balancer ingress, else external IP; none yet is
 // possible) and the service accounts an operator annotated. nil when it has
 // no HBONE port. Whether the candidate is trusted, and the identities of its
@@ -235,6 +236,12 @@ func gatewayOf(cluster model.ClusterID, net model.Network, svc *corev1.Service) 
 		return nil
 	}
 	gw := &model.NetworkGateway{Network: net, Cluster: cluster, HBONEPort: port, Source: svc.Namespace + "/" + svc.Name}
+	for _, sp := range svc.Spec.Ports {
+		if uint16(sp.Port) != port && (sp.Name == "tls" || sp.Port == model.TLSPassthroughPort && sp.Name != "tls-hbone") {
+			gw.TLSPassthroughPort = uint16(sp.Port)
+			break
+		}
+	}
 	if v := svc.Annotations[model.GatewayServiceAccountsAnnotation]; v != "" {
 		for sa := range strings.SplitSeq(v, ",") {
 			if sa = strings.TrimSpace(sa); sa != "" {

@@ -36,7 +36,8 @@ func TestGatewaysAndSelectorlessServices(t *testing.T) {
 	gw := &corev1.Service{
 		ObjectMeta: metav1.ObjectMeta{Name: "eastwest", Namespace: "gw", Labels: map[string]string{controller.NetworkLabel: "network-7"}},
 		Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeLoadBalancer, Selector: map[string]string{"app": "eastwest"},
-			Ports: []corev1.ServicePort{{Name: "tls-hbone", Port: 15008, TargetPort: intstr.FromInt32(15008)}}},
+			Ports: []corev1.ServicePort{{Name: "tls-hbone", Port: 15008, TargetPort: intstr.FromInt32(15008)},
+				{Name: "tls", Port: 15443, TargetPort: intstr.FromInt32(15443)}}},
 	}
 	gw, err := c2.Client.CoreV1().Services("gw").Create(ctx, gw, metav1.CreateOptions{})
 	require.NoError(t, err)
@@ -49,7 +50,7 @@ func TestGatewaysAndSelectorlessServices(t *testing.T) {
 		// Outside the control-plane namespace: a candidate only (see
 		// gateway_trust_test.go for trusted gateways).
 		require.Equal(c, model.NetworkGateway{Network: "network-7", Cluster: "cluster-2", Address: netip.MustParseAddr("127.77.0.1"),
-			HBONEPort: 15008, Source: "gw/eastwest", Capacity: 1, Ignored: model.GatewayIgnoredUntrustedNamespace}, gws[0])
+			HBONEPort: 15008, TLSPassthroughPort: 15443, Source: "gw/eastwest", Capacity: 1, Ignored: model.GatewayIgnoredUntrustedNamespace}, gws[0])
 	}, 10*time.Second, 5*time.Millisecond)
 
 	// A selector-less service with an EndpointSlice (addresses used as data only).

@@ -24,6 +24,11 @@ const (
 	// HBONEPort is HBONE (HTTP/2 CONNECT over mTLS): inbound on every
 	// workload address and the east-west gateway's listener.
 	HBONEPort = 15008
+	// TLSPassthroughPort is the east-west gateway's listener for mTLS
+	// clients that cannot speak HBONE (Envoy, proxyless gRPC): it routes by
+	// Istio's SNI (outbound_.<port>_._.<hostname>) without terminating
+	// the client's TLS, as Istio's AUTO_PASSTHROUGH does.
+	TLSPassthroughPort = 15443
 	// OutboundPort is where captured outbound connections are redirected.
 	OutboundPort = 15001
 	// InboundPlaintextPort is where captured plaintext inbound connections

@@ -63,6 +63,10 @@ const (
 	HBONEProtocol = "HBONE"
 	// HBONEPort is the only listener port served.
 	HBONEPort = 15008
+	// TLSPassthroughPort is the gateway's SNI passthrough port (Service
+	// port tls) for mTLS clients that cannot speak HBONE; every gateway
+	// serves it beside its HBONE listener.
+	TLSPassthroughPort = 15443
 
 	managedByLabel = "app.kubernetes.io/managed-by"
 	managedBy      = "isthmus-pilot"

@@ -86,7 +86,9 @@ func build(cfg Config, cluster model.ClusterID, gw *gwv1.Gateway, network string
 	svc := corev1ac.Service(name, ns).WithLabels(l).WithAnnotations(a).WithOwnerReferences(owner).
 		WithSpec(corev1ac.ServiceSpec().WithType(serviceType(gw)).WithSelector(selector).
 			WithPorts(corev1ac.ServicePort().WithName("tls-hbone").WithPort(HBONEPort).
-				WithTargetPort(intstr.FromString("tls-hbone")).WithProtocol(corev1.ProtocolTCP)))
+				WithTargetPort(intstr.FromString("tls-hbone")).WithProtocol(corev1.ProtocolTCP),
+				corev1ac.ServicePort().WithName("tls").WithPort(TLSPassthroughPort).
+					WithTargetPort(intstr.FromString("tls")).WithProtocol(corev1.ProtocolTCP)))
 
 	l, a = meta()
 	podLabels, podAnnotations := maps.Clone(l), maps.Clone(a)
@@ -140,6 +142,7 @@ func podSpec(cfg Config, cluster model.ClusterID, ns, sa, network string) *corev
 			env("INSTANCE_IP", "status.podIP")).
 		WithPorts(
 			corev1ac.ContainerPort().WithName("tls-hbone").WithContainerPort(HBONEPort).WithProtocol(corev1.ProtocolTCP),
+			corev1ac.ContainerPort().WithName("tls").WithContainerPort(TLSPassthroughPort).WithProtocol(corev1.ProtocolTCP),
 			corev1ac.ContainerPort().WithName("http-ready").WithContainerPort(readinessPort).WithProtocol(corev1.ProtocolTCP),
 			corev1ac.ContainerPort().WithName("http-metrics").WithContainerPort(metricsPort).WithProtocol(corev1.ProtocolTCP)).
 		WithReadinessProbe(corev1ac.Probe().WithHTTPGet(corev1ac.HTTPGetAction().WithPath("/healthz/ready").

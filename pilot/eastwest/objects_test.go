@@ -146,3 +146,35 @@ func TestValidate(t *testing.T) {
 		})
 	}
 }
+
+// TestValidateTLSPassthroughListener: a TLS listener on 15443 in
+// Passthrough mode is the gateway's SNI passthrough port, served beside the
+// HBONE listener; another TLS listener (another port, or terminating) is
+// not; without an HBONE listener the Gateway is still refused.
+func TestValidateTLSPassthroughListener(t *testing.T) {
+	passthrough, terminate := gwv1.TLSModePassthrough, gwv1.TLSModeTerminate
+	hbone := gwv1.Listener{Name: "hbone", Port: HBONEPort, Protocol: HBONEProtocol}
+	tlsL := func(port gwv1.PortNumber, mode *gwv1.TLSModeType) gwv1.Listener {
+		return gwv1.Listener{Name: "tls", Port: port, Protocol: gwv1.TLSProtocolType, TLS: &gwv1.ListenerTLSConfig{Mode: mode}}
+	}
+	gw := func(ls ...gwv1.Listener) *gwv1.Gateway {
+		return &gwv1.Gateway{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "g", Labels: map[string]string{NetworkLabel: "n"}},
+			Spec: gwv1.GatewaySpec{Listeners: ls}}
+	}
+	v := validate(gw(hbone, tlsL(TLSPassthroughPort, &passthrough)), true)
+	require.True(t, v.accepted)
+	require.Equal(t, 0, v.hbone)
+	require.Equal(t, 1, v.tls)
+	for name, l := range map[string]gwv1.Listener{
+		"other port":  tlsL(443, &passthrough),
+		"terminating": tlsL(TLSPassthroughPort, &terminate),
+		"no mode":     tlsL(TLSPassthroughPort, nil),
+	} {
+		v := validate(gw(hbone, l), true)
+		require.True(t, v.accepted, name)
+		require.Equal(t, -1, v.tls, name)
+	}
+	v = validate(gw(tlsL(TLSPassthroughPort, &passthrough)), true)
+	require.False(t, v.accepted)
+	require.Equal(t, gwv1.GatewayReasonListenersNotValid, v.reason)
+}

@@ -29,18 +29,24 @@ type verdict struct {
 	reason   gwv1.GatewayConditionReason
 	message  string
 	network  string
-	// hbone is the index of the served listener (-1: none).
-	hbone int
+	// hbone is the index of the served HBONE listener (-1: none); tls
+	// that of a TLS passthrough listener on 15443 (-1: none), served
+	// beside it (the gateway serves 15443 whether one is declared or not).
+	hbone, tls int
 }
 
 // validate decides whether gw is served: in a trusted namespace, with a
 // network label, an HBONE listener on 15008 and no requested addresses
 // (the address is the Service's).
 func validate(gw *gwv1.Gateway, trustedNamespace bool) verdict {
-	v := verdict{hbone: -1, network: gw.Labels[NetworkLabel]}
+	v := verdict{hbone: -1, tls: -1, network: gw.Labels[NetworkLabel]}
 	for i, l := range gw.Spec.Listeners {
 		if l.Port == HBONEPort && strings.EqualFold(string(l.Protocol), HBONEProtocol) && v.hbone < 0 {
 			v.hbone = i
+		}
+		if l.Port == TLSPassthroughPort && l.Protocol == gwv1.TLSProtocolType && l.TLS != nil && l.TLS.Mode != nil &&
+			*l.TLS.Mode == gwv1.TLSModePassthrough && v.tls < 0 {
+			v.tls = i
 		}
 	}
 	switch {
@@ -112,11 +118,15 @@ func (r *reconciler) writeStatus(ctx context.Context, gw *gwv1.Gateway, v verdic
 		if j := slices.IndexFunc(gw.Status.Listeners, func(o gwv1.ListenerStatus) bool { return o.Name == l.Name }); j >= 0 {
 			ls.Conditions = slices.Clone(gw.Status.Listeners[j].Conditions)
 		}
-		served := v.accepted && i == v.hbone
+		served := v.accepted && (i == v.hbone || i == v.tls)
 		reason, msg := string(gwv1.ListenerReasonAccepted), "HBONE from other networks"
+		if i == v.tls {
+			msg = "mTLS with Istio's SNI from other networks, passed through to the destination"
+		}
 		if !served {
-			reason, msg = string(gwv1.ListenerReasonUnsupportedProtocol), fmt.Sprintf("only %s on port %d is served", HBONEProtocol, HBONEPort)
-			if i == v.hbone {
+			reason, msg = string(gwv1.ListenerReasonUnsupportedProtocol),
+				fmt.Sprintf("only %s on port %d and TLS passthrough on port %d are served", HBONEProtocol, HBONEPort, TLSPassthroughPort)
+			if i == v.hbone || i == v.tls {
 				reason, msg = string(gwv1.ListenerReasonInvalid), "the Gateway is not accepted"
 			}
 		}

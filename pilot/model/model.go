@@ -27,6 +27,10 @@ const DefaultDomain = defaults.DNSDomain
 // HBONEPort is the port of HBONE (HTTP/2 CONNECT over mTLS) listeners.
 const HBONEPort = defaults.HBONEPort
 
+// TLSPassthroughPort is the east-west gateway's SNI-routed mTLS
+// passthrough port (Istio's "tls" port of its east-west gateway).
+const TLSPassthroughPort = defaults.TLSPassthroughPort
+
 // Locality is where a workload runs, from its node's topology labels.
 type Locality struct {
 	Region  string `json:"region"`
@@ -305,6 +309,10 @@ type NetworkGateway struct {
 	Hostname string     `json:"hostname,omitempty"`
 	// HBONEPort is the gateway's HBONE port (15008 by default).
 	HBONEPort uint16 `json:"hbonePort"`
+	// TLSPassthroughPort is the gateway's SNI passthrough port (15443, or
+	// the Service port named tls), 0 when the gateway has none: then
+	// clients that cannot speak HBONE cannot cross to its network.
+	TLSPassthroughPort uint16 `json:"tlsPassthroughPort,omitempty"`
 	// Source names the Service the gateway was discovered from (ns/name).
 	Source string `json:"source,omitempty"`
 	// ServiceAccounts are the accounts, in the Service's namespace, whose
@@ -351,7 +359,7 @@ func (g NetworkGateway) Trusted() bool { return g.Ignored == "" }
 // Equal reports whether g and o are the same gateway in every field.
 func (g NetworkGateway) Equal(o NetworkGateway) bool {
 	return g.Network == o.Network && g.Cluster == o.Cluster && g.Address == o.Address && g.Hostname == o.Hostname &&
-		g.HBONEPort == o.HBONEPort && g.Source == o.Source && slices.Equal(g.ServiceAccounts, o.ServiceAccounts) &&
+		g.HBONEPort == o.HBONEPort && g.TLSPassthroughPort == o.TLSPassthroughPort && g.Source == o.Source && slices.Equal(g.ServiceAccounts, o.ServiceAccounts) &&
 		g.Capacity == o.Capacity && g.Ignored == o.Ignored
 }
 

@@ -16,10 +16,12 @@ import (
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	routerv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/router/v3"
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
+	rawbufferv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/raw_buffer/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/structpb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/isthmus-mesh/isthmus/pilot/model"
@@ -48,14 +50,27 @@ type envoyBuilder struct {
 	connectTimeout *durationpb.Duration
 	ads            *corev3.ConfigSource
 	routerFilter   *hcmv3.HttpFilter
+	// sds is where Envoy gets its certificate and roots (Istio's agent).
+	sds *corev3.ConfigSource
+	// rawBuffer is the plaintext transport socket of local endpoints.
+	rawBuffer *corev3.TransportSocket
+	// withheld reports endpoints a class's clients cannot reach.
+	withheld func(c class, hostname string, reason string, n uint32)
 }
 
-func newEnvoyBuilder(connectTimeout time.Duration) (*envoyBuilder, error) {
+func newEnvoyBuilder(connectTimeout time.Duration, withheld func(c class, hostname, reason string, n uint32)) (*envoyBuilder, error) {
 	router, err := anypb.New(&routerv3.Router{})
 	if err != nil {
 		return nil, fmt.Errorf("router filter config: %w", err)
 	}
+	raw, err := anypb.New(&rawbufferv3.RawBuffer{})
+	if err != nil {
+		return nil, fmt.Errorf("raw buffer transport socket: %w", err)
+	}
 	return &envoyBuilder{
+		withheld:       withheld,
+		sds:            sdsSource(),
+		rawBuffer:      &corev3.TransportSocket{Name: "envoy.transport_sockets.raw_buffer", ConfigType: &corev3.TransportSocket_TypedConfig{TypedConfig: raw}},
 		connectTimeout: durationpb.New(connectTimeout),
 		ads: &corev3.ConfigSource{
 			ResourceApiVersion:    corev3.ApiVersion_V3,
@@ -71,7 +86,7 @@ func newEnvoyBuilder(connectTimeout time.Duration) (*envoyBuilder, error) {
 // build adds to out (keyed by type URL, then resource name) the Envoy
 // resources of s for clients of c: per TCP port a Cluster, a
 // ClusterLoadAssignment, an API Listener and a RouteConfiguration.
-func (b *envoyBuilder) build(c class, s *model.Service, gws gatewayIndex, out map[string]map[string]types.Resource) error {
+func (b *envoyBuilder) build(c class, s *model.Service, gws gatewayIndex, td trustDomains, out map[string]map[string]types.Resource) error {
 	if s == nil || !c.sees(s) {
 		return nil
 	}
@@ -81,8 +96,13 @@ func (b *envoyBuilder) build(c class, s *model.Service, gws gatewayIndex, out ma
 		}
 		cn := ClusterName(s.Hostname, p.Port)
 		ln := ListenerName(s.Hostname, p.Port)
-		out[resource.ClusterType][cn] = b.cluster(cn)
-		out[resource.EndpointType][cn] = loadAssignment(c, s, p.Port, cn, gws)
+		cla, peers := b.loadAssignment(c, s, p.Port, cn, gws, td)
+		cl, err := b.cluster(c, cn, s.Hostname, p.Port, peers)
+		if err != nil {
+			return err
+		}
+		out[resource.ClusterType][cn] = cl
+		out[resource.EndpointType][cn] = cla
 		l, err := b.listener(ln)
 		if err != nil {
 			return err
@@ -93,14 +113,42 @@ func (b *envoyBuilder) build(c class, s *model.Service, gws gatewayIndex, out ma
 	return nil
 }
 
-func (b *envoyBuilder) cluster(name string) *clusterv3.Cluster {
-	return &clusterv3.Cluster{
+// cluster builds the Cluster name of port of the service hostname. When
+// the load assignment has endpoints behind gateways (peers.remote names the
+// identities they run as), an Envoy client gets Istio's transport socket
+// match: mutual TLS with Istio's SNI for the endpoints marked tlsMode=istio
+// (the gateways' SNI passthrough ports), plaintext for the rest. A
+// proxyless gRPC client with xDS security reaches every endpoint over mTLS
+// with Istio's SNI (gRPC has no transport socket matches), verifying it as
+// one of peers.all.
+func (b *envoyBuilder) cluster(c class, name, hostname string, port uint16, peers endpointPeers) (*clusterv3.Cluster, error) {
+	cl := &clusterv3.Cluster{
 		Name:                 name,
 		ClusterDiscoveryType: &clusterv3.Cluster_Type{Type: clusterv3.Cluster_EDS},
 		EdsClusterConfig:     &clusterv3.Cluster_EdsClusterConfig{EdsConfig: b.ads, ServiceName: name},
 		ConnectTimeout:       b.connectTimeout,
 		LbPolicy:             clusterv3.Cluster_ROUND_ROBIN,
 	}
+	if c.Kind == kindProxylessTLS && len(peers.all) > 0 {
+		ts, err := proxylessMTLS(hostname, port, peers.all)
+		if err != nil {
+			return nil, fmt.Errorf("cluster %s: %w", name, err)
+		}
+		cl.TransportSocket = ts
+		return cl, nil
+	}
+	if c.Kind != kindEnvoy || len(peers.remote) == 0 {
+		return cl, nil
+	}
+	tlsSocket, err := b.istioMTLS(hostname, port, peers.remote)
+	if err != nil {
+		return nil, fmt.Errorf("cluster %s: %w", name, err)
+	}
+	cl.TransportSocketMatches = []*clusterv3.Cluster_TransportSocketMatch{
+		{Name: "tlsMode-istio", Match: tlsModeIstio(), TransportSocket: tlsSocket},
+		{Name: "tlsMode-disabled", Match: &structpb.Struct{}, TransportSocket: b.rawBuffer},
+	}
+	return cl, nil
 }
 
 func (b *envoyBuilder) listener(name string) (*listenerv3.Listener, error) {
@@ -193,10 +241,13 @@ func tier(lb *model.LoadBalancing, c class, e *model.Endpoint) (int, bool) {
 
 // loadAssignment builds the ClusterLoadAssignment of port of s for clients of
 // c, grouped by locality. Endpoints on c's network are listed directly;
-// the ready endpoints of another network are replaced, per locality, by the
-// network's trusted gateways, their number spread over the gateways by
-// capacity. Gateways without an IP are left out (EDS endpoints must be
-// addresses).
+// the ready endpoints of another network (those its gateways forward to)
+// are replaced, per locality, by the SNI passthrough ports of the network's
+// trusted gateways, their number spread over the gateways by capacity, for
+// clients that can speak mTLS with Istio's SNI (gatewayEndpoints); they are
+// withheld, and reported, from clients that cannot. Gateways without an IP
+// are left out (EDS endpoints must be addresses). It returns the
+// identities of the endpoints it lists (endpointPeers).
 //
 // A service with a routing preference for c's cluster
 // (Service.LoadBalancingFor) has priorities: an endpoint's priority is the
@@ -206,10 +257,12 @@ func tier(lb *model.LoadBalancing, c class, e *model.Endpoint) (int, bool) {
 // tier takes all the traffic while it has a healthy endpoint
 // (failoverOverprovisioning). Without a preference every endpoint has
 // priority 0.
-func loadAssignment(c class, s *model.Service, port uint16, name string, gws gatewayIndex) *endpointv3.ClusterLoadAssignment {
+func (b *envoyBuilder) loadAssignment(c class, s *model.Service, port uint16, name string, gws gatewayIndex, td trustDomains) (*endpointv3.ClusterLoadAssignment, endpointPeers) {
 	lb := s.LoadBalancingFor(c.Cluster)
 	groups := map[groupKey][]*endpointv3.LbEndpoint{}
 	remote := map[remoteKey]uint32{}
+	identities := map[model.Network]map[string]struct{}{}
+	local := map[string]struct{}{}
 	clusters := make([]model.ClusterID, 0, len(s.Shards))
 	for cl := range s.Shards {
 		if c.seesShard(s, cl) {
@@ -234,11 +287,17 @@ func loadAssignment(c class, s *model.Service, port uint16, name string, gws gat
 				prio = uint32(len(lb.Preference) - n)
 			}
 			if e.Network() != c.Network {
-				if healthy(e.Ready(), e.Terminating()) {
+				// Only what a gateway forwards to counts: HBONE endpoints.
+				if healthy(e.Ready(), e.Terminating()) && e.Workload.Tunnelled() {
 					remote[remoteKey{e.Network(), e.Locality(), prio}]++
+					if identities[e.Network()] == nil {
+						identities[e.Network()] = map[string]struct{}{}
+					}
+					identities[e.Network()][spiffeID(td(cl), e.Namespace(), cmp.Or(e.ServiceAccount(), "default"))] = struct{}{}
 				}
 				continue
 			}
+			local[spiffeID(td(cl), e.Namespace(), cmp.Or(e.ServiceAccount(), "default"))] = struct{}{}
 			hs := corev3.HealthStatus_HEALTHY
 			switch {
 			case e.Terminating():
@@ -254,24 +313,40 @@ func loadAssignment(c class, s *model.Service, port uint16, name string, gws gat
 			})
 		}
 	}
+	var withheld map[string]uint32
+	used := map[string]struct{}{}
 	for k, n := range remote {
-		if eps := gatewayEndpoints(gws[k.network], n); len(eps) > 0 {
+		eps, reason := gatewayEndpoints(c.Kind, gws[k.network], n)
+		if reason != "" {
+			if withheld == nil {
+				withheld = map[string]uint32{}
+			}
+			withheld[reason] += n
+			continue
+		}
+		for id := range identities[k.network] {
+			used[id] = struct{}{}
+		}
+		if len(eps) > 0 {
 			g := groupKey{k.locality, k.priority}
 			groups[g] = append(groups[g], eps...)
 		}
 	}
+	for reason, n := range withheld {
+		b.withheld(c, s.Hostname, reason, n)
+	}
 	keys := make([]groupKey, 0, len(groups))
-	used := map[uint32]bool{}
+	usedPrio := map[uint32]bool{}
 	for k := range groups {
 		keys = append(keys, k)
-		used[k.priority] = true
+		usedPrio[k.priority] = true
 	}
 	slices.SortFunc(keys, func(a, b groupKey) int {
 		return cmp.Or(cmp.Compare(a.priority, b.priority), cmp.Compare(a.locality.String(), b.locality.String()))
 	})
 	// Contiguous priorities: the i-th used one becomes i.
 	renumber := map[uint32]uint32{}
-	for _, p := range slices.Sorted(maps.Keys(used)) {
+	for _, p := range slices.Sorted(maps.Keys(usedPrio)) {
 		renumber[p] = uint32(len(renumber))
 	}
 	cla := &endpointv3.ClusterLoadAssignment{ClusterName: name}
@@ -296,32 +371,68 @@ func loadAssignment(c class, s *model.Service, port uint16, name string, gws gat
 			Priority:            renumber[k.priority],
 		})
 	}
-	return cla
+	var peers endpointPeers
+	peers.remote = sortedKeys(used)
+	for id := range local {
+		used[id] = struct{}{}
+	}
+	peers.all = sortedKeys(used)
+	return cla, peers
 }
 
-// gatewayEndpoints stands for n ready endpoints behind gws: one endpoint per
-// gateway with an IP, weighted by its share of the gateways' capacity (at
-// least 1).
-func gatewayEndpoints(gws []model.NetworkGateway, n uint32) []*endpointv3.LbEndpoint {
+// endpointPeers are the SPIFFE identities (sorted) of the endpoints of a
+// load assignment: those behind gateways, and all.
+type endpointPeers struct {
+	remote, all []string
+}
+
+func sortedKeys(m map[string]struct{}) []string {
+	if len(m) == 0 {
+		return nil
+	}
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	slices.Sort(out)
+	return out
+}
+
+// gatewayEndpoints stands for n ready endpoints behind gws, for a client
+// of kind k: one endpoint per gateway with an IP and an SNI passthrough
+// port, at that port, marked for Istio's mTLS (tlsModeIstio), weighted by
+// its share of those gateways' capacity (at least 1). None, and why, when
+// the client cannot use them: a client without TLS (WithheldNoTLS), or no
+// such gateway (WithheldNoGatewayTLS). The gateways' HBONE port is never
+// sent: these clients do not speak HBONE.
+func gatewayEndpoints(k clientKind, gws []model.NetworkGateway, n uint32) ([]*endpointv3.LbEndpoint, string) {
+	if k == kindProxylessPlain {
+		return nil, WithheldNoTLS
+	}
+	usable := func(gw model.NetworkGateway) bool { return gw.Address.IsValid() && gw.TLSPassthroughPort != 0 }
 	var total uint64
 	for _, gw := range gws {
-		if gw.Address.IsValid() {
+		if usable(gw) {
 			total += uint64(max(gw.Capacity, 1))
 		}
 	}
+	if total == 0 {
+		return nil, WithheldNoGatewayTLS
+	}
 	var out []*endpointv3.LbEndpoint
 	for _, gw := range gws {
-		if !gw.Address.IsValid() {
+		if !usable(gw) {
 			continue
 		}
 		w := max(uint32(uint64(n)*uint64(max(gw.Capacity, 1))/total), 1)
 		out = append(out, &endpointv3.LbEndpoint{
 			HostIdentifier: &endpointv3.LbEndpoint_Endpoint{Endpoint: &endpointv3.Endpoint{
-				Address: socketAddress(gw.Address, uint32(cmp.Or(gw.HBONEPort, model.HBONEPort))),
+				Address: socketAddress(gw.Address, uint32(gw.TLSPassthroughPort)),
 			}},
 			HealthStatus:        corev3.HealthStatus_HEALTHY,
 			LoadBalancingWeight: wrapperspb.UInt32(w),
+			Metadata:            &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{transportSocketMatchKey: tlsModeIstio()}},
 		})
 	}
-	return out
+	return out, ""
 }

@@ -97,7 +97,8 @@ func unpack[T any, P interface {
 // twoNetworks publishes echo with two ready pods on net1/c1 (locality
 // r1/z1) and two on net2/c2, and net2's gateway.
 func twoNetworks(reg *xdstest.Registry) model.NetworkGateway {
-	gw2 := model.NetworkGateway{Network: "net2", Cluster: "c2", Address: ip("10.2.255.1"), HBONEPort: 15008, Source: "istio-system/eastwest", ServiceAccounts: []string{"eastwest"}}
+	gw2 := model.NetworkGateway{Network: "net2", Cluster: "c2", Address: ip("10.2.255.1"), HBONEPort: 15008, TLSPassthroughPort: 15443,
+		Source: "istio-system/eastwest", ServiceAccounts: []string{"eastwest"}}
 	reg.SetGateway(gw2)
 	l1, l2 := xdstest.Pod("c1", "net1", ns, "l1", ip("10.1.0.1")), xdstest.Pod("c1", "net1", ns, "l2", ip("10.1.0.2"))
 	l1.Locality = model.Locality{Region: "r1", Zone: "z1"}
@@ -112,9 +113,12 @@ func twoNetworks(reg *xdstest.Registry) model.NetworkGateway {
 
 // TestSotwEnvoyResources proves the CDS/EDS/LDS/RDS a network-1 client gets
 // over SotW ADS: an EDS cluster over ADS per service port, endpoints grouped
-// by locality with network 2 replaced by its gateway weighted by the two
-// endpoints behind it, and an API listener whose RDS route targets the
-// cluster.
+// by locality with network 2 replaced by its gateway's SNI passthrough port
+// (15443, never its HBONE port) weighted by the two endpoints behind it and
+// marked for Istio's mTLS, which the cluster's transport socket match gives
+// Istio's SNI and the remote endpoints' identities; and an API listener
+// whose RDS route targets the cluster. Every resource passes Envoy's own
+// validation (Validate).
 func TestSotwEnvoyResources(t *testing.T) {
 	reg := xdstest.New()
 	gw2 := twoNetworks(reg)
@@ -130,6 +134,8 @@ func TestSotwEnvoyResources(t *testing.T) {
 	require.Equal(t, cn, clusters[0].GetName())
 	require.Equal(t, clusterv3.Cluster_EDS, clusters[0].GetType())
 	require.NotNil(t, clusters[0].GetEdsClusterConfig().GetEdsConfig().GetAds())
+	require.NoError(t, clusters[0].ValidateAll())
+	requireIstioMTLS(t, clusters[0], "outbound_.80_._."+echoHost, "spiffe://cluster.local/ns/default/sa/default")
 	c.ack(r)
 
 	c.send(&discovery.DiscoveryRequest{TypeUrl: resource.EndpointType, ResourceNames: []string{cn}})
@@ -140,17 +146,20 @@ func TestSotwEnvoyResources(t *testing.T) {
 		locality, addr string
 		port, weight   uint32
 	}
+	require.NoError(t, clas[0].ValidateAll())
 	var got []ep
 	for _, le := range clas[0].GetEndpoints() {
 		require.Positive(t, le.GetLoadBalancingWeight().GetValue())
 		for _, lb := range le.GetLbEndpoints() {
 			sa := lb.GetEndpoint().GetAddress().GetSocketAddress()
+			tlsMode := lb.GetMetadata().GetFilterMetadata()["envoy.transport_socket_match"].GetFields()["tlsMode"].GetStringValue()
+			require.Equal(t, sa.GetAddress() == gw2.Address.String(), tlsMode == "istio", "only the gateway's endpoint is marked for Istio's mTLS")
 			got = append(got, ep{le.GetLocality().GetRegion() + "/" + le.GetLocality().GetZone(), sa.GetAddress(), sa.GetPortValue(), lb.GetLoadBalancingWeight().GetValue()})
 		}
 	}
 	require.ElementsMatch(t, []ep{
 		{"r1/z1", "10.1.0.1", 8080, 1}, {"r1/z1", "10.1.0.2", 8080, 1},
-		{"r2/z1", gw2.Address.String(), 15008, 2},
+		{"r2/z1", gw2.Address.String(), 15443, 2},
 	}, got)
 	c.ack(r, cn)
 
@@ -158,6 +167,7 @@ func TestSotwEnvoyResources(t *testing.T) {
 	r = c.next(resource.ListenerType)
 	ls := unpack[listenerv3.Listener](t, r)
 	require.Len(t, ls, 1)
+	require.NoError(t, ls[0].ValidateAll())
 	hcm := &hcmv3.HttpConnectionManager{}
 	require.NoError(t, ls[0].GetApiListener().GetApiListener().UnmarshalTo(hcm))
 	require.Equal(t, ln, hcm.GetRds().GetRouteConfigName())
@@ -168,6 +178,7 @@ func TestSotwEnvoyResources(t *testing.T) {
 	r = c.next(resource.RouteType)
 	rcs := unpack[routev3.RouteConfiguration](t, r)
 	require.Len(t, rcs, 1)
+	require.NoError(t, rcs[0].ValidateAll())
 	require.Contains(t, rcs[0].GetVirtualHosts()[0].GetDomains(), ln)
 	require.Equal(t, cn, rcs[0].GetVirtualHosts()[0].GetRoutes()[0].GetRoute().GetCluster())
 }

@@ -21,7 +21,10 @@ type metrics struct {
 	clients          *prometheus.GaugeVec
 	buildSeconds     prometheus.Histogram
 	resourcesChanged prometheus.Counter
-	istio            istioXDS
+	// withheld counts, by reason, the endpoints behind gateways left out
+	// of the load assignments built for clients that cannot reach them.
+	withheld *prometheus.CounterVec
+	istio    istioXDS
 	// sent are the push counters of each served type URL, looked up once:
 	// every response counts in them.
 	sent map[string]sentCounters
@@ -149,6 +152,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		resourcesChanged: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "isthmus_xds_resources_changed_total", Help: "Resources updated or deleted in the caches.",
 		}),
+		withheld: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "isthmus_xds_endpoints_withheld_total",
+			Help: "Endpoints behind east-west gateways left out of the load assignments built for clients that cannot reach them, by reason (client_without_tls, no_gateway_tls_port); counted at each build.",
+		}, []string{"reason"}),
 		istio: istioXDS{
 			clients: prometheus.NewGauge(prometheus.GaugeOpts{
 				Name: "pilot_xds", Help: "Number of endpoints connected to this pilot using XDS (Istio's metric; version is always unknown).",
@@ -174,7 +181,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			}, []string{"type"}),
 		},
 	}
-	for _, c := range []prometheus.Collector{m.pushes, m.pushBytes, m.nacks, m.refused, m.clients, m.buildSeconds, m.resourcesChanged,
+	for _, c := range []prometheus.Collector{m.pushes, m.pushBytes, m.nacks, m.refused, m.clients, m.buildSeconds, m.resourcesChanged, m.withheld,
 		m.istio.clients, m.istio.pushes, m.istio.pushTime, m.istio.configSize, m.istio.convergence, m.istio.rejects} {
 		if err := reg.Register(c); err != nil {
 			return nil, err

@@ -6,7 +6,8 @@ import (
 )
 
 // A stream keeps of its node only what pilot reads: the id, the cluster,
-// the locality (which orders EDS endpoints into priorities), and the
+// the locality (which orders EDS endpoints into priorities), the user
+// agent name (which kind of client it is, clientKind), and the
 // string values of the metadata keys in keptMetadata. A real
 // Envoy's node also lists every extension compiled into it
 // (node.extensions: 10–20 KB encoded, several times that decoded), its
@@ -17,14 +18,14 @@ import (
 // either way.
 
 // keptMetadata are the node metadata keys pilot reads.
-var keptMetadata = [...]string{MetadataClusterID, MetadataNetwork, MetadataNodeName, MetadataVerifiedNode}
+var keptMetadata = [...]string{MetadataClusterID, MetadataNetwork, MetadataNodeName, MetadataVerifiedNode, MetadataGenerator, MetadataProxylessTLS}
 
 // keptNode returns what a stream keeps of node n (nil: nil).
 func keptNode(n *corev3.Node) *corev3.Node {
 	if n == nil {
 		return nil
 	}
-	out := &corev3.Node{Id: n.GetId(), Cluster: n.GetCluster()}
+	out := &corev3.Node{Id: n.GetId(), Cluster: n.GetCluster(), UserAgentName: n.GetUserAgentName()}
 	if l := n.GetLocality(); l != nil {
 		out.Locality = &corev3.Locality{Region: l.GetRegion(), Zone: l.GetZone(), SubZone: l.GetSubZone()}
 	}

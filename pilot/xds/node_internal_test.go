@@ -21,13 +21,14 @@ func realNode(id string) *corev3.Node {
 }
 
 // requireKept checks that n is what a stream keeps of realNode(id): the
-// id, the cluster and pilot's metadata, as strings; no extensions.
+// id, the cluster, the user agent name (which kind of client) and pilot's
+// metadata, as strings; no extensions.
 func requireKept(t *testing.T, id string, n *corev3.Node) {
 	t.Helper()
 	require.Equal(t, id, n.GetId())
 	require.Equal(t, "echo.default", n.GetCluster())
 	require.Zero(t, len(n.GetExtensions()), "extensions kept")
-	require.Empty(t, n.GetUserAgentName())
+	require.Equal(t, "envoy", n.GetUserAgentName())
 	got := map[string]string{}
 	for k, v := range n.GetMetadata().GetFields() {
 		got[k] = v.GetStringValue()

@@ -37,6 +37,7 @@ const (
 	nodeLocality                        protowire.Number = 4
 	localityRegion, localityZone        protowire.Number = 1, 2
 	localitySubZone                     protowire.Number = 3
+	nodeUserAgentName                   protowire.Number = 6
 	structFields, entryKey, entryValue  protowire.Number = 1, 1, 2
 	valueNull, valueNumber, valueString protowire.Number = 1, 2, 3
 	valueBool, valueStruct, valueList   protowire.Number = 4, 5, 6
@@ -51,13 +52,13 @@ func decodeKeptNode(parts ...[]byte) (*corev3.Node, error) {
 			return nil, err
 		}
 	}
-	var id, cluster []byte
+	var id, cluster, agent []byte
 	var kept [len(keptMetadata)]keptValue
 	var loc keptLocality
 	for _, raw := range parts {
-		keepFields(raw, &id, &cluster, &kept, &loc)
+		keepFields(raw, &id, &cluster, &agent, &kept, &loc)
 	}
-	out := &corev3.Node{Id: string(id), Cluster: string(cluster)}
+	out := &corev3.Node{Id: string(id), Cluster: string(cluster), UserAgentName: string(agent)}
 	if loc.present {
 		out.Locality = &corev3.Locality{Region: string(loc.region), Zone: string(loc.zone), SubZone: string(loc.subzone)}
 	}
@@ -74,9 +75,9 @@ func decodeKeptNode(parts ...[]byte) (*corev3.Node, error) {
 }
 
 // keepFields reads what a stream keeps from one encoding of a node, over
-// what earlier ones gave: the last id and cluster, the last entry of each
-// kept metadata key.
-func keepFields(raw []byte, id, cluster *[]byte, kept *[len(keptMetadata)]keptValue, loc *keptLocality) {
+// what earlier ones gave: the last id, cluster and user agent name, the
+// last entry of each kept metadata key, the locality merged.
+func keepFields(raw []byte, id, cluster, agent *[]byte, kept *[len(keptMetadata)]keptValue, loc *keptLocality) {
 	eachBytesField(raw, func(num protowire.Number, v []byte) {
 		switch num {
 		case nodeID:
@@ -96,6 +97,8 @@ func keepFields(raw []byte, id, cluster *[]byte, kept *[len(keptMetadata)]keptVa
 					loc.subzone = s
 				}
 			})
+		case nodeUserAgentName:
+			*agent = v
 		case nodeMetadata:
 			// A message field sent twice merges: its map entries add up,
 			// the last of a key replacing the others.

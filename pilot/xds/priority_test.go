@@ -30,7 +30,7 @@ import (
 // of c1, one in r1/z1 of c2 (also net1), and two ready ones in r1/z1 on
 // net2 behind its gateway. c1's definition of echo has preference lb.
 func tiered(reg *xdstest.Registry, lb *model.LoadBalancing) {
-	gw2 := model.NetworkGateway{Network: "net2", Cluster: "c3", Address: ip("10.2.255.1"), HBONEPort: 15008, Source: "istio-system/eastwest", ServiceAccounts: []string{"eastwest"}}
+	gw2 := model.NetworkGateway{Network: "net2", Cluster: "c3", Address: ip("10.2.255.1"), HBONEPort: 15008, TLSPassthroughPort: 15443, Source: "istio-system/eastwest", ServiceAccounts: []string{"eastwest"}}
 	reg.SetGateway(gw2)
 	at := func(cluster model.ClusterID, network model.Network, name, addr string, l model.Locality) *model.Workload {
 		w := xdstest.Pod(cluster, network, ns, name, ip(addr))
@@ -47,10 +47,10 @@ func tiered(reg *xdstest.Registry, lb *model.LoadBalancing) {
 	publish(reg, svc, ws)
 }
 
-// edsOf returns, for a client of net1/c1 at locality l (nil: none), the
+// prioritiesOf returns, for a client of net1/c1 at locality l (nil: none), the
 // ClusterLoadAssignment of echo port 80, after checking it with Validate:
 // the addresses at each priority, and the assignment.
-func edsOf(t *testing.T, e *env, id string, l *corev3.Locality) ([][]string, *endpointv3.ClusterLoadAssignment) {
+func prioritiesOf(t *testing.T, e *env, id string, l *corev3.Locality) ([][]string, *endpointv3.ClusterLoadAssignment) {
 	t.Helper()
 	n := node(id, "net1", "c1")
 	n.Locality = l
@@ -119,7 +119,7 @@ func TestEDSPriorities(t *testing.T) {
 			reg := xdstest.New()
 			tiered(reg, tc.lb)
 			e := start(t, reg)
-			got, cla := edsOf(t, e, "envoy-1", tc.locality)
+			got, cla := prioritiesOf(t, e, "envoy-1", tc.locality)
 			require.Equal(t, tc.want, got)
 			if tc.lb == nil {
 				require.Nil(t, cla.GetPolicy(), "a service without a preference is served as before")
@@ -139,14 +139,14 @@ func TestEDSLocalityClassesBounded(t *testing.T) {
 	tiered(reg, &zone)
 	e := startWith(t, reg, xds.Config{AllowPlaintext: true, MaxLocalities: 1})
 	z1 := &corev3.Locality{Region: "r1", Zone: "z1"}
-	first, _ := edsOf(t, e, "envoy-1", z1)
+	first, _ := prioritiesOf(t, e, "envoy-1", z1)
 	require.Len(t, first, 5)
-	over, _ := edsOf(t, e, "envoy-2", &corev3.Locality{Region: "r1", Zone: "z2"})
+	over, _ := prioritiesOf(t, e, "envoy-2", &corev3.Locality{Region: "r1", Zone: "z2"})
 	require.Equal(t, [][]string{{"10.1.0.1", "10.1.0.2", "10.1.0.3", "10.1.0.4"}, {"10.1.0.5"}, {"10.2.255.1"}}, over,
 		"past the bound: served without a locality")
-	again, _ := edsOf(t, e, "envoy-3", z1)
+	again, _ := prioritiesOf(t, e, "envoy-3", z1)
 	require.Equal(t, first, again)
-	long, _ := edsOf(t, e, "envoy-4", &corev3.Locality{Region: fmt.Sprintf("%064d", 0), Zone: "z1"})
+	long, _ := prioritiesOf(t, e, "envoy-4", &corev3.Locality{Region: fmt.Sprintf("%064d", 0), Zone: "z1"})
 	require.Len(t, long, 3, "a locality longer than a label value is none")
 
 	// The other Envoy types do not depend on the locality: a client with

@@ -116,11 +116,15 @@ func New(cfg Config, reg Registry, logger *slog.Logger) (*Server, error) {
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
-	envoy, err := newEnvoyBuilder(cfg.ConnectTimeout)
+	m, err := newMetrics(cfg.Metrics)
 	if err != nil {
 		return nil, err
 	}
-	m, err := newMetrics(cfg.Metrics)
+	envoy, err := newEnvoyBuilder(cfg.ConnectTimeout, func(c class, hostname, reason string, n uint32) {
+		m.withheld.WithLabelValues(reason).Add(float64(n))
+		logger.Debug("xds endpoints withheld from clients that cannot reach them", "service", hostname, "reason", reason, "endpoints", n,
+			"network", c.Network, "cluster", c.Cluster, "client", c.Kind.String())
+	})
 	if err != nil {
 		return nil, err
 	}
@@ -408,6 +412,7 @@ func (s *Server) classOf(node *corev3.Node) class {
 	c := class{
 		Network: model.Network(f[MetadataNetwork].GetStringValue()),
 		Cluster: model.ClusterID(f[MetadataClusterID].GetStringValue()),
+		Kind:    kindOf(node),
 	}
 	if c.Network == "" {
 		c.Network = s.cfg.DefaultNetwork
@@ -484,7 +489,7 @@ func (s *Server) viewFor(node *corev3.Node, typeURL string) (*view, error) {
 		s.viewsMu.Lock()
 		s.views[c] = v
 		s.viewsMu.Unlock()
-		s.log.Info("xds class created", "network", c.Network, "cluster", c.Cluster)
+		s.log.Info("xds class created", "network", c.Network, "cluster", c.Cluster, "client", c.Kind.String())
 	}
 	if v.isReady(typeURL) {
 		return v, nil

@@ -312,7 +312,7 @@ func (b *batch) service(bd *builder, hostname string) error {
 		}
 	}
 	if b.v.serves(resource.EndpointType) {
-		if err := bd.envoy.build(b.v.class, s, bd.gws, fresh); err != nil {
+		if err := bd.envoy.build(b.v.class, s, bd.gws, bd.td, fresh); err != nil {
 			return fmt.Errorf("service %s: %w", hostname, err)
 		}
 	}

@@ -25,6 +25,9 @@ type class struct {
 	Network  model.Network
 	Cluster  model.ClusterID
 	Locality model.Locality
+	// Kind is what the class's clients of the Envoy types can dial
+	// (envoytls.go).
+	Kind clientKind
 }
 
 // String renders the class as network|cluster, then |locality if it has one.

@@ -183,9 +183,10 @@ func TestPreferSameZone(t *testing.T) {
 	})
 	only(t, "echo-a", 20)
 	// Envoy's EDS, for a client of cluster-1 in zone a, carries the same
-	// order as priorities: echo-a, echo-b, then network-2's gateway.
+	// order as priorities: echo-a, echo-b, then network-2's gateway (its
+	// SNI passthrough port: Envoy does not speak HBONE).
 	requireEDS(t, p.XDSPlaintextAddr(), [][]string{
-		{apps["echo-a"].String()}, {apps["echo-b"].String()}, {netip.AddrPortFrom(gw2, 15008).String()},
+		{apps["echo-a"].String()}, {apps["echo-b"].String()}, {netip.AddrPortFrom(gw2, 15443).String()},
 	})
 	// The other zone when it goes unready.
 	setReady(t, c1, "echo-a", false)

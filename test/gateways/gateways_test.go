@@ -174,6 +174,10 @@ func TestGatewayAPIEastWest(t *testing.T) {
 	})
 
 	gw := hboneGateway(cpNS, "eastwest", "network-2")
+	// Istio's east-west gateway declares its SNI passthrough port too.
+	passthrough := gwv1.TLSModePassthrough
+	gw.Spec.Listeners = append(gw.Spec.Listeners, gwv1.Listener{Name: "tls", Port: eastwest.TLSPassthroughPort, Protocol: gwv1.TLSProtocolType,
+		TLS: &gwv1.ListenerTLSConfig{Mode: &passthrough}})
 	var gwPod *pod
 	t.Run("remote Gateway carries cross-network traffic", func(t *testing.T) { gwPod = m.serveGateway(t, gw) })
 	require.NotNil(t, gwPod, "the gateway ran")
@@ -212,8 +216,10 @@ func (m *mesh) serveGateway(t *testing.T, gw *gwv1.Gateway) *pod {
 	g := m.programmed(t, key, metav1.ConditionTrue, string(gwv1.GatewayReasonProgrammed), "the Service's address, an available replica")
 	require.Len(t, g.Status.Addresses, 1)
 	require.Equal(t, gwIP.String(), g.Status.Addresses[0].Value)
-	require.Len(t, g.Status.Listeners, 1)
-	require.True(t, meta.IsStatusConditionTrue(g.Status.Listeners[0].Conditions, string(gwv1.ListenerConditionProgrammed)))
+	require.Len(t, g.Status.Listeners, len(gw.Spec.Listeners))
+	for _, l := range g.Status.Listeners {
+		require.True(t, meta.IsStatusConditionTrue(l.Conditions, string(gwv1.ListenerConditionProgrammed)), "listener %s", l.Name)
+	}
 	require.EventuallyWithT(t, func(c *assert.CollectT) {
 		got, err := m.request(ctx, "hello")
 		require.NoError(c, err)

@@ -140,14 +140,16 @@ func ProxyPod(t testing.TB, c *framework.Cluster, name, nodeName, sa string, ip 
 	return tr.Status.Token
 }
 
-// GatewayService publishes network's east-west gateway at ip in c.
+// GatewayService publishes network's east-west gateway at ip in c, with
+// its HBONE (15008) and SNI passthrough (15443) ports.
 func GatewayService(t testing.TB, c *framework.Cluster, network string, ip netip.Addr) {
 	t.Helper()
 	ctx := context.Background()
 	svc, err := c.Client.CoreV1().Services(Namespace).Create(ctx, &corev1.Service{
 		ObjectMeta: metav1.ObjectMeta{Name: "eastwest-gateway", Namespace: Namespace, Labels: map[string]string{"topology.istio.io/network": network}},
 		Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeLoadBalancer, Selector: map[string]string{"app": "eastwest-gateway"},
-			Ports: []corev1.ServicePort{{Name: "tls-hbone", Port: 15008, TargetPort: intstr.FromInt32(15008)}}},
+			Ports: []corev1.ServicePort{{Name: "tls-hbone", Port: 15008, TargetPort: intstr.FromInt32(15008)},
+				{Name: "tls", Port: 15443, TargetPort: intstr.FromInt32(15443)}}},
 	}, metav1.CreateOptions{})
 	require.NoError(t, err)
 	svc.Status.LoadBalancer.Ingress = []corev1.LoadBalancerIngress{{IP: ip.String()}}

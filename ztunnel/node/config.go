@@ -100,6 +100,10 @@ type Config struct {
 	// GatewayListen is where a gateway serves HBONE (gateway mode); default
 	// 0.0.0.0:<HBONEPort>.
 	GatewayListen string
+	// GatewayTLSListen is where a gateway serves SNI passthrough for mTLS
+	// clients that cannot speak HBONE (gateway mode); default
+	// GatewayListen's host, port 15443; Disabled turns it off.
+	GatewayTLSListen string
 	// InPodSocket, in node mode, is the CNI node agent's socket for
 	// ztunnel: enrolled pods are served inside their own network
 	// namespaces (ztunnel/podproxy) instead of by listeners on their
@@ -242,6 +246,13 @@ func (c Config) withDefaults() Config {
 		c.HBONEPort = d.HBONEPort
 	}
 	or(&c.GatewayListen, fmt.Sprintf("0.0.0.0:%d", c.HBONEPort))
+	if c.GatewayTLSListen == "" {
+		host, _, err := net.SplitHostPort(c.GatewayListen)
+		if err != nil {
+			host = "0.0.0.0"
+		}
+		c.GatewayTLSListen = net.JoinHostPort(host, strconv.Itoa(defaults.TLSPassthroughPort))
+	}
 	if c.ShutdownTimeout <= 0 {
 		c.ShutdownTimeout = d.ShutdownTimeout
 	}

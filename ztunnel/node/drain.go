@@ -91,9 +91,11 @@ func (n *Node) drainGateway(lns *listeners) {
 		case <-time.After(time.Until(until)):
 		}
 	}
-	if lns.gateway != nil {
-		n.self.Remove(lns.gateway.Addr())
-		lns.gateway.Close()
+	for _, ln := range []net.Listener{lns.gateway, lns.gatewayTLS} {
+		if ln != nil {
+			n.self.Remove(ln.Addr())
+			ln.Close()
+		}
 	}
 	n.gw.Drain() // connections accepted since the last tick
 	open := n.gw.Conns()

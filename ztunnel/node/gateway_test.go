@@ -34,7 +34,9 @@ import (
 // own CA-issued certificate), becomes ready without any local workload,
 // and serves HBONE on its gateway address with its own identity (the
 // ztunnel ServiceAccount, never impersonated) from a certificate the CA
-// issued.
+// issued. It also serves SNI passthrough on the same host's 15443, with
+// the production defaults: a ClientHello naming echo (which has no
+// endpoint on the gateway's network) is read and refused for that reason.
 func TestGatewayMode(t *testing.T) {
 	pilotAddr := nextAddr() // the CA's serving certificate names this IP
 	ca := catest.Start(t, catest.Options{ConfigCluster: "c2", Listen: netip.AddrPortFrom(pilotAddr, 0).String()})
@@ -67,7 +69,7 @@ func TestGatewayMode(t *testing.T) {
 	n, err := node.New(node.Config{
 		NodeName: "node-gw", ClusterID: "c2", Network: "n2", Mode: node.ModeGateway,
 		XDSAddress: xdsAddr, CAAddress: ca.Addr, GatewayListen: at(15008),
-		AdminListen: node.Disabled, MetricsListen: node.Disabled, ReadinessListen: at(15021),
+		AdminListen: node.Disabled, MetricsListen: at(15020), ReadinessListen: at(15021),
 	}, node.Deps{
 		Token: caclient.StaticToken("token-gw"), RootsPEM: ca.RootsPEM,
 		Log: slog.New(slog.NewTextHandler(t.Output(), nil)),
@@ -84,6 +86,20 @@ func TestGatewayMode(t *testing.T) {
 		code, _ := httpGet(c, "http://"+at(15021)+"/healthz/ready")
 		require.Equal(c, http.StatusOK, code)
 	}, 15*time.Second, 20*time.Millisecond)
+
+	// SNI passthrough: the ClientHello is read (not timed out at once) and
+	// refused because echo has no endpoint on n2; nothing is answered.
+	sni, err := tls.DialWithDialer(&net.Dialer{Timeout: 5 * time.Second}, "tcp", at(15443), &tls.Config{
+		ServerName: "outbound_.80_._." + echoHost, MinVersion: tls.VersionTLS13, InsecureSkipVerify: true, //nolint:gosec // refused before any certificate
+	})
+	if err == nil {
+		sni.Close()
+	}
+	require.Error(t, err)
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		_, body := httpGet(c, "http://"+at(15020)+"/metrics")
+		require.Contains(c, body, `isthmus_hbone_refused_total{reason="no_local_endpoint",reporter="gateway"} 1`)
+	}, 5*time.Second, 20*time.Millisecond)
 
 	roots, err := caclient.RootsFromPEM(ca.RootsPEM)
 	require.NoError(t, err)

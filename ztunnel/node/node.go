@@ -275,13 +275,15 @@ func (n *Node) Pods() []string {
 // listeners are the fixed listeners of a run.
 type listeners struct {
 	outbound, socks, gateway net.Listener
-	admin, ready, metrics    net.Listener
-	dnsTCP                   net.Listener
-	dnsUDP                   net.PacketConn
+	// gatewayTLS is the gateway's SNI passthrough listener (15443).
+	gatewayTLS            net.Listener
+	admin, ready, metrics net.Listener
+	dnsTCP                net.Listener
+	dnsUDP                net.PacketConn
 }
 
 func (l *listeners) close() {
-	for _, ln := range []net.Listener{l.outbound, l.socks, l.gateway, l.admin, l.ready, l.metrics, l.dnsTCP} {
+	for _, ln := range []net.Listener{l.outbound, l.socks, l.gateway, l.gatewayTLS, l.admin, l.ready, l.metrics, l.dnsTCP} {
 		if ln != nil {
 			ln.Close()
 		}
@@ -310,7 +312,7 @@ func (n *Node) listen() (*listeners, error) {
 	}
 	var errs []error
 	if n.cfg.Mode == ModeGateway {
-		errs = append(errs, open(&l.gateway, n.cfg.GatewayListen, "gateway"))
+		errs = append(errs, open(&l.gateway, n.cfg.GatewayListen, "gateway"), open(&l.gatewayTLS, n.cfg.GatewayTLSListen, "gateway tls passthrough"))
 	} else {
 		errs = append(errs, open(&l.outbound, n.cfg.OutboundListen, "outbound"), open(&l.socks, n.cfg.SOCKS5Listen, "socks5"),
 			open(&l.dnsTCP, n.cfg.DNSListen, "dns"))
@@ -455,6 +457,7 @@ func (n *Node) startParts(ctx context.Context, g *errgroup.Group, lns *listeners
 	if n.gw != nil {
 		g.Go(func() error { return n.gw.Run(ctx) })
 		serve(lns.gateway, n.gw.Serve)
+		serve(lns.gatewayTLS, n.gw.ServeTLS)
 		return nil
 	}
 	if n.in != nil {

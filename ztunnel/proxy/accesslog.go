@@ -80,7 +80,7 @@ func closeReason(refusal string) string {
 		return ClosePolicyDenied
 	case ReasonNoRoute, ReasonUnknownSource, ReasonUnknownService, ReasonUnknownPort, ReasonNotVisible,
 		ReasonDestinationNotLocal, ReasonDestinationMismatch, ReasonPortNotAllowed, ReasonSelfDestination,
-		ReasonUnknownDestination:
+		ReasonUnknownDestination, ReasonBadSNI:
 		return CloseNoRoute
 	case ReasonPeerIdentity, ReasonPeerTrustDomain, ReasonPeerUntrusted:
 		return ClosePeerIdentityMismatch

@@ -90,7 +90,7 @@ func TestGatewayFailsOverAndEjects(t *testing.T) {
 		return n
 	}
 	for range 3 {
-		c, ep, err := m.gw.dial(context.Background(), cands)
+		c, ep, err := m.gw.dial(context.Background(), cands, m.gw.dialHBONE)
 		require.NoError(t, err)
 		require.Equal(t, "c1", ep.Workload.UID)
 		require.NoError(t, c.Close())
@@ -98,13 +98,13 @@ func TestGatewayFailsOverAndEjects(t *testing.T) {
 	require.Equal(t, 1, count(), "the refusing endpoint was dialled once, then tried last")
 
 	clock.Step(DefaultConfig().EjectionTime)
-	c, _, err := m.gw.dial(context.Background(), cands)
+	c, _, err := m.gw.dial(context.Background(), cands, m.gw.dialHBONE)
 	require.NoError(t, err)
 	require.NoError(t, c.Close())
 	require.Equal(t, 2, count())
 
 	// Every endpoint failing: a specific error naming each attempt.
-	_, _, err = m.gw.dial(context.Background(), cands[:1])
+	_, _, err = m.gw.dial(context.Background(), cands[:1], m.gw.dialHBONE)
 	require.ErrorContains(t, err, "dial "+deadHBONE)
 }
 
@@ -151,13 +151,13 @@ func TestSilentEndpointIsOvertaken(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
 	defer cancel()
-	c, ep, err := m.gw.dial(ctx, cands)
+	c, ep, err := m.gw.dial(ctx, cands, m.gw.dialHBONE)
 	require.NoError(t, err, "the gateway waited for the silent endpoint")
 	require.Equal(t, "c1", ep.Workload.UID)
 	require.NoError(t, c.Close())
 	require.Eventually(t, func() bool { return len(m.gwDialer.silentDials()) == 1 }, 10*time.Second, 10*time.Millisecond)
 	require.ErrorIs(t, m.gwDialer.silentDials()[0], context.Canceled, "cancelled once c1 connected")
-	c, _, err = m.gw.dial(ctx, cands)
+	c, _, err = m.gw.dial(ctx, cands, m.gw.dialHBONE)
 	require.NoError(t, err)
 	require.NoError(t, c.Close())
 	require.Equal(t, 1, silentDialled(m.gwDialer), "tried last by the next tunnel")

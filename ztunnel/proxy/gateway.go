@@ -10,6 +10,7 @@ import (
 	"net/netip"
 	"strconv"
 
+	"github.com/isthmus-mesh/isthmus/internal/conntrack"
 	"github.com/isthmus-mesh/isthmus/ztunnel/hbone"
 	"github.com/isthmus-mesh/isthmus/ztunnel/identity"
 	"github.com/isthmus-mesh/isthmus/ztunnel/metrics"
@@ -41,8 +42,10 @@ type GatewayConfig struct {
 // identity; clients must belong to the trust domain), resolves the CONNECT
 // target <hostname>:<port> to a ready endpoint of that service on its own
 // network, and passes the inner (still encrypted) tunnel to
-// <endpoint>:HBONEPort without decrypting it. Run closes the open tunnels a
-// visibility change no longer admits. Safe for concurrent use.
+// <endpoint>:HBONEPort without decrypting it. ServeTLS serves the same
+// endpoints to mTLS clients that cannot speak HBONE, routed by Istio's SNI
+// (gateway_tls.go). Run closes the open tunnels a visibility change no
+// longer admits. Safe for concurrent use.
 type Gateway struct {
 	cfg  GatewayConfig
 	deps Deps
@@ -52,6 +55,12 @@ type Gateway struct {
 	// tunnels are the open tunnels, checked again on every state change
 	// (gateway_tunnels.go).
 	tunnels gatewayTunnels
+	// t tracks SNI passthrough connections, client opens their HBONE
+	// streams (as the gateway) and stop ends them when the gateway closes.
+	t       *conntrack.Tracker
+	client  *hbone.Client
+	stop    context.Context
+	stopAll context.CancelFunc
 }
 
 // NewGateway returns a Gateway.
@@ -76,6 +85,12 @@ func NewGateway(cfg GatewayConfig, deps Deps, sel state.Selector) (*Gateway, err
 	if err != nil {
 		return nil, err
 	}
+	g.client, err = hbone.NewClient(cfg.Client, hbone.ClientDeps{Certs: deps.Certs, Dialer: deps.Dialer, Log: deps.Log.With("component", "gateway-tls")})
+	if err != nil {
+		return nil, err
+	}
+	g.t = conntrack.New(conntrack.Limits{MaxConns: cfg.MaxClientConns, MaxPerPeer: cfg.MaxClientConnsPerSource})
+	g.stop, g.stopAll = context.WithCancel(context.Background())
 	return g, nil
 }
 
@@ -90,11 +105,16 @@ func (g *Gateway) Serve(ln net.Listener) error {
 // new tunnel on it; the tunnels open run on (hbone.Server.Drain).
 func (g *Gateway) Drain() { g.srv.Drain() }
 
-// Conns is the number of outer connections being served.
-func (g *Gateway) Conns() int { return g.srv.Conns() }
+// Conns is the number of outer HBONE and SNI passthrough connections
+// being served.
+func (g *Gateway) Conns() int { return g.srv.Conns() + g.t.Len() }
 
 // Close stops the gateway and waits for its connections; idempotent.
-func (g *Gateway) Close() error { return g.srv.Close() }
+func (g *Gateway) Close() error {
+	g.stopAll()
+	g.t.Close()
+	return errors.Join(g.srv.Close(), g.client.Close())
+}
 
 // Connect implements hbone.Handler for outer CONNECTs, and writes the
 // access log line of each one when it is refused or ends.
@@ -127,35 +147,14 @@ func (g *Gateway) connect(ctx context.Context, req *hbone.Request, rec *ConnReco
 	if err != nil || perr != nil {
 		return hbone.Upstream{}, hbone.Refuse(http.StatusBadRequest, hbone.ReasonBadAuthority, "authority %q", req.Authority)
 	}
-	snap := g.deps.Store.Load()
-	svc, ok := snap.ServiceByHostname(host)
-	if !ok {
-		return hbone.Upstream{}, hbone.Refuse(http.StatusNotFound, ReasonUnknownService, "service %s", host)
+	svc, cands, err := g.candidates(g.deps.Store.Load(), host, uint16(port))
+	if svc != nil {
+		rec.Labels = withService(rec.Labels, svc)
 	}
-	rec.Labels = withService(rec.Labels, svc)
-	if !svc.HasPort(uint16(port)) {
-		return hbone.Upstream{}, hbone.Refuse(http.StatusNotFound, ReasonUnknownPort, "service %s port %d", host, port)
-	}
-	if svc.ClusterLocal {
-		// Tunnels through a gateway come from other networks, so from other
-		// clusters: the same visibility rule as EDS.
-		return hbone.Upstream{}, hbone.Refuse(http.StatusForbidden, ReasonNotVisible, "service %s is cluster-local", host)
-	}
-	local := func(w *state.Workload) bool {
-		return w.Network == g.cfg.Network && len(w.Addresses) > 0 && w.Protocol == state.TunnelHBONE
-	}
-	src := state.Source{Network: g.cfg.Network, Cluster: g.cfg.Cluster, Relay: true}
-	cands, err := g.sel.Rank(snap, svc, uint16(port), src, func(w *state.Workload) bool {
-		return local(w) && svc.ReachableFromOtherClusters(w.Cluster)
-	})
 	if err != nil {
-		if _, lerr := g.sel.SelectWhere(snap, svc, uint16(port), src, local); lerr == nil {
-			return hbone.Upstream{}, hbone.Refuse(http.StatusForbidden, ReasonNotVisible, "service %s: its endpoints on %s are not exported", host, g.cfg.Network)
-		}
-		// Never bounce a tunnel to another network.
-		return hbone.Upstream{}, hbone.Refuse(http.StatusServiceUnavailable, ReasonNoLocalEndpoint, "service %s: no ready endpoint on %s", host, g.cfg.Network)
+		return hbone.Upstream{}, err
 	}
-	c, ep, err := g.dial(ctx, cands)
+	c, ep, err := g.dial(ctx, cands, g.dialHBONE)
 	if err != nil {
 		return hbone.Upstream{}, hbone.Refuse(http.StatusServiceUnavailable, ReasonUpstreamConnect, "%v", err)
 	}
@@ -187,25 +186,66 @@ func (g *Gateway) connect(ctx context.Context, req *hbone.Request, rec *ConnReco
 	}, nil
 }
 
-// dial connects to the first of cands (best first) whose HBONE port
+// candidates returns the service of host and its ready endpoints on the
+// gateway's network that other clusters may reach on port, best first: the
+// visibility rules every path through the gateway (HBONE and SNI
+// passthrough) applies. The error is a Refusal naming the reason; svc is
+// set whenever host names a service.
+func (g *Gateway) candidates(snap *state.Snapshot, host string, port uint16) (*state.Service, []state.Endpoint, error) {
+	svc, ok := snap.ServiceByHostname(host)
+	if !ok {
+		return nil, nil, hbone.Refuse(http.StatusNotFound, ReasonUnknownService, "service %s", host)
+	}
+	if !svc.HasPort(port) {
+		return svc, nil, hbone.Refuse(http.StatusNotFound, ReasonUnknownPort, "service %s port %d", host, port)
+	}
+	if svc.ClusterLocal {
+		// Tunnels through a gateway come from other networks, so from other
+		// clusters: the same visibility rule as EDS.
+		return svc, nil, hbone.Refuse(http.StatusForbidden, ReasonNotVisible, "service %s is cluster-local", host)
+	}
+	local := func(w *state.Workload) bool {
+		return w.Network == g.cfg.Network && len(w.Addresses) > 0 && w.Protocol == state.TunnelHBONE
+	}
+	// Relay: the client applied a STRICT preference already (a gateway
+	// falls back among its network's endpoints).
+	src := state.Source{Network: g.cfg.Network, Cluster: g.cfg.Cluster, Relay: true}
+	cands, err := g.sel.Rank(snap, svc, port, src, func(w *state.Workload) bool {
+		return local(w) && svc.ReachableFromOtherClusters(w.Cluster)
+	})
+	if err != nil {
+		if _, lerr := g.sel.SelectWhere(snap, svc, port, src, local); lerr == nil {
+			return svc, nil, hbone.Refuse(http.StatusForbidden, ReasonNotVisible, "service %s: its endpoints on %s are not exported", host, g.cfg.Network)
+		}
+		// Never bounce a tunnel to another network.
+		return svc, nil, hbone.Refuse(http.StatusServiceUnavailable, ReasonNoLocalEndpoint, "service %s: no ready endpoint on %s", host, g.cfg.Network)
+	}
+	return svc, cands, nil
+}
+
+// dialHBONE opens TCP to ep's HBONE port: the inner tunnel of double HBONE
+// is passed through on it.
+func (g *Gateway) dialHBONE(ctx context.Context, ep state.Endpoint) (net.Conn, error) {
+	addr := netip.AddrPortFrom(ep.Workload.Addresses[0], g.cfg.HBONEPort)
+	if err := g.deps.Self.CheckTunnel(addr); err != nil {
+		return nil, err
+	}
+	c, err := g.deps.Dialer.DialContext(ctx, "tcp", addr.String())
+	if err != nil {
+		return nil, fmt.Errorf("dial %s: %w", addr, err)
+	}
+	return c, nil
+}
+
+// dial connects, with open, to the first of cands (best first) that
 // answers, trying at most maxAttempts, each for DialTimeout, the next one
 // once the last failed or after AttemptDelay (see race); endpoints that
 // recently failed, or were overtaken, are tried last.
-func (g *Gateway) dial(ctx context.Context, cands []state.Endpoint) (net.Conn, state.Endpoint, error) {
+func (g *Gateway) dial(ctx context.Context, cands []state.Endpoint, open func(context.Context, state.Endpoint) (net.Conn, error)) (net.Conn, state.Endpoint, error) {
 	cands = g.ej.demote(cands)
 	cands = cands[:min(len(cands), maxAttempts)]
 	i, c, err := race(ctx, len(cands), g.cfg.AttemptDelay, g.cfg.DialTimeout,
-		func(actx context.Context, i int) (net.Conn, error) {
-			addr := netip.AddrPortFrom(cands[i].Workload.Addresses[0], g.cfg.HBONEPort)
-			if err := g.deps.Self.CheckTunnel(addr); err != nil {
-				return nil, err
-			}
-			c, err := g.deps.Dialer.DialContext(actx, "tcp", addr.String())
-			if err != nil {
-				return nil, fmt.Errorf("dial %s: %w", addr, err)
-			}
-			return c, nil
-		},
+		func(actx context.Context, i int) (net.Conn, error) { return open(actx, cands[i]) },
 		func(c net.Conn) { c.Close() },
 		func(i int, err error, _ bool) {
 			if ctx.Err() != nil {
