@@ -109,3 +109,21 @@ func TestVersionFlag(t *testing.T) {
 	require.NoError(t, cmd.ExecuteContext(context.Background()))
 	require.Equal(t, "ztunnel "+version.String()+"\n", out.String())
 }
+
+// TestGatewayNodeID: a gateway replica is named by its pod (the node's
+// ztunnel and every replica on the node would otherwise share the node's
+// id); --xds-node-id still wins, and node mode keeps the node's default.
+func TestGatewayNodeID(t *testing.T) {
+	t.Setenv("NODE_NAME", "n1")
+	t.Setenv("POD_NAMESPACE", "mesh")
+	t.Setenv("POD_NAME", "eastwest-7d9f-abcde")
+	cfg, _, err := capture(t, "--mode=gateway", "--network=net1")
+	require.NoError(t, err)
+	require.Equal(t, "gateway~eastwest-7d9f-abcde.mesh", cfg.NodeID)
+	cfg, _, err = capture(t, "--mode=gateway", "--network=net1", "--xds-node-id=mine")
+	require.NoError(t, err)
+	require.Equal(t, "mine", cfg.NodeID)
+	cfg, _, err = capture(t, "--mode=node")
+	require.NoError(t, err)
+	require.Empty(t, cfg.NodeID, "node mode: node.Config's default, ztunnel~<node>.<namespace>")
+}
