@@ -120,13 +120,19 @@ func (s *scenario) operations(t *testing.T) {
 	}
 }
 
-// disrupt runs op while the client's traffic runs and records it as the
-// table's row step: no new connection may fail, and if keeps, no
-// established connection may be lost.
+// settle is how long the client's traffic runs on after an operation.
+const settle = 5 * time.Second
+
+// disrupt runs op while the client's traffic runs (and settle after it)
+// and records it as the table's row step: no new connection may fail, and
+// if keeps, no established connection may be lost.
 func (s *scenario) disrupt(t *testing.T, step string, keeps bool, op func()) traffic.Result {
 	t.Helper()
 	p := s.startProbe(t)
 	op()
+	// The traffic runs on a while after the operation: what breaks as it
+	// ends (a drain's last connections, a reconnect) counts too.
+	time.Sleep(settle)
 	r := s.endProbe(t, p, step)
 	if r.NewFailed > 0 || (keeps && r.Lost > 0) {
 		s.logsSince(t, p.t0)

@@ -1,6 +1,7 @@
 package realmesh_test
 
 import (
+	"context"
 	"encoding/json"
 	"os"
 	"os/exec"
@@ -14,6 +15,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	workloadv1 "github.com/isthmus-mesh/isthmus/pilot/api/workload/v1"
+	"github.com/isthmus-mesh/isthmus/pilot/server"
 	"github.com/isthmus-mesh/isthmus/test/framework/install"
 	"github.com/isthmus-mesh/isthmus/test/framework/meshup"
 )
@@ -24,12 +26,15 @@ import (
 // grace period, as a crashed node would lose it) while the client's
 // traffic runs: every xDS client it served (both clusters' ztunnels and
 // gateways) streams from the other replica again, synced, and no
-// connection fails. Then pilot goes back to one replica (helm upgrade),
+// connection fails. Once the replacement runs, the replica of the other
+// role (the leader of the Lease, or a follower) is killed the same way, so
+// that both roles are. Then pilot goes back to one replica (helm upgrade),
 // the proxies of the replica scaled away moving too, with no connection
 // failed either.
 func (s *scenario) killStreamedPilot(t *testing.T) {
 	s.upgradePilotReplicas(t, 2)
-	before := s.xdsStreams(t, "", s.proxies(t))
+	n := s.proxies(t)
+	before := s.xdsStreams(t, "", n)
 	ztunnel := ztunnelNodeID(s.nodeOf(t, s.c1))
 	var from string
 	for _, st := range before {
@@ -38,21 +43,82 @@ func (s *scenario) killStreamedPilot(t *testing.T) {
 		}
 	}
 	require.NotEmpty(t, from, "the pilot replica %s streams from, among %d streams", ztunnel, len(before))
-	s.disrupt(t, "pilot with 2 replicas: the one the ztunnels stream from killed (no grace)", true, func() {
-		zero := int64(0)
-		require.NoError(t, s.c1.Client.CoreV1().Pods(meshup.SystemNamespace).Delete(t.Context(), from, metav1.DeleteOptions{GracePeriodSeconds: &zero}))
-		t0 := time.Now()
-		after := s.xdsStreams(t, from, len(before))
-		t.Logf("%d xDS streams synced again %v after %s was killed", len(after), time.Since(t0).Round(100*time.Millisecond), from)
-		for _, st := range after {
-			t.Logf("  %s (%s) streams from %s", st.NodeID, st.Identity, st.Pilot)
-		}
+	leader := s.pilotLeader(t)
+	role, other := "leader", "follower"
+	if from != leader {
+		role, other = other, role
+	}
+	s.disrupt(t, "pilot with 2 replicas: the one the ztunnels stream from ("+role+") killed (no grace)", true, func() {
+		s.killPilot(t, from, n)
 	})
+	s.waitRollout(t, s.c1, "Deployment", pilotDep)
+	next := s.pilotLeader(t)
+	if other == "follower" {
+		next = s.pilotOther(t, next)
+	}
+	s.disrupt(t, "pilot with 2 replicas: the "+other+" killed (no grace)", true, func() { s.killPilot(t, next, n) })
+	s.waitRollout(t, s.c1, "Deployment", pilotDep)
 	s.disrupt(t, "pilot back to one replica (`helm upgrade --set replicaCount=1`), until every proxy is synced again", true, func() {
-		n := s.proxies(t)
 		s.upgradePilotReplicas(t, 1)
 		s.xdsStreams(t, "", n)
 	})
+}
+
+// killPilot deletes the pilot pod with no grace period and waits until
+// the n proxies stream, synced, from the other replicas.
+func (s *scenario) killPilot(t *testing.T, pod string, n int) {
+	zero := int64(0)
+	require.NoError(t, s.c1.Client.CoreV1().Pods(meshup.SystemNamespace).Delete(t.Context(), pod, metav1.DeleteOptions{GracePeriodSeconds: &zero}))
+	t0 := time.Now()
+	after := s.xdsStreams(t, pod, n)
+	t.Logf("%d xDS streams synced again %v after %s was killed", len(after), time.Since(t0).Round(100*time.Millisecond), pod)
+	for _, st := range after {
+		t.Logf("  %s (%s) streams from %s", st.NodeID, st.Identity, st.Pilot)
+	}
+}
+
+// pilotPods returns the names of cluster-1's running pilot pods.
+func (s *scenario) pilotPods(c require.TestingT, ctx context.Context) []string {
+	pods, err := s.c1.Client.CoreV1().Pods(meshup.SystemNamespace).List(ctx, metav1.ListOptions{LabelSelector: "app=" + pilotDep})
+	require.NoError(c, err)
+	var names []string
+	for _, p := range pods.Items {
+		if p.DeletionTimestamp == nil && p.Status.Phase == "Running" {
+			names = append(names, p.Name)
+		}
+	}
+	return names
+}
+
+// pilotLeader waits until a running pilot pod holds the leader Lease
+// (its identity is <pod name>-<pid>) and returns its name.
+func (s *scenario) pilotLeader(t *testing.T) string {
+	var leader string
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		l, err := s.c1.Client.CoordinationV1().Leases(meshup.SystemNamespace).Get(t.Context(), server.LeaseName, metav1.GetOptions{})
+		require.NoError(c, err)
+		require.NotNil(c, l.Spec.HolderIdentity, "the Lease has a holder")
+		leader = ""
+		for _, p := range s.pilotPods(c, t.Context()) {
+			if strings.HasPrefix(*l.Spec.HolderIdentity, p+"-") {
+				leader = p
+			}
+		}
+		require.NotEmpty(c, leader, "the Lease's holder %s is a running pilot pod", *l.Spec.HolderIdentity)
+	}, operationsTO, time.Second, "pilot's leader")
+	return leader
+}
+
+// pilotOther returns the running pilot pod that is not pod.
+func (s *scenario) pilotOther(t *testing.T, pod string) string {
+	pods := s.pilotPods(t, t.Context())
+	for _, p := range pods {
+		if p != pod {
+			return p
+		}
+	}
+	require.FailNow(t, "no pilot pod besides "+pod, "running: %v", pods)
+	return ""
 }
 
 // xdsStream is one xDS stream as `isthmusctl proxy-status -o json` shows it.
