@@ -149,17 +149,24 @@ func TestNodeHandoff(t *testing.T) {
 	require.Zero(t, failed.Load(), "no new connection failed (last error: %v)", lastErr.Load())
 }
 
-// TestInPodStopWaitsForTheSuccessor: in-pod mode, a ztunnel stopped as
-// SIGTERM stops it drains as soon as the CNI agent says a newer ztunnel
-// has every pod, not after its (here one hour long) HandoffWait.
-func TestInPodStopWaitsForTheSuccessor(t *testing.T) {
+// startAgent runs the CNI agent's side of the node protocol on a socket
+// of its own until the test ends, and returns it and the socket's path.
+func startAgent(t *testing.T) (*zds.Server, string) {
 	sock := filepath.Join(t.TempDir(), "ztunnel.sock")
 	agent, err := zds.New(zds.Config{SocketPath: sock}, zds.Deps{})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
-	agentDone := make(chan error, 1)
-	go func() { agentDone <- agent.Run(ctx) }()
-	defer func() { cancel(); require.NoError(t, <-agentDone) }()
+	done := make(chan error, 1)
+	go func() { done <- agent.Run(ctx) }()
+	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
+	return agent, sock
+}
+
+// TestInPodStopWaitsForTheSuccessor: in-pod mode, a ztunnel stopped as
+// SIGTERM stops it drains as soon as the CNI agent says a newer ztunnel
+// has every pod, not after its (here one hour long) HandoffWait.
+func TestInPodStopWaitsForTheSuccessor(t *testing.T) {
+	agent, sock := startAgent(t)
 
 	ca := catest.Start(t, catest.Options{ConfigCluster: "c1", Listen: netip.AddrPortFrom(nextAddr(), 0).String()})
 	ca.AddNode(t, "token-b", "c1", "node-b")
@@ -207,13 +214,7 @@ func TestInPodTakesPodsOnceSynced(t *testing.T) {
 		{"after the wait, pilot away", 300 * time.Millisecond, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			sock := filepath.Join(t.TempDir(), "ztunnel.sock")
-			agent, err := zds.New(zds.Config{SocketPath: sock}, zds.Deps{})
-			require.NoError(t, err)
-			ctx, cancel := context.WithCancel(context.Background())
-			agentDone := make(chan error, 1)
-			go func() { agentDone <- agent.Run(ctx) }()
-			defer func() { cancel(); require.NoError(t, <-agentDone) }()
+			agent, sock := startAgent(t)
 
 			ca := catest.Start(t, catest.Options{ConfigCluster: "c1", Listen: netip.AddrPortFrom(nextAddr(), 0).String()})
 			ca.AddNode(t, "token-b", "c1", "node-b")
