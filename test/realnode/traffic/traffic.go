@@ -190,7 +190,24 @@ func (c *longConn) request(timeout time.Duration) error {
 // keep pings c until ctx ends or a request fails (the connection is lost).
 func (t *Traffic) keep(ctx context.Context, c *longConn) {
 	defer c.conn.Close()
-	tick := time.NewTicker(t.cfg.Ping)
+	every(ctx, t.cfg.Ping, func() bool {
+		err := c.request(t.cfg.Timeout)
+		if err == nil || ctx.Err() != nil {
+			return err == nil
+		}
+		t.mu.Lock()
+		t.res.Lost++
+		if t.res.Lost == 1 {
+			t.res.FirstLost, t.res.LostError = Duration(time.Since(t.start)), err.Error()
+		}
+		t.mu.Unlock()
+		return false
+	})
+}
+
+// every runs fn at each tick of d until ctx ends or fn returns false.
+func every(ctx context.Context, d time.Duration, fn func() bool) {
+	tick := time.NewTicker(d)
 	defer tick.Stop()
 	for {
 		select {
@@ -198,16 +215,7 @@ func (t *Traffic) keep(ctx context.Context, c *longConn) {
 			return
 		case <-tick.C:
 		}
-		if err := c.request(t.cfg.Timeout); err != nil {
-			if ctx.Err() != nil {
-				return
-			}
-			t.mu.Lock()
-			t.res.Lost++
-			if t.res.Lost == 1 {
-				t.res.FirstLost, t.res.LostError = Duration(time.Since(t.start)), err.Error()
-			}
-			t.mu.Unlock()
+		if !fn() {
 			return
 		}
 	}
@@ -216,20 +224,14 @@ func (t *Traffic) keep(ctx context.Context, c *longConn) {
 // renew makes a new connection every NewEvery (one at a time) until ctx
 // ends.
 func (t *Traffic) renew(ctx context.Context) {
-	tick := time.NewTicker(t.cfg.NewEvery)
-	defer tick.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-tick.C:
-		}
+	every(ctx, t.cfg.NewEvery, func() bool {
 		err := t.once(ctx)
 		if ctx.Err() != nil {
-			return
+			return false
 		}
 		now := time.Now()
 		t.mu.Lock()
+		defer t.mu.Unlock()
 		t.res.New++
 		switch {
 		case err != nil:
@@ -244,8 +246,8 @@ func (t *Traffic) renew(ctx context.Context) {
 			t.res.Outage = max(t.res.Outage, Duration(now.Sub(t.streak)))
 			t.streak = time.Time{}
 		}
-		t.mu.Unlock()
-	}
+		return true
+	})
 }
 
 // once is one new connection with one request.
