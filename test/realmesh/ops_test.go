@@ -44,8 +44,11 @@ const (
 func (s *scenario) operations(t *testing.T) {
 	both := s.mesh.Clusters
 	t.Run("RolloutRestartZtunnel", func(t *testing.T) {
-		s.disrupt(t, "`rollout restart` of ztunnel in both clusters (surge, in-pod handoff, drain)", false, func() {
-			s.rolloutRestart(t, both, "DaemonSet", ztunnelDS)
+		s.disrupt(t, "`rollout restart` of the source node's ztunnel (cluster-1: surge, in-pod handoff, drain)", false, func() {
+			s.rolloutRestart(t, both[:1], "DaemonSet", ztunnelDS)
+		})
+		s.disrupt(t, "`rollout restart` of the destination node's ztunnel (cluster-2)", false, func() {
+			s.rolloutRestart(t, both[1:], "DaemonSet", ztunnelDS)
 		})
 		s.check(t)
 	})
