@@ -455,17 +455,28 @@ func TestChartValues(t *testing.T) {
 		svc := convert[corev1.Service](t, find(t, objs, "Service", "isthmus-eastwestgateway"))
 		require.Equal(t, corev1.ServiceTypeLoadBalancer, svc.Spec.Type)
 		require.Equal(t, "net-b", svc.Labels["topology.istio.io/network"])
-		require.Len(t, svc.Spec.Ports, 2)
+		require.Len(t, svc.Spec.Ports, 1, "HBONE only: SNI passthrough is off unless tlsPassthrough")
 		require.Equal(t, "tls-hbone", svc.Spec.Ports[0].Name)
 		require.Equal(t, int32(15008), svc.Spec.Ports[0].Port)
-		// SNI passthrough for clients that cannot speak HBONE (Istio's tls port).
-		require.Equal(t, "tls", svc.Spec.Ports[1].Name)
-		require.Equal(t, int32(15443), svc.Spec.Ports[1].Port)
 		dep := find(t, objs, "Deployment", "isthmus-eastwestgateway")
 		ctrs, _, _ := unstructured.NestedSlice(dep.Object, "spec", "template", "spec", "containers")
-		args := ctrs[0].(map[string]any)["args"]
+		args := ctrs[0].(map[string]any)["args"].([]any)
 		require.Contains(t, args, "--mode=gateway")
 		require.Contains(t, args, "--network=net-b")
+		for _, a := range args {
+			require.NotContains(t, a, "--gateway-tls-addr")
+		}
+
+		// SNI passthrough for clients that cannot speak HBONE (Istio's tls
+		// port), when asked for.
+		objs = render(t, "eastwest-gateway", namespace, map[string]any{"network": "net-b", "tlsPassthrough": true})
+		svc = convert[corev1.Service](t, find(t, objs, "Service", "isthmus-eastwestgateway"))
+		require.Len(t, svc.Spec.Ports, 2)
+		require.Equal(t, "tls", svc.Spec.Ports[1].Name)
+		require.Equal(t, int32(15443), svc.Spec.Ports[1].Port)
+		dep = find(t, objs, "Deployment", "isthmus-eastwestgateway")
+		ctrs, _, _ = unstructured.NestedSlice(dep.Object, "spec", "template", "spec", "containers")
+		require.Contains(t, ctrs[0].(map[string]any)["args"], "--gateway-tls-addr=0.0.0.0:15443")
 	})
 }
 

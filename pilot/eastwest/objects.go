@@ -83,12 +83,17 @@ func build(cfg Config, cluster model.ClusterID, gw *gwv1.Gateway, network string
 
 	l, a = meta()
 	a[gatewayServiceAccountsAnnotation] = name
+	// SNI passthrough only where the Gateway declares it (a TLS
+	// Passthrough listener on 15443), as the chart's tlsPassthrough.
+	tls := validate(gw, true).tls >= 0
+	ports := []*corev1ac.ServicePortApplyConfiguration{corev1ac.ServicePort().WithName("tls-hbone").WithPort(HBONEPort).
+		WithTargetPort(intstr.FromString("tls-hbone")).WithProtocol(corev1.ProtocolTCP)}
+	if tls {
+		ports = append(ports, corev1ac.ServicePort().WithName("tls").WithPort(TLSPassthroughPort).
+			WithTargetPort(intstr.FromString("tls")).WithProtocol(corev1.ProtocolTCP))
+	}
 	svc := corev1ac.Service(name, ns).WithLabels(l).WithAnnotations(a).WithOwnerReferences(owner).
-		WithSpec(corev1ac.ServiceSpec().WithType(serviceType(gw)).WithSelector(selector).
-			WithPorts(corev1ac.ServicePort().WithName("tls-hbone").WithPort(HBONEPort).
-				WithTargetPort(intstr.FromString("tls-hbone")).WithProtocol(corev1.ProtocolTCP),
-				corev1ac.ServicePort().WithName("tls").WithPort(TLSPassthroughPort).
-					WithTargetPort(intstr.FromString("tls")).WithProtocol(corev1.ProtocolTCP)))
+		WithSpec(corev1ac.ServiceSpec().WithType(serviceType(gw)).WithSelector(selector).WithPorts(ports...))
 
 	l, a = meta()
 	podLabels, podAnnotations := maps.Clone(l), maps.Clone(a)
@@ -100,7 +105,7 @@ func build(cfg Config, cluster model.ClusterID, gw *gwv1.Gateway, network string
 			WithStrategy(appsv1ac.DeploymentStrategy().WithType(appsv1.RollingUpdateDeploymentStrategyType).
 				WithRollingUpdate(appsv1ac.RollingUpdateDeployment().WithMaxSurge(intstr.FromInt32(1)).WithMaxUnavailable(intstr.FromInt32(0)))).
 			WithTemplate(corev1ac.PodTemplateSpec().WithLabels(podLabels).WithAnnotations(podAnnotations).
-				WithSpec(podSpec(cfg, cluster, ns, name, network))))
+				WithSpec(podSpec(cfg, cluster, ns, name, network, tls))))
 	return objects{name: name, serviceAccount: sa, deployment: dep, service: svc}
 }
 
@@ -121,8 +126,9 @@ func serviceType(gw *gwv1.Gateway) corev1.ServiceType {
 const drainWaitSeconds, drainGraceSeconds = 5, 30
 
 // podSpec runs ztunnel in gateway mode as ServiceAccount sa of ns: its
-// identity, which the Service names for clients to verify.
-func podSpec(cfg Config, cluster model.ClusterID, ns, sa, network string) *corev1ac.PodSpecApplyConfiguration {
+// identity, which the Service names for clients to verify; tls serves SNI
+// passthrough on 15443 too.
+func podSpec(cfg Config, cluster model.ClusterID, ns, sa, network string, tls bool) *corev1ac.PodSpecApplyConfiguration {
 	env := func(name, path string) *corev1ac.EnvVarApplyConfiguration {
 		return corev1ac.EnvVar().WithName(name).WithValueFrom(corev1ac.EnvVarSource().WithFieldRef(corev1ac.ObjectFieldSelector().WithFieldPath(path)))
 	}
@@ -137,14 +143,20 @@ func podSpec(cfg Config, cluster model.ClusterID, ns, sa, network string) *corev
 		fmt.Sprintf("--metrics-addr=:%d", metricsPort), "--admin-addr=127.0.0.1:15000",
 		fmt.Sprintf("--handoff-wait=%ds", drainWaitSeconds), fmt.Sprintf("--drain-grace=%ds", drainGraceSeconds),
 	}
+	ctrPorts := []*corev1ac.ContainerPortApplyConfiguration{
+		corev1ac.ContainerPort().WithName("tls-hbone").WithContainerPort(HBONEPort).WithProtocol(corev1.ProtocolTCP),
+	}
+	if tls {
+		args = append(args, fmt.Sprintf("--gateway-tls-addr=0.0.0.0:%d", TLSPassthroughPort))
+		ctrPorts = append(ctrPorts, corev1ac.ContainerPort().WithName("tls").WithContainerPort(TLSPassthroughPort).WithProtocol(corev1.ProtocolTCP))
+	}
+	ctrPorts = append(ctrPorts,
+		corev1ac.ContainerPort().WithName("http-ready").WithContainerPort(readinessPort).WithProtocol(corev1.ProtocolTCP),
+		corev1ac.ContainerPort().WithName("http-metrics").WithContainerPort(metricsPort).WithProtocol(corev1.ProtocolTCP))
 	ctr := corev1ac.Container().WithName("gateway").WithImage(cfg.Image).WithArgs(args...).
 		WithEnv(env("NODE_NAME", "spec.nodeName"), env("POD_NAME", "metadata.name"), env("POD_NAMESPACE", "metadata.namespace"),
 			env("INSTANCE_IP", "status.podIP")).
-		WithPorts(
-			corev1ac.ContainerPort().WithName("tls-hbone").WithContainerPort(HBONEPort).WithProtocol(corev1.ProtocolTCP),
-			corev1ac.ContainerPort().WithName("tls").WithContainerPort(TLSPassthroughPort).WithProtocol(corev1.ProtocolTCP),
-			corev1ac.ContainerPort().WithName("http-ready").WithContainerPort(readinessPort).WithProtocol(corev1.ProtocolTCP),
-			corev1ac.ContainerPort().WithName("http-metrics").WithContainerPort(metricsPort).WithProtocol(corev1.ProtocolTCP)).
+		WithPorts(ctrPorts...).
 		WithReadinessProbe(corev1ac.Probe().WithHTTPGet(corev1ac.HTTPGetAction().WithPath("/healthz/ready").
 			WithPort(intstr.FromInt32(readinessPort))).WithPeriodSeconds(3).WithTimeoutSeconds(3).WithFailureThreshold(3)).
 		WithResources(corev1ac.ResourceRequirements().WithRequests(corev1.ResourceList{

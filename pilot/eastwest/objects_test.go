@@ -2,6 +2,7 @@ package eastwest
 
 import (
 	"encoding/json"
+	"maps"
 	"slices"
 	"strings"
 	"testing"
@@ -64,13 +65,33 @@ func typed[T any](t *testing.T, ac any) *T {
 // volumes, and the same Service port; pilot adds only the gateway's
 // namespace and pilot's certificate name to the arguments.
 func TestDeploymentMirrorsChart(t *testing.T) {
+	passthrough := gwv1.TLSModePassthrough
+	for _, tc := range []struct {
+		name      string
+		listeners []gwv1.Listener
+		values    map[string]any
+	}{
+		{"HBONE only, as the chart's default", nil, nil},
+		{"with a TLS Passthrough listener on 15443, as tlsPassthrough=true", []gwv1.Listener{
+			{Name: "tls", Port: TLSPassthroughPort, Protocol: gwv1.TLSProtocolType, TLS: &gwv1.ListenerTLSConfig{Mode: &passthrough}},
+		}, map[string]any{"tlsPassthrough": true}},
+	} {
+		t.Run(tc.name, func(t *testing.T) { mirrorsChart(t, tc.listeners, tc.values) })
+	}
+}
+
+// mirrorsChart compares the objects of a Gateway with listeners with the
+// chart rendered with values.
+func mirrorsChart(t *testing.T, listeners []gwv1.Listener, values map[string]any) {
 	const ns = "isthmus-system"
-	gw := &gwv1.Gateway{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "eastwest", UID: "u1"}}
+	gw := &gwv1.Gateway{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "eastwest", UID: "u1"}, Spec: gwv1.GatewaySpec{Listeners: listeners}}
 	cfg := Config{Namespace: ns, Image: "registry.test/ztunnel:1"}.withDefaults()
 	objs := build(cfg, "cluster-2", gw, "network-2")
 	dep := typed[appsv1.Deployment](t, objs.deployment)
 	svc := typed[corev1.Service](t, objs.service)
-	chartDep, chartSvc := renderChart(t, ns, map[string]any{"network": "network-2", "clusterID": "cluster-2", "name": objs.name})
+	vals := map[string]any{"network": "network-2", "clusterID": "cluster-2", "name": objs.name}
+	maps.Copy(vals, values)
+	chartDep, chartSvc := renderChart(t, ns, vals)
 
 	got, want := dep.Spec.Template.Spec.Containers[0], chartDep.Spec.Template.Spec.Containers[0]
 	var extra []string

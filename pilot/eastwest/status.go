@@ -31,7 +31,7 @@ type verdict struct {
 	network  string
 	// hbone is the index of the served HBONE listener (-1: none); tls
 	// that of a TLS passthrough listener on 15443 (-1: none), served
-	// beside it (the gateway serves 15443 whether one is declared or not).
+	// beside it (the deployment serves 15443 only when one is declared).
 	hbone, tls int
 }
 

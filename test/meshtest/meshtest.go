@@ -176,8 +176,9 @@ type ZtunnelOptions struct {
 	// verifies peers with; unset, pilot's PEM roots are its domain's only.
 	TrustBundle []byte
 	// Metrics serves /metrics on IP:15020; DNS serves the DNS proxy on
-	// IP:15053 (node mode).
-	Metrics, DNS bool
+	// IP:15053 (node mode); TLSPassthrough serves SNI passthrough on
+	// IP:15443 (gateway mode).
+	Metrics, DNS, TLSPassthrough bool
 }
 
 // RunZtunnel runs a ztunnel connected to pilot p (serving on pilotIP)
@@ -193,6 +194,9 @@ func RunZtunnel(t testing.TB, p *server.Server, pilotIP netip.Addr, o ZtunnelOpt
 	}
 	if o.Mode == node.ModeGateway {
 		cfg.GatewayListen = at(15008)
+		if o.TLSPassthrough {
+			cfg.GatewayTLSListen = at(15443)
+		}
 	} else {
 		cfg.SOCKS5Listen, cfg.OutboundListen = at(15080), at(15001)
 		if o.DNS {

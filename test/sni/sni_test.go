@@ -180,7 +180,7 @@ func TestGRPCThroughGatewaySNI(t *testing.T) {
 	z2 := meshtest.RunZtunnel(t, p, pilotIP, meshtest.ZtunnelOptions{Mode: node.ModeNode, Cluster: "cluster-2", Network: "network-2",
 		Node: "node-2a", ServiceAccount: "ztunnel", Token: tok2, IP: node2})
 	gw := meshtest.RunZtunnel(t, p, pilotIP, meshtest.ZtunnelOptions{Mode: node.ModeGateway, Cluster: "cluster-2", Network: "network-2",
-		Node: "gw-node-2", ServiceAccount: "eastwest-gateway", Token: tokGW, IP: gw2})
+		Node: "gw-node-2", ServiceAccount: "eastwest-gateway", Token: tokGW, IP: gw2, TLSPassthrough: true})
 
 	// The workloads' certificates, issued by pilot's CA to their nodes'
 	// ztunnels (as an agent would write them for a proxyless client).

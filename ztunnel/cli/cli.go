@@ -108,7 +108,7 @@ func NewCommand(stderr io.Writer, run RunFunc) *cobra.Command {
 	f.StringVar(&cfg.ReadinessListen, "readiness-addr", d.ReadinessListen, `readiness listen address ("none" disables)`)
 	f.StringVar(&cfg.MetricsListen, "metrics-addr", d.MetricsListen, `metrics listen address ("none" disables)`)
 	f.StringVar(&cfg.GatewayListen, "gateway-addr", "", "gateway mode: HBONE listen address (default 0.0.0.0:<hbone-port>)")
-	f.StringVar(&cfg.GatewayTLSListen, "gateway-tls-addr", "", `gateway mode: SNI passthrough (mTLS with Istio's SNI) listen address (default the gateway-addr host, port 15443; "none" disables)`)
+	f.StringVar(&cfg.GatewayTLSListen, "gateway-tls-addr", "", `gateway mode: Istio's SNI passthrough (15443) listen address, e.g. 0.0.0.0:15443; off unless set: the gateway forwards those clients as its own identity, so serve it only when every exported endpoint requires mesh client certificates itself`)
 	f.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", d.ShutdownTimeout, "time allowed for a graceful stop")
 	f.DurationVar(&cfg.InPodSyncWait, "inpod-sync-wait", d.InPodSyncWait,
 		"in-pod mode: how long to wait for pilot's state before taking the pods from the CNI agent (a ztunnel that replaces another takes them only once it knows the mesh)")

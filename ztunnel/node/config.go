@@ -101,8 +101,11 @@ type Config struct {
 	// 0.0.0.0:<HBONEPort>.
 	GatewayListen string
 	// GatewayTLSListen is where a gateway serves SNI passthrough for mTLS
-	// clients that cannot speak HBONE (gateway mode); default
-	// GatewayListen's host, port 15443; Disabled turns it off.
+	// clients that cannot speak HBONE (gateway mode, Istio's 15443); off
+	// (Disabled) unless set. The gateway cannot see those clients'
+	// certificates and carries their bytes as its own identity: only a
+	// network whose exported endpoints all require mesh client
+	// certificates themselves should serve it (docs/security.md).
 	GatewayTLSListen string
 	// InPodSocket, in node mode, is the CNI node agent's socket for
 	// ztunnel: enrolled pods are served inside their own network
@@ -246,13 +249,7 @@ func (c Config) withDefaults() Config {
 		c.HBONEPort = d.HBONEPort
 	}
 	or(&c.GatewayListen, fmt.Sprintf("0.0.0.0:%d", c.HBONEPort))
-	if c.GatewayTLSListen == "" {
-		host, _, err := net.SplitHostPort(c.GatewayListen)
-		if err != nil {
-			host = "0.0.0.0"
-		}
-		c.GatewayTLSListen = net.JoinHostPort(host, strconv.Itoa(defaults.TLSPassthroughPort))
-	}
+	or(&c.GatewayTLSListen, Disabled)
 	if c.ShutdownTimeout <= 0 {
 		c.ShutdownTimeout = d.ShutdownTimeout
 	}

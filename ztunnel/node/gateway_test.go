@@ -34,9 +34,10 @@ import (
 // own CA-issued certificate), becomes ready without any local workload,
 // and serves HBONE on its gateway address with its own identity (the
 // ztunnel ServiceAccount, never impersonated) from a certificate the CA
-// issued. It also serves SNI passthrough on the same host's 15443, with
-// the production defaults: a ClientHello naming echo (which has no
-// endpoint on the gateway's network) is read and refused for that reason.
+// issued. Asked to, it also serves SNI passthrough on the same host's
+// 15443, with the production timeouts: a ClientHello naming echo (which
+// has no endpoint on the gateway's network) is read and refused for that
+// reason.
 func TestGatewayMode(t *testing.T) {
 	pilotAddr := nextAddr() // the CA's serving certificate names this IP
 	ca := catest.Start(t, catest.Options{ConfigCluster: "c2", Listen: netip.AddrPortFrom(pilotAddr, 0).String()})
@@ -68,7 +69,7 @@ func TestGatewayMode(t *testing.T) {
 	at := func(port uint16) string { return netip.AddrPortFrom(host, port).String() }
 	n, err := node.New(node.Config{
 		NodeName: "node-gw", ClusterID: "c2", Network: "n2", Mode: node.ModeGateway,
-		XDSAddress: xdsAddr, CAAddress: ca.Addr, GatewayListen: at(15008),
+		XDSAddress: xdsAddr, CAAddress: ca.Addr, GatewayListen: at(15008), GatewayTLSListen: at(15443),
 		AdminListen: node.Disabled, MetricsListen: at(15020), ReadinessListen: at(15021),
 	}, node.Deps{
 		Token: caclient.StaticToken("token-gw"), RootsPEM: ca.RootsPEM,
