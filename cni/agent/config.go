@@ -138,7 +138,9 @@ const (
 
 // zds is the configuration of the ztunnel server.
 func (c Config) zds() zds.Config {
-	zc := zds.Config{SocketPath: c.ZtunnelSocket, AckTimeout: c.AckTimeout, AllowedUIDs: c.ZtunnelUIDs}
+	// Snapshots wait for the agent's first reconcile of the node's pods
+	// (watch): a ztunnel that reconnects to a restarted agent keeps them.
+	zc := zds.Config{SocketPath: c.ZtunnelSocket, AckTimeout: c.AckTimeout, AllowedUIDs: c.ZtunnelUIDs, WaitForSync: true}
 	if c.ZtunnelProtocol == ZtunnelProtocolIstio {
 		zc.Codec, zc.MarkOnlyFallback = istiozds.Codec{}, c.ZtunnelMarkOnly
 		if c.ProcDir != Disabled {

@@ -116,6 +116,9 @@ func (a *Agent) watch(ctx context.Context) error {
 		a.log.Error("node probe rules", "error", err)
 	}
 	a.mu.Unlock()
+	// Every running pod is recorded (or queued for a retry): ztunnels may
+	// have their snapshots.
+	a.zds.MarkSynced()
 	a.synced.Store(true)
 	wg.Go(func() {
 		<-ctx.Done()

@@ -45,6 +45,12 @@ type Config struct {
 	// process with CAP_NET_RAW can set). Off: refused, and the pods stay
 	// captured without it (fail closed).
 	MarkOnlyFallback bool
+	// WaitForSync holds every connection's snapshot until MarkSynced. An
+	// agent that (re)starts records the pods it finds running first: a
+	// ztunnel told the snapshot before would release every pod it serves
+	// (the snapshot names those it keeps), closing their listeners and
+	// connections, and take them back a moment later.
+	WaitForSync bool
 }
 
 func (c Config) withDefaults() Config {
@@ -170,6 +176,10 @@ type Server struct {
 	members  map[*net.UnixConn]uint64 // connections past hello: their cgroup ids
 	captured Capture                  // last told to OnCapture
 	told     bool
+
+	// synced is closed by MarkSynced (WaitForSync).
+	synced     chan struct{}
+	syncedOnce sync.Once
 }
 
 type entry struct {
@@ -187,8 +197,12 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		deps.Log = slog.New(slog.DiscardHandler)
 	}
 	return &Server{cfg: cfg, deps: deps, pods: map[string]entry{}, conns: map[*conn]struct{}{},
-		members: map[*net.UnixConn]uint64{}}, nil
+		members: map[*net.UnixConn]uint64{}, synced: make(chan struct{})}, nil
 }
+
+// MarkSynced says the recorded pods are complete (WaitForSync): the
+// snapshots held until now are sent.
+func (s *Server) MarkSynced() { s.syncedOnce.Do(func() { close(s.synced) }) }
 
 // AddPod records pod as enrolled with its network namespace and sends it to
 // every connected ztunnel, waiting for their acks. The server borrows
@@ -370,6 +384,14 @@ func (s *Server) serve(ctx context.Context, uc *net.UnixConn) {
 	s.join(uc, hello.CgroupID)
 	defer s.leave(ctx, uc)
 	c := newConn(uc, hello.Version, s.cfg.Codec)
+	if s.cfg.WaitForSync {
+		select {
+		case <-s.synced:
+		case <-ctx.Done():
+			uc.Close()
+			return
+		}
+	}
 	if !s.snapshot(c) {
 		return
 	}

@@ -354,3 +354,35 @@ func ackAll(peers ...*peer) []zds.Request {
 	wg.Wait()
 	return out
 }
+
+// TestSnapshotWaitsForSync: with WaitForSync a ztunnel that connects to an
+// agent still recording its pods gets no snapshot (it would release the
+// pods it serves) until MarkSynced, then one with every pod recorded
+// meanwhile.
+func TestSnapshotWaitsForSync(t *testing.T) {
+	ns := nsFile(t)
+	var captured atomic.Int32
+	f := &fixture{path: filepath.Join(t.TempDir(), "ztunnel.sock")}
+	srv, err := zds.New(zds.Config{SocketPath: f.path, WaitForSync: true}, zds.Deps{OnCapture: func(zds.Capture) { captured.Add(1) }})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Run(ctx) }()
+	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
+
+	p := dial(t, f.path, zds.Version)
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Positive(c, captured.Load()) }, 10*time.Second, 5*time.Millisecond,
+		"the hello is taken (the capture follows it) before the snapshot")
+	require.NoError(t, srv.AddPod(context.Background(), pod("a"), ns), "recorded while the agent syncs")
+	require.Zero(t, srv.Connected(), "no snapshot before MarkSynced")
+
+	srv.MarkSynced()
+	req, fd := p.next()
+	require.Equal(t, "a", req.Add.UID)
+	require.NotNil(t, fd)
+	p.ack("")
+	req, _ = p.next()
+	require.NotNil(t, req.SnapshotSent)
+	p.ack("")
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Equal(c, 1, srv.Connected()) }, 10*time.Second, 10*time.Millisecond)
+}
