@@ -17,7 +17,6 @@ import (
 
 	"github.com/spf13/cobra"
 	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
@@ -149,15 +148,10 @@ func pilotPodsSyncz(ctx context.Context, cfg proxyStatusConfig, deps proxyStatus
 	if err != nil {
 		return nil, fmt.Errorf("kubernetes client: %w", err)
 	}
-	list, err := kc.CoreV1().Pods(cfg.Namespace).List(ctx, metav1.ListOptions{LabelSelector: cfg.Selector})
+	pods, err := runningPods(ctx, kc, "pilot", cfg.Namespace, cfg.Selector, "")
 	if err != nil {
-		return nil, fmt.Errorf("list pilot pods (%s in %s): %w", cfg.Selector, cfg.Namespace, err)
+		return nil, err
 	}
-	pods := slices.DeleteFunc(list.Items, func(p corev1.Pod) bool { return p.Status.Phase != corev1.PodRunning })
-	if len(pods) == 0 {
-		return nil, fmt.Errorf("no running pilot pod (%s) in namespace %s", cfg.Selector, cfg.Namespace)
-	}
-	slices.SortFunc(pods, func(a, b corev1.Pod) int { return cmp.Compare(a.Name, b.Name) })
 	dialer := deps.Dialer(rc)
 	var all []map[string]any
 	var errs []error

@@ -172,22 +172,33 @@ func findZtunnel(ctx context.Context, c kubernetes.Interface, cfg ztunnelConfigC
 		}
 		return pod, nil
 	}
-	list, err := c.CoreV1().Pods(cfg.Namespace).List(ctx, metav1.ListOptions{LabelSelector: cfg.Selector})
+	pods, err := runningPods(ctx, c, "ztunnel", cfg.Namespace, cfg.Selector, cfg.Node)
 	if err != nil {
-		return nil, fmt.Errorf("list ztunnel pods (%s in %s): %w", cfg.Selector, cfg.Namespace, err)
+		return nil, err
+	}
+	return &pods[0], nil
+}
+
+// runningPods returns the running pods of what (ztunnel, pilot) that
+// selector finds in namespace, on node unless it is empty, sorted by name;
+// none is an error.
+func runningPods(ctx context.Context, c kubernetes.Interface, what, namespace, selector, node string) ([]corev1.Pod, error) {
+	list, err := c.CoreV1().Pods(namespace).List(ctx, metav1.ListOptions{LabelSelector: selector})
+	if err != nil {
+		return nil, fmt.Errorf("list %s pods (%s in %s): %w", what, selector, namespace, err)
 	}
 	pods := slices.DeleteFunc(list.Items, func(p corev1.Pod) bool {
-		return p.Status.Phase != corev1.PodRunning || (cfg.Node != "" && p.Spec.NodeName != cfg.Node)
+		return p.Status.Phase != corev1.PodRunning || (node != "" && p.Spec.NodeName != node)
 	})
 	if len(pods) == 0 {
 		where := ""
-		if cfg.Node != "" {
-			where = " on node " + cfg.Node
+		if node != "" {
+			where = " on node " + node
 		}
-		return nil, fmt.Errorf("no running ztunnel pod (%s) in namespace %s%s", cfg.Selector, cfg.Namespace, where)
+		return nil, fmt.Errorf("no running %s pod (%s) in namespace %s%s", what, selector, namespace, where)
 	}
 	slices.SortFunc(pods, func(a, b corev1.Pod) int { return cmp.Compare(a.Name, b.Name) })
-	return &pods[0], nil
+	return pods, nil
 }
 
 // adminClient reads JSON from a ztunnel's admin endpoint over dial.

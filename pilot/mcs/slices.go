@@ -169,14 +169,9 @@ func portsKey(ports []Port) string {
 // of endpoints gone, of clusters that stopped exporting.
 func (w *Writer) reconcileSlices(ctx context.Context, c Cluster, desired map[string]Import, owners map[string]types.UID) error {
 	res := c.Client.Resource(EndpointSliceGVR)
-	list, err := res.List(ctx, metav1.ListOptions{LabelSelector: discoveryv1.LabelManagedBy + "=" + SliceManagedBy})
+	existing, err := listManaged(ctx, res, discoveryv1.LabelManagedBy+"="+SliceManagedBy)
 	if err != nil {
 		return fmt.Errorf("list imported EndpointSlices: %w", err)
-	}
-	existing := map[string]*unstructured.Unstructured{}
-	for i := range list.Items {
-		u := &list.Items[i]
-		existing[u.GetNamespace()+"/"+u.GetName()] = u
 	}
 	var errs []error
 	want := map[string]bool{}

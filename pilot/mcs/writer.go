@@ -213,14 +213,9 @@ func (w *Writer) reconcileCluster(ctx context.Context, c Cluster, desired map[st
 		namespaces[ns.GetName()] = ns.GetDeletionTimestamp() == nil
 	}
 	res := c.Client.Resource(ServiceImportGVR)
-	list, err := res.List(ctx, metav1.ListOptions{LabelSelector: ManagedByLabel + "=" + ManagedByValue})
+	existing, err := listManaged(ctx, res, ManagedByLabel+"="+ManagedByValue)
 	if err != nil {
 		return fmt.Errorf("list ServiceImports (is the MCS CRD installed?): %w", err)
-	}
-	existing := map[string]*unstructured.Unstructured{}
-	for i := range list.Items {
-		u := &list.Items[i]
-		existing[u.GetNamespace()+"/"+u.GetName()] = u
 	}
 	var errs []error
 	owners := map[string]types.UID{} // the ServiceImports the slices belong to
@@ -373,4 +368,19 @@ func desiredStatus(imp Import, conds []metav1.Condition, gen int64) mcsv1beta1.S
 	meta.SetStatusCondition(&st.Conditions, ready)
 	meta.SetStatusCondition(&st.Conditions, conflict)
 	return st
+}
+
+// listManaged lists the objects of res that selector finds, by
+// "<namespace>/<name>".
+func listManaged(ctx context.Context, res dynamic.NamespaceableResourceInterface, selector string) (map[string]*unstructured.Unstructured, error) {
+	list, err := res.List(ctx, metav1.ListOptions{LabelSelector: selector})
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]*unstructured.Unstructured, len(list.Items))
+	for i := range list.Items {
+		u := &list.Items[i]
+		out[u.GetNamespace()+"/"+u.GetName()] = u
+	}
+	return out, nil
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	workloadv1 "github.com/isthmus-mesh/isthmus/pilot/api/workload/v1"
@@ -77,13 +78,14 @@ func (s *scenario) killPilot(t *testing.T, pod string, n int) {
 	}
 }
 
-// pilotPods returns the names of cluster-1's running pilot pods.
-func (s *scenario) pilotPods(c require.TestingT, ctx context.Context) []string {
-	pods, err := s.c1.Client.CoreV1().Pods(meshup.SystemNamespace).List(ctx, metav1.ListOptions{LabelSelector: "app=" + pilotDep})
-	require.NoError(c, err)
+// runningPods returns the names of cluster c's running pods (not being
+// deleted) of the mesh's namespace that selector finds.
+func runningPods(ctx context.Context, col require.TestingT, c meshup.Cluster, selector string) []string {
+	pods, err := c.Client.CoreV1().Pods(meshup.SystemNamespace).List(ctx, metav1.ListOptions{LabelSelector: selector})
+	require.NoError(col, err)
 	var names []string
 	for _, p := range pods.Items {
-		if p.DeletionTimestamp == nil && p.Status.Phase == "Running" {
+		if p.DeletionTimestamp == nil && p.Status.Phase == corev1.PodRunning {
 			names = append(names, p.Name)
 		}
 	}
@@ -99,7 +101,7 @@ func (s *scenario) pilotLeader(t *testing.T) string {
 		require.NoError(c, err)
 		require.NotNil(c, l.Spec.HolderIdentity, "the Lease has a holder")
 		leader = ""
-		for _, p := range s.pilotPods(c, t.Context()) {
+		for _, p := range runningPods(t.Context(), c, s.c1, "app="+pilotDep) {
 			if strings.HasPrefix(*l.Spec.HolderIdentity, p+"-") {
 				leader = p
 			}
@@ -111,7 +113,7 @@ func (s *scenario) pilotLeader(t *testing.T) string {
 
 // pilotOther returns the running pilot pod that is not pod.
 func (s *scenario) pilotOther(t *testing.T, pod string) string {
-	pods := s.pilotPods(t, t.Context())
+	pods := runningPods(t.Context(), t, s.c1, "app="+pilotDep)
 	for _, p := range pods {
 		if p != pod {
 			return p
@@ -141,14 +143,7 @@ func (st xdsStream) ztunnel() bool { return strings.HasSuffix(st.Identity, "/sa/
 func (s *scenario) proxies(t *testing.T) int {
 	var n int
 	for _, c := range s.mesh.Clusters {
-		pods, err := c.Client.CoreV1().Pods(meshup.SystemNamespace).List(t.Context(), metav1.ListOptions{})
-		require.NoError(t, err)
-		for _, p := range pods.Items {
-			if p.DeletionTimestamp == nil && p.Status.Phase == "Running" &&
-				(strings.HasPrefix(p.Name, ztunnelDS+"-") || strings.HasPrefix(p.Name, gatewayDep+"-")) {
-				n++
-			}
-		}
+		n += len(runningPods(t.Context(), t, c, "app in ("+ztunnelDS+","+gatewayDep+")"))
 	}
 	return n
 }

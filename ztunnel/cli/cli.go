@@ -64,11 +64,6 @@ func NewCommand(stderr io.Writer, run RunFunc) *cobra.Command {
 			}
 			cfg.DisablePodDNS = !podDNS
 			cfg.NoAccessLog = !accessLog
-			if pod := os.Getenv("POD_NAME"); cfg.NodeID == "" && cfg.Mode == node.ModeGateway && pod != "" {
-				// Each replica its own node id: the node's ztunnel and every
-				// gateway replica on the node would otherwise share one.
-				cfg.NodeID = "gateway~" + pod + "." + cfg.Namespace
-			}
 			return run(cmd.Context(), cfg, node.Deps{Log: log})
 		},
 	}
@@ -83,7 +78,8 @@ func NewCommand(stderr io.Writer, run RunFunc) *cobra.Command {
 	f.StringVar(&cfg.TrustDomain, "trust-domain", d.TrustDomain, "trust domain of this cluster (the ztunnel's own identity)")
 	f.StringVar(&cfg.Namespace, "namespace", cmdutil.EnvOr("POD_NAMESPACE", d.Namespace), "namespace of the ztunnel's ServiceAccount (default $POD_NAMESPACE)")
 	f.StringVar(&cfg.ServiceAccount, "service-account", d.ServiceAccount, "the ztunnel's ServiceAccount")
-	f.StringVar(&cfg.NodeID, "xds-node-id", "", "xDS node id (default ztunnel~<node>.<namespace>; a gateway: gateway~$POD_NAME.<namespace> when $POD_NAME is set)")
+	f.StringVar(&cfg.PodName, "pod-name", os.Getenv("POD_NAME"), "this ztunnel's pod (default $POD_NAME)")
+	f.StringVar(&cfg.NodeID, "xds-node-id", "", "xDS node id (default ztunnel~<node>.<namespace>; a gateway in a pod: gateway~<pod-name>.<namespace>)")
 	f.StringVar(&cfg.XDSAddress, "xds-address", "", "pilot's xDS address, host:port")
 	f.BoolVar(&cfg.XDSPlaintext, "xds-plaintext", false, "plaintext xDS (pilot's 15010; development only)")
 	f.StringVar(&cfg.XDSServerName, "xds-server-name", "", "name pilot's xDS certificate must carry (default: host of --xds-address)")

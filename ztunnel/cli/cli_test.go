@@ -110,20 +110,14 @@ func TestVersionFlag(t *testing.T) {
 	require.Equal(t, "ztunnel "+version.String()+"\n", out.String())
 }
 
-// TestGatewayNodeID: a gateway replica is named by its pod (the node's
-// ztunnel and every replica on the node would otherwise share the node's
-// id); --xds-node-id still wins, and node mode keeps the node's default.
-func TestGatewayNodeID(t *testing.T) {
-	t.Setenv("NODE_NAME", "n1")
-	t.Setenv("POD_NAMESPACE", "mesh")
+// TestPodName: the pod comes from $POD_NAME (the charts set it) or
+// --pod-name; node.Config names a gateway replica's xDS node by it.
+func TestPodName(t *testing.T) {
 	t.Setenv("POD_NAME", "eastwest-7d9f-abcde")
 	cfg, _, err := capture(t, "--mode=gateway", "--network=net1")
 	require.NoError(t, err)
-	require.Equal(t, "gateway~eastwest-7d9f-abcde.mesh", cfg.NodeID)
-	cfg, _, err = capture(t, "--mode=gateway", "--network=net1", "--xds-node-id=mine")
+	require.Equal(t, "eastwest-7d9f-abcde", cfg.PodName)
+	cfg, _, err = capture(t, "--mode=gateway", "--network=net1", "--pod-name=other")
 	require.NoError(t, err)
-	require.Equal(t, "mine", cfg.NodeID)
-	cfg, _, err = capture(t, "--mode=node")
-	require.NoError(t, err)
-	require.Empty(t, cfg.NodeID, "node mode: node.Config's default, ztunnel~<node>.<namespace>")
+	require.Equal(t, "other", cfg.PodName)
 }

@@ -53,7 +53,12 @@ type Config struct {
 	// its identity (the gateway's identity in gateway mode).
 	Namespace      string
 	ServiceAccount string
-	// NodeID is the xDS node id; default "ztunnel~<NodeName>.<Namespace>".
+	// PodName is this process's pod, if it runs in one.
+	PodName string
+	// NodeID is the xDS node id; default "ztunnel~<NodeName>.<Namespace>",
+	// and for a gateway in a pod "gateway~<PodName>.<Namespace>" (each
+	// replica its own: the node's ztunnel and every replica on the node
+	// would otherwise share the node's).
 	NodeID string
 	// NodeIPs are the node's addresses (status.hostIPs): never a source
 	// identity, never a destination (see proxy.Config.NodeIPs).
@@ -231,6 +236,9 @@ func (c Config) withDefaults() Config {
 	or(&c.TrustDomain, d.TrustDomain)
 	or(&c.Namespace, d.Namespace)
 	or(&c.ServiceAccount, d.ServiceAccount)
+	if c.Mode == ModeGateway && c.PodName != "" {
+		or(&c.NodeID, "gateway~"+c.PodName+"."+c.Namespace)
+	}
 	or(&c.NodeID, "ztunnel~"+c.NodeName+"."+c.Namespace)
 	or(&c.XDSServerName, hostOf(c.XDSAddress))
 	or(&c.CAServerName, hostOf(c.CAAddress))

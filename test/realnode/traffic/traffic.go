@@ -85,7 +85,9 @@ func (d Duration) String() string { return time.Duration(d).Round(100 * time.Mil
 
 // Traffic is running traffic; Stop ends it and returns its Result.
 type Traffic struct {
-	cfg   Config
+	cfg Config
+	// addr is the URL's host:port, which every connection dials.
+	addr  string
 	start time.Time
 	stop  context.CancelFunc
 	wg    sync.WaitGroup
@@ -105,7 +107,7 @@ func Start(ctx context.Context, cfg Config) (*Traffic, error) {
 		return nil, fmt.Errorf("traffic: URL %q: want http://host:port/path", cfg.URL)
 	}
 	ctx, cancel := context.WithCancel(ctx)
-	t := &Traffic{cfg: cfg, start: time.Now(), stop: cancel}
+	t := &Traffic{cfg: cfg, addr: hostPort(u), start: time.Now(), stop: cancel}
 	t.res.Recovered = true
 	conns := make([]*longConn, 0, cfg.Long)
 	for range cfg.Long {
@@ -153,9 +155,8 @@ type longConn struct {
 }
 
 func (t *Traffic) dialLong(ctx context.Context) (*longConn, error) {
-	u, _ := url.Parse(t.cfg.URL)
 	d := net.Dialer{Timeout: t.cfg.Timeout}
-	conn, err := d.DialContext(ctx, "tcp", hostPort(u))
+	conn, err := d.DialContext(ctx, "tcp", t.addr)
 	if err != nil {
 		return nil, err
 	}
